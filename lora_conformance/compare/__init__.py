@@ -1,0 +1,29 @@
+"""The comparison library: used by the suites, usable in engine teams' own tests.
+
+    from lora_conformance.compare import assert_logprobs_close, assert_nearest_reference_routing
+"""
+
+from lora_conformance.compare.embeddings import assert_embeddings_close, cosine
+from lora_conformance.compare.errors import ConformanceAssertionError
+from lora_conformance.compare.logprobs import (
+    Agreement,
+    assert_logprobs_close,
+    assert_same_output,
+    assert_tokens_equal,
+    margin,
+)
+from lora_conformance.compare.rouge import assert_rouge_l, rouge_l
+from lora_conformance.compare.routing import (
+    BASE,
+    IndistinctReferencesError,
+    assert_nearest_reference_routing,
+    output_distance,
+)
+from lora_conformance.compare.tolerances import TOLERANCES, Tolerance, tolerance_for
+
+__all__ = [
+    "Agreement", "BASE", "ConformanceAssertionError", "IndistinctReferencesError", "TOLERANCES", "Tolerance",
+    "assert_embeddings_close", "assert_logprobs_close", "assert_nearest_reference_routing", "assert_rouge_l",
+    "assert_same_output", "assert_tokens_equal", "cosine", "margin", "output_distance", "rouge_l",
+    "tolerance_for",
+]

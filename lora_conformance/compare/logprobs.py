@@ -1,0 +1,172 @@
+"""Token and logprob agreement between an engine's output and the reference's.
+
+Decode: step by step while the tokens agree, every top-k id that both sides report must
+have logprobs within the dtype's ``decode_atol``. At the first differing token each side's
+token must be in the other's top-k (as vLLM's ``check_logprobs_close``) *and* the
+reference must have been undecided there: its logprob gap between its own token and the
+engine's token below the dtype's ``tie_margin``. Such a divergence is reported as a tie
+and the comparison stops (after a tie the two continuations are conditioned on different
+text). A divergence at a decisive step is a failure.
+
+Prefill: position by position, the same top-k logprob tolerance (``prefill_atol``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from lora_conformance.compare.errors import ConformanceAssertionError
+from lora_conformance.compare.tables import token_table
+from lora_conformance.compare.tolerances import Tolerance, tolerance_for
+from lora_conformance.types import GenerationResult, TopK
+
+Decoder = Optional[Callable[[int], str]]
+
+
+@dataclass
+class Agreement:
+    """What a passing comparison established (kept for reports and calibration)."""
+
+    steps_compared: int
+    tie_at: Optional[int] = None  # step of a tolerated divergence
+    max_decode_diff: float = 0.0
+    max_prefill_diff: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def margin(topk: TopK) -> float:
+    """Top-1 minus top-2 logprob (inf when only one entry is known)."""
+    vals = sorted(topk.values(), reverse=True)
+    return vals[0] - vals[1] if len(vals) > 1 else float("inf")
+
+
+def _max_common_diff(a: TopK, b: TopK) -> tuple[float, Optional[int]]:
+    worst, worst_id = 0.0, None
+    for tid in a.keys() & b.keys():
+        d = abs(a[tid] - b[tid])
+        if d > worst:
+            worst, worst_id = d, tid
+    return worst, worst_id
+
+
+def _fail(message: str, evidence: dict, actual: GenerationResult, reference: GenerationResult,
+          decode: Decoder, mark: Optional[int]) -> ConformanceAssertionError:
+    table = token_table(actual, reference, decode=decode, mark_step=mark)
+    evidence = {**evidence, "rows": table.rows}
+    return ConformanceAssertionError(f"{message}\n{table.text}", evidence)
+
+
+def assert_logprobs_close(
+    actual: GenerationResult,
+    reference: GenerationResult,
+    dtype: "str | Tolerance" = "float32",
+    *,
+    label: str = "",
+    decode: Decoder = None,
+    check_prompt: bool = True,
+    min_steps: int = 1,
+) -> Agreement:
+    """Raise ConformanceAssertionError unless ``actual`` agrees with ``reference`` (see module doc)."""
+    tol = dtype if isinstance(dtype, Tolerance) else tolerance_for(dtype)
+    prefix = f"{label}: " if label else ""
+    base_ev = {"check": "logprobs_close", "label": label, "dtype": tol.dtype, "tolerance": tol.as_dict()}
+    agreement = Agreement(steps_compared=0)
+
+    if not actual.token_ids and reference.token_ids:
+        raise _fail(f"{prefix}engine produced no tokens", {**base_ev, "summary": "no tokens"},
+                    actual, reference, decode, None)
+
+    if check_prompt and actual.prompt_logprobs is not None and reference.prompt_logprobs is not None:
+        if len(actual.prompt_logprobs) != len(reference.prompt_logprobs):
+            raise _fail(
+                f"{prefix}prompt logprobs cover {len(actual.prompt_logprobs)} positions, reference "
+                f"{len(reference.prompt_logprobs)} (prompt tokenised differently?)",
+                {**base_ev, "summary": "prompt length mismatch"}, actual, reference, decode, None)
+        for pos, (a, r) in enumerate(zip(actual.prompt_logprobs, reference.prompt_logprobs)):
+            d, tid = _max_common_diff(a, r)
+            agreement.max_prefill_diff = max(agreement.max_prefill_diff, d)
+            if d > tol.prefill_atol:
+                raise _fail(
+                    f"{prefix}prompt logprob at position {pos + 1} (token id {tid}) differs by {d:.4g} "
+                    f"> prefill_atol {tol.prefill_atol:g} ({tol.dtype})",
+                    {**base_ev, "summary": f"prefill diff {d:.4g} > {tol.prefill_atol:g} at position {pos + 1}",
+                     "position": pos + 1, "diff": d}, actual, reference, decode, None)
+            if not (a.keys() & r.keys()):
+                raise _fail(f"{prefix}prompt position {pos + 1}: top-k sets are disjoint",
+                            {**base_ev, "summary": f"disjoint prefill top-k at position {pos + 1}"},
+                            actual, reference, decode, None)
+
+    n = min(len(actual.token_ids), len(reference.token_ids))
+    for step in range(n):
+        a_tok, r_tok = actual.token_ids[step], reference.token_ids[step]
+        a_lp = actual.logprobs[step] if step < len(actual.logprobs) else {}
+        r_lp = reference.logprobs[step] if step < len(reference.logprobs) else {}
+        d, tid = _max_common_diff(a_lp, r_lp)
+        agreement.max_decode_diff = max(agreement.max_decode_diff, d)
+        if d > tol.decode_atol:
+            raise _fail(
+                f"{prefix}step {step}: logprob of token id {tid} differs by {d:.4g} > decode_atol "
+                f"{tol.decode_atol:g} ({tol.dtype})",
+                {**base_ev, "summary": f"decode diff {d:.4g} > {tol.decode_atol:g} at step {step}",
+                 "step": step, "diff": d}, actual, reference, decode, step)
+        if a_tok == r_tok:
+            agreement.steps_compared = step + 1
+            continue
+        # First divergence: acceptable only as a genuine tie of the reference.
+        if a_tok not in r_lp or r_tok not in a_lp:
+            raise _fail(
+                f"{prefix}step {step}: tokens diverge ({a_tok} vs reference {r_tok}) and "
+                f"{'the engine token is not in the reference top-k' if a_tok not in r_lp else 'the reference token is not in the engine top-k'}",
+                {**base_ev, "summary": f"divergence at step {step} outside top-k", "step": step},
+                actual, reference, decode, step)
+        gap = r_lp[r_tok] - r_lp[a_tok]
+        if gap > tol.tie_margin:
+            raise _fail(
+                f"{prefix}step {step}: tokens diverge ({a_tok} vs reference {r_tok}) where the reference "
+                f"was decided (gap {gap:.4g} > tie_margin {tol.tie_margin:g}, {tol.dtype})",
+                {**base_ev, "summary": f"decisive divergence at step {step} (gap {gap:.4g})", "step": step,
+                 "gap": gap}, actual, reference, decode, step)
+        agreement.tie_at = step
+        agreement.notes.append(f"tie at step {step}: reference gap {gap:.4g} <= {tol.tie_margin:g}")
+        break
+    else:
+        if len(actual.token_ids) != len(reference.token_ids):
+            raise _fail(
+                f"{prefix}engine produced {len(actual.token_ids)} tokens, reference {len(reference.token_ids)}",
+                {**base_ev, "summary": "length mismatch"}, actual, reference, decode, n)
+
+    if agreement.tie_at is None and agreement.steps_compared < min(min_steps, n):
+        raise _fail(f"{prefix}only {agreement.steps_compared} steps compared (< {min_steps})",
+                    {**base_ev, "summary": "too few steps compared"}, actual, reference, decode, None)
+    return agreement
+
+
+def assert_tokens_equal(actual: GenerationResult, expected: GenerationResult, *, label: str = "",
+                        decode: Decoder = None) -> None:
+    """Exact equality of generated tokens (same engine, two runs: determinism, cache hit == miss)."""
+    if actual.token_ids != expected.token_ids:
+        step = next((i for i, (a, b) in enumerate(zip(actual.token_ids, expected.token_ids)) if a != b),
+                    min(len(actual.token_ids), len(expected.token_ids)))
+        raise _fail(f"{label + ': ' if label else ''}tokens differ from step {step}",
+                    {"check": "tokens_equal", "label": label, "summary": f"tokens differ at step {step}",
+                     "step": step}, actual, expected, decode, step)
+
+
+def assert_same_output(actual: GenerationResult, expected: GenerationResult, *, atol: float = 0.0,
+                       label: str = "", decode: Decoder = None) -> None:
+    """Same engine, same request: tokens equal and every logprob within ``atol`` (0 = bit-identical)."""
+    assert_tokens_equal(actual, expected, label=label, decode=decode)
+    pairs = list(zip(actual.logprobs, expected.logprobs))
+    if actual.prompt_logprobs is not None and expected.prompt_logprobs is not None:
+        pairs += list(zip(actual.prompt_logprobs, expected.prompt_logprobs))
+    for i, (a, b) in enumerate(pairs):
+        if a.keys() != b.keys():
+            raise _fail(f"{label + ': ' if label else ''}top-k ids differ at entry {i}",
+                        {"check": "same_output", "label": label, "summary": f"top-k ids differ at entry {i}"},
+                        actual, expected, decode, None)
+        d, tid = _max_common_diff(a, b)
+        if d > atol:
+            raise _fail(f"{label + ': ' if label else ''}logprob of id {tid} differs by {d:.3g} > {atol:g} at entry {i}",
+                        {"check": "same_output", "label": label, "summary": f"logprob diff {d:.3g} at entry {i}",
+                         "diff": d}, actual, expected, decode, None)

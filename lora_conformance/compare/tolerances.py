@@ -1,0 +1,46 @@
+"""One tolerance table, per dtype of the engine under test. Nothing else holds a tolerance.
+
+The reference is HF transformers + PEFT in float32 (by default). Each row was measured on
+correct engines (the built-in engine and PEFT) against that reference, then checked to
+catch every injected fault of the built-in engine; ``bench/calibrate_tolerances.py``
+prints the measured worst cases next to these values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    dtype: str
+    # max |logprob(actual) - logprob(reference)| over the top-k ids both sides report
+    prefill_atol: float
+    decode_atol: float
+    # A divergence is a tie (not a failure) only where the reference's logprob gap between
+    # its own token and the engine's token is below this: the dtype's noise floor.
+    tie_margin: float
+    # ROUGE-L F1 floor for decoded text against the reference.
+    rouge_l_min: float
+    # Embeddings: cosine to the reference.
+    embedding_cos_min: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance("float32", prefill_atol=2e-3, decode_atol=2e-3, tie_margin=2e-3,
+                         rouge_l_min=1.0, embedding_cos_min=0.999),
+    "bfloat16": Tolerance("bfloat16", prefill_atol=0.25, decode_atol=0.25, tie_margin=0.25,
+                          rouge_l_min=0.9, embedding_cos_min=0.99),
+    "float16": Tolerance("float16", prefill_atol=0.08, decode_atol=0.08, tie_margin=0.08,
+                         rouge_l_min=0.9, embedding_cos_min=0.995),
+}
+
+
+def tolerance_for(dtype: str) -> Tolerance:
+    try:
+        return TOLERANCES[str(dtype).replace("torch.", "")]
+    except KeyError:
+        raise ValueError(f"no tolerance for dtype {dtype!r}; known: {', '.join(TOLERANCES)}") from None

@@ -1,0 +1,147 @@
+"""The engine interface: what a LoRA inference engine must offer to be certified.
+
+An engine is created from a base-model directory, a device string, a dtype name and
+free-form engine args (``--engine-arg KEY=VALUE``). It declares capabilities from one
+fixed vocabulary and its limits; the suites skip (as *not certified*) whatever an
+engine does not declare. Everything else is the suite's job.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from lora_conformance.types import GenerationRequest, GenerationResult
+
+
+class Capability(str, enum.Enum):
+    """The fixed vocabulary of engine capabilities (``@pytest.mark.requires(...)`` takes these values)."""
+
+    MIXED_BATCH = "mixed_batch"  # different adapters (and the base) in one batch
+    DYNAMIC_LOADING = "dynamic_loading"  # load/unload adapters after start-up
+    PINNING = "pinning"
+    EVICTION_LRU = "eviction_lru"
+    EVICTION_FIFO = "eviction_fifo"
+    MAX_LOADED = "max_loaded"  # a bounded host cache of loaded adapters (more adapters than slots)
+    PREFIX_CACHE = "prefix_cache"
+    OVERLAP_LOADING = "overlap_loading"
+    GRAPHS = "graphs"
+    EMBEDDINGS = "embeddings"
+    MOE = "moe"
+    RSLORA = "rslora"
+    RANK_PATTERN = "rank_pattern"
+    EMBED_TOKENS = "embed_tokens"
+    LM_HEAD = "lm_head"
+    DORA = "dora"
+    MODULES_TO_SAVE = "modules_to_save"
+    PROMPT_LOGPROBS = "prompt_logprobs"
+    LORA_BIAS = "lora_bias"
+
+    @classmethod
+    def parse(cls, value: "str | Capability") -> "Capability":
+        if isinstance(value, Capability):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(c.value for c in cls)
+            raise ValueError(f"unknown engine capability {value!r}; known capabilities: {known}") from None
+
+
+ALL_CAPABILITIES: frozenset[Capability] = frozenset(Capability)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_loras_per_batch: int  # adapters (not counting the base) active in one forward
+    max_loaded_loras: int  # adapters held by the engine at once (>= max_loras_per_batch)
+    max_rank: int
+
+
+# ---- typed errors -------------------------------------------------------------------
+
+
+class EngineError(Exception):
+    """Base of every error an engine raises on purpose."""
+
+
+class AdapterNotLoadedError(EngineError, KeyError):
+    def __init__(self, name: str, loaded: Sequence[str] = ()):
+        self.name = name
+        self.loaded = list(loaded)
+        super().__init__(f"adapter {name!r} is not loaded (loaded: {', '.join(self.loaded) or 'none'})")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+class AdapterIncompatibleError(EngineError, ValueError):
+    """The adapter cannot be served by this engine (rank too large, unknown target module, ...)."""
+
+
+class CapacityError(EngineError, RuntimeError):
+    """No slot can be found: every slot pinned, or pinning would starve unpinned requests."""
+
+
+class UnsupportedFeatureError(EngineError, NotImplementedError):
+    """The adapter or request uses a feature the engine refuses (DoRA, modules_to_save, ...)."""
+
+
+class EngineFailure(EngineError, RuntimeError):
+    """The engine broke (crashed worker, server error, timeout)."""
+
+
+# ---- the interface ------------------------------------------------------------------
+
+
+class Engine(ABC):
+    """Subclass this, set ``name``, fill ``capabilities`` and ``limits`` in ``__init__``."""
+
+    name: str = "abstract"
+    capabilities: frozenset[Capability] = frozenset()
+    limits: Limits = Limits(max_loras_per_batch=1, max_loaded_loras=1, max_rank=0)
+
+    def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
+        self.model_dir = Path(model_dir)
+        self.device = device
+        self.dtype = dtype
+        self.args = dict(args)
+
+    # adapters
+    @abstractmethod
+    def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
+        """Load (or replace, when ``name`` is loaded already) a PEFT adapter directory."""
+
+    @abstractmethod
+    def unload_adapter(self, name: str) -> None:
+        """Forget ``name``; raises AdapterNotLoadedError when it is not loaded."""
+
+    @abstractmethod
+    def list_adapters(self) -> list[str]: ...
+
+    # inference
+    @abstractmethod
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Serve all requests (as one batch where the engine can); results in request order."""
+
+    def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
+        raise UnsupportedFeatureError(f"engine {self.name!r} does not produce embeddings")
+
+    def close(self) -> None:
+        """Release devices, workers and servers. Must be safe to call twice."""
+
+    def version(self) -> str:
+        """The engine's own version string, for the report."""
+        return "unknown"
+
+    def supports(self, cap: "Capability | str") -> bool:
+        return Capability.parse(cap) in self.capabilities
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

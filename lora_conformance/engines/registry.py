@@ -1,0 +1,70 @@
+"""Find engines by name through the ``lora_conformance.engines`` entry-point group.
+
+A third-party engine registers itself in its own package::
+
+    [project.entry-points."lora_conformance.engines"]
+    myengine = "my_pkg.lora:MyEngine"
+
+``--engine`` also accepts ``module:Class`` directly, which helps while developing one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Mapping
+
+from lora_conformance.engines.base import Engine
+
+GROUP = "lora_conformance.engines"
+
+# Ours, so that a source checkout works before `pip install -e .` has written entry points.
+_BUILTIN = {
+    "builtin": "lora_conformance.engines.builtin:BuiltinEngine",
+    "peft": "lora_conformance.engines.peft_engine:PeftEngine",
+    "vllm": "lora_conformance.engines.vllm_engine:VllmEngine",
+    "openai": "lora_conformance.engines.openai_engine:OpenAIEngine",
+    "sglang": "lora_conformance.engines.sglang_engine:SGLangEngine",
+}
+
+
+class UnknownEngineError(LookupError):
+    pass
+
+
+def available_engines() -> dict[str, str]:
+    """Engine name -> ``module:attr`` target, entry points overriding nothing of ours."""
+    found = dict(_BUILTIN)
+    for ep in entry_points(group=GROUP):
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
+def _load_target(target: str):
+    module, _, attr = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split(".") if attr else []:
+        obj = getattr(obj, part)
+    return obj
+
+
+def engine_class(name: str) -> type[Engine]:
+    engines = available_engines()
+    target = engines.get(name)
+    if target is None:
+        if ":" in name:
+            target = name
+        else:
+            raise UnknownEngineError(
+                f"unknown engine {name!r}; registered engines: {', '.join(sorted(engines))} "
+                f"(or give module:Class)"
+            )
+    cls = _load_target(target)
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        raise UnknownEngineError(f"engine {name!r} resolves to {target!r}, which is not an Engine subclass")
+    return cls
+
+
+def create_engine(name: str, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]) -> Engine:
+    return engine_class(name)(Path(model_dir), device, dtype, dict(args))

@@ -1,0 +1,242 @@
+"""Session services behind the plugin's fixtures: models, adapters, references, engines.
+
+``Harness`` lives for the session (one per pytest process). ``TestContext`` is what a suite
+test sees as the ``lora`` fixture: the test's base model and dtype, engines for it, the
+adapters it loaded (unloaded again at teardown, so tests do not leak state into each
+other), the reference, and comparison helpers that apply the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+import pytest
+
+from lora_conformance.settings import Settings
+from lora_conformance.types import GenerationRequest, GenerationResult
+
+# Engines kept alive at once; heavier engines (vLLM, servers) should use few.
+MAX_LIVE_ENGINES = 3
+MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder": "synthetic:encoder"}
+
+
+class Harness:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self._model_dirs: dict[str, Path] = {}
+        self._kinds: dict[Path, str] = {}
+        self._references: dict[Path, Any] = {}
+        self._engines: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._engine_failures: dict[tuple, BaseException] = {}
+
+    # ---- models and adapters ---------------------------------------------------------
+
+    def model_spec(self, kind: Optional[str]) -> str:
+        """``--base-model`` unless the suite needs another kind (moe, encoder) than it is."""
+        if kind in (None, "decoder", "llama"):
+            return self.settings.base_model
+        if kind not in MODEL_KINDS:
+            raise ValueError(f"unknown base_model kind {kind!r}; expected one of {', '.join(MODEL_KINDS)}")
+        own = self.model_dir(self.settings.base_model)
+        return self.settings.base_model if self.model_kind(own) == kind else MODEL_KINDS[kind]
+
+    def model_dir(self, spec: str) -> Path:
+        if spec not in self._model_dirs:
+            from lora_conformance.models import resolve_base_model
+
+            self._model_dirs[spec] = resolve_base_model(spec, self.settings.cache_dir / "models")
+        return self._model_dirs[spec]
+
+    def model_kind(self, model_dir: Path) -> str:
+        if model_dir not in self._kinds:
+            from lora_conformance.models import model_kind
+
+            self._kinds[model_dir] = model_kind(model_dir)
+        return self._kinds[model_dir]
+
+    def adapter_path(self, model_dir: Path, spec) -> Path:
+        from lora_conformance.adapters import synthesize_cached
+
+        return synthesize_cached(model_dir, spec, self.settings.cache_dir / "adapters")
+
+    def reference(self, model_dir: Path):
+        if model_dir not in self._references:
+            from lora_conformance.reference import ReferenceCache, ReferenceRunner
+
+            s = self.settings
+            cache = ReferenceCache(s.cache_dir / "references", refresh=s.refresh_references)
+            self._references[model_dir] = ReferenceRunner(model_dir, s.reference_device, s.reference_dtype, cache)
+        return self._references[model_dir]
+
+    # ---- engines ---------------------------------------------------------------------
+
+    def engine_args(self, extra: Mapping[str, Any]) -> dict[str, str]:
+        # The user's --engine-arg values first; a test's own requirements win.
+        return {**self.settings.engine_args, **{k: str(v) for k, v in extra.items()}}
+
+    def create_engine(self, model_dir: Path, dtype: str, extra: Mapping[str, Any]):
+        from lora_conformance.engines import create_engine
+
+        return create_engine(self.settings.engine, model_dir, self.settings.device, dtype, self.engine_args(extra))
+
+    def shared_engine(self, model_dir: Path, dtype: str, extra: Mapping[str, Any] = {}):
+        """An engine shared by the tests that ask for the same model, dtype and args."""
+        key = (str(model_dir), dtype, tuple(sorted(self.engine_args(extra).items())))
+        if key in self._engine_failures:
+            raise self._engine_failures[key]
+        if key in self._engines:
+            self._engines.move_to_end(key)
+            return self._engines[key]
+        while len(self._engines) >= MAX_LIVE_ENGINES:
+            _, old = self._engines.popitem(last=False)
+            old.close()
+        try:
+            engine = self.create_engine(model_dir, dtype, extra)
+        except Exception as exc:
+            self._engine_failures[key] = exc  # do not retry a failing start for every test
+            raise
+        self._engines[key] = engine
+        return engine
+
+    def missing_capabilities(self, request: pytest.FixtureRequest, needed: Iterable[str]) -> list[str]:
+        from lora_conformance.engines.base import Capability, UnsupportedFeatureError
+
+        model_dir = self.model_dir(self.model_spec(_marker_kind(request.node)))
+        try:
+            engine = self.shared_engine(model_dir, _item_dtype(request, self.settings))
+        except UnsupportedFeatureError as exc:
+            return [f"{', '.join(needed)} (engine refused the model: {exc})"]
+        return [c for c in needed if Capability.parse(c) not in engine.capabilities]
+
+    def close(self) -> None:
+        while self._engines:
+            _, engine = self._engines.popitem()
+            engine.close()
+
+
+def _marker_kind(node: pytest.Item) -> Optional[str]:
+    m = node.get_closest_marker("base_model")
+    return m.args[0] if m and m.args else None
+
+
+def _item_dtype(request: pytest.FixtureRequest, settings: Settings) -> str:
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "dtype" in callspec.params:
+        return callspec.params["dtype"]
+    return settings.dtype
+
+
+AdapterRef = Union[str, Path, Any]  # a DEFAULT_ADAPTERS name, a PEFT directory, or an AdapterSpec
+
+
+class TestContext:
+    """The ``lora`` fixture."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, harness: Harness, request: pytest.FixtureRequest):
+        self.harness = harness
+        self.settings = harness.settings
+        self.request = request
+        self.dtype = _item_dtype(request, self.settings)
+        self.device = self.settings.device
+        self.model_dir = harness.model_dir(harness.model_spec(_marker_kind(request.node)))
+        self._loaded: list[tuple[Any, str]] = []
+        self._own_engines: list[Any] = []
+
+    # ---- engines -----------------------------------------------------------------------
+
+    @property
+    def engine(self):
+        """The shared engine for this test's model and dtype, with the user's engine args."""
+        return self.harness.shared_engine(self.model_dir, self.dtype)
+
+    def engine_with(self, **args):
+        """A shared engine with these engine args on top of the user's."""
+        return self.harness.shared_engine(self.model_dir, self.dtype, args)
+
+    def fresh_engine(self, **args):
+        """A new engine for this test alone (closed at teardown): for lifecycle and cache state."""
+        engine = self.harness.create_engine(self.model_dir, self.dtype, args)
+        self._own_engines.append(engine)
+        return engine
+
+    # ---- adapters ----------------------------------------------------------------------
+
+    def adapter_path(self, ref: AdapterRef) -> Path:
+        from lora_conformance.adapters import DEFAULT_ADAPTERS
+
+        if isinstance(ref, Path):
+            return ref
+        if isinstance(ref, str):
+            if ref not in DEFAULT_ADAPTERS:
+                raise KeyError(f"no default adapter {ref!r}; defaults: {', '.join(DEFAULT_ADAPTERS)}")
+            ref = DEFAULT_ADAPTERS[ref]
+        return self.harness.adapter_path(self.model_dir, ref)
+
+    def load(self, engine, name: str, ref: Optional[AdapterRef] = None, pinned: bool = False) -> Path:
+        """Load adapter ``ref`` (default: the default adapter called ``name``) as ``name``."""
+        path = self.adapter_path(name if ref is None else ref)
+        engine.load_adapter(name, path, pinned=pinned)
+        self._loaded.append((engine, name))
+        return path
+
+    # ---- requests, references, comparisons ---------------------------------------------
+
+    @property
+    def prompts(self) -> list[str]:
+        from lora_conformance.models import default_prompts
+
+        return default_prompts()
+
+    def requests(self, adapters: Sequence[Optional[str]], prompts: Optional[Sequence[str]] = None,
+                 max_new_tokens: int = 16, prompt_logprobs: bool = False, top_k: int = 5) -> list[GenerationRequest]:
+        """One request per adapter label (None = base), prompts taken in turn."""
+        ps = list(prompts or self.prompts)
+        return [GenerationRequest(prompt=ps[i % len(ps)], adapter=a, max_new_tokens=max_new_tokens,
+                                  top_k=top_k, prompt_logprobs=prompt_logprobs) for i, a in enumerate(adapters)]
+
+    def reference(self, requests: Sequence[GenerationRequest],
+                  adapters: Mapping[str, AdapterRef] = {}) -> list[GenerationResult]:
+        """Isolated HF+PEFT outputs; ``adapters`` maps request adapter names to their refs
+        (names absent from it are taken from DEFAULT_ADAPTERS)."""
+        names = {r.adapter for r in requests if r.adapter is not None}
+        paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
+        return self.harness.reference(self.model_dir).generate(requests, paths)
+
+    def decode(self, token_id: int) -> str:
+        return self.harness.reference(self.model_dir).decode_token(token_id)
+
+    @property
+    def tolerance(self):
+        from lora_conformance.compare import tolerance_for
+
+        return tolerance_for(self.dtype)
+
+    def assert_matches_reference(self, outputs: Sequence[GenerationResult], references: Sequence[GenerationResult],
+                                 requests: Sequence[GenerationRequest], label: str = "") -> None:
+        """Logprobs (prefill and decode, tie-aware) and ROUGE-L of every output against its reference."""
+        from lora_conformance.compare import assert_logprobs_close, assert_rouge_l
+
+        assert len(outputs) == len(references) == len(requests), "one output per request"
+        for i, (out, ref, req) in enumerate(zip(outputs, references, requests)):
+            what = f"{label + ' ' if label else ''}slot {i} (adapter={req.adapter or 'base'})"
+            agreement = assert_logprobs_close(out, ref, self.tolerance, label=what, decode=self.decode)
+            if agreement.tie_at is None:
+                assert_rouge_l(out.text, ref.text, self.tolerance.rouge_l_min, label=what)
+
+    def close(self) -> None:
+        from lora_conformance.engines.base import EngineError
+
+        for engine, name in reversed(self._loaded):
+            if engine in self._own_engines:
+                continue
+            try:
+                if name in engine.list_adapters():
+                    engine.unload_adapter(name)
+            except EngineError:
+                pass  # the test itself may have unloaded or replaced it
+        for engine in self._own_engines:
+            engine.close()

@@ -1,0 +1,145 @@
+"""Every option of the plugin, declared once: command line, ``LORA_CONFORMANCE_*`` env, ini key.
+
+Precedence: command line, then environment, then ini, then the default. ``resolve`` records
+where each value came from, so a bad value's usage error can say so and the report header
+can echo every resolved setting. No torch import here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import pytest
+
+GROUP = "lora-conformance"
+ENV_PREFIX = "LORA_CONFORMANCE_"
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # dest, also the ini key
+    flag: str
+    help: str
+    default: Any = None
+    choices: Optional[tuple[str, ...]] = None
+    multiple: bool = False  # repeatable on the command line; comma/space separated in env and ini
+    is_flag: bool = False
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("device", "--device", "device under test: cpu, cuda[:N], xpu[:N], any torch device type, or auto", "cpu"),
+    Option("engine", "--engine", "engine under test (a registered name, or module:Class)", "builtin"),
+    Option("engine_arg", "--engine-arg", "engine argument KEY=VALUE (repeatable)", (), multiple=True),
+    Option(
+        "base_model",
+        "--base-model",
+        "synthetic:llama, synthetic:moe, synthetic:encoder, or a local HF checkpoint directory",
+        "synthetic:llama",
+    ),
+    Option("dtype", "--dtype", "dtype of the engine under test (default: float32 on cpu, bfloat16 elsewhere)",
+           None, choices=("float32", "bfloat16", "float16")),
+    Option("reference_device", "--reference-device", "device of the HF+PEFT reference", "cpu"),
+    Option("reference_dtype", "--reference-dtype", "dtype of the HF+PEFT reference", "float32",
+           choices=("float32", "bfloat16", "float16")),
+    Option("lora_cache", "--lora-cache", "directory for synthetic models, adapters and cached references "
+           "(default: the user cache directory)", None),
+    Option("lora_refresh_references", "--lora-refresh-references", "recompute cached reference outputs",
+           False, is_flag=True),
+    Option("lora_report", "--lora-report", "write report.json/md/html and badge.svg to this directory", None),
+    Option("expectations", "--expectations", "expectations file (test-id prefix -> xfail/skip with reason)", None),
+    Option("ci_hw", "--ci-hw", "run only suite files registered for this hardware (cpu, cuda, xpu, npu, ...)", None),
+    Option("ci_suite", "--ci-suite", "with --ci-hw: the registered suite name", None),
+    Option("ci_nightly", "--ci-nightly", "with --ci-hw: include nightly registrations", False, is_flag=True),
+    Option("ci_partition", "--ci-partition", "with --ci-hw: run shard i of n (i/n, 0-based)", None),
+)
+
+BY_NAME = {o.name: o for o in OPTIONS}
+
+
+class OptionError(pytest.UsageError):
+    pass
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup(GROUP, "LoRA conformance (each option also reads LORA_CONFORMANCE_<NAME> and the ini key <name>)")
+    for o in OPTIONS:
+        if o.is_flag:
+            group.addoption(o.flag, action="store_true", dest=o.name, default=None, help=o.help)
+            parser.addini(o.name, o.help, type="bool", default=None)
+        elif o.multiple:
+            group.addoption(o.flag, action="append", dest=o.name, default=None, metavar="KEY=VALUE", help=o.help)
+            parser.addini(o.name, o.help, type="args", default=[])
+        else:
+            group.addoption(o.flag, action="store", dest=o.name, default=None, help=o.help)
+            parser.addini(o.name, o.help, default=None)
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _raw(config: pytest.Config, o: Option) -> tuple[Any, str]:
+    cli = config.getoption(o.name, default=None)
+    if cli not in (None, [], ()):
+        return cli, "command line"
+    env = os.environ.get(o.env)
+    if env is not None:
+        if o.is_flag:
+            low = env.strip().lower()
+            if low not in _TRUE | _FALSE:
+                raise OptionError(f"{o.env}={env!r} (environment): expected one of 1/0/true/false/yes/no")
+            return low in _TRUE, f"environment {o.env}"
+        if o.multiple:
+            return [p for p in env.replace(",", " ").split() if p], f"environment {o.env}"
+        return env, f"environment {o.env}"
+    ini = config.getini(o.name)
+    if ini not in (None, [], ""):
+        return ini, f"ini key {o.name}"
+    return o.default, "default"
+
+
+@dataclass
+class Resolved:
+    values: dict[str, Any]
+    sources: dict[str, str]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def source(self, name: str) -> str:
+        return self.sources[name]
+
+
+def resolve(config: pytest.Config, validators: Optional[dict[str, Callable[[Any], Any]]] = None) -> Resolved:
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for o in OPTIONS:
+        value, source = _raw(config, o)
+        if o.choices and value is not None and value not in o.choices:
+            raise OptionError(
+                f"{o.flag}={value!r} (from {source}): expected one of {', '.join(o.choices)}"
+            )
+        if validators and o.name in validators and value is not None:
+            try:
+                value = validators[o.name](value)
+            except (ValueError, LookupError) as exc:
+                raise OptionError(f"{o.flag}={value!r} (from {source}): {exc}") from None
+        values[o.name] = value
+        sources[o.name] = source
+    return Resolved(values, sources)
+
+
+def parse_engine_args(items: Any) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"engine argument {item!r} is not KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out

@@ -1,0 +1,253 @@
+"""The pytest11 entry point: options, markers, collection rules, fixtures.
+
+Thin by design: importing this module imports pytest and our option tables only. torch,
+transformers, PEFT and engines load inside hooks and fixtures, and only when a run needs
+them, so ``pytest --help`` stays fast and touches no accelerator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lora_conformance import options
+from lora_conformance.devices import SHORTHAND_TYPES
+from lora_conformance.settings import SETTINGS_KEY, Settings, default_cache_dir, get_settings
+
+MARKERS = (
+    f"device(*types): run only on these device types ({', '.join(SHORTHAND_TYPES)}, or a vendor type)",
+    *(f"{t}: shorthand for device({t!r})" for t in SHORTHAND_TYPES),
+    "requires(*capabilities): engine capabilities the test needs; without them it is skipped as not certified",
+    "base_model(kind): the base model a suite needs (decoder, moe, encoder) when it differs from --base-model",
+    "slow: heavier parametrisations, deselect with -m 'not slow'",
+)
+NOT_CERTIFIED = "not certified: engine does not declare"
+HARNESS_KEY = pytest.StashKey["Any"]()
+
+
+# ---- options and settings --------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    options.add_options(parser)
+
+
+def _worker_index() -> int | None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
+
+
+def _check_engine(name: str) -> str:
+    from lora_conformance.engines.registry import available_engines
+
+    if name not in available_engines() and ":" not in name:
+        raise ValueError(f"expected one of {', '.join(sorted(available_engines()))}, or module:Class")
+    return name
+
+
+def _check_base_model(spec: str) -> str:
+    kinds = ("llama", "moe", "encoder")
+    if spec.startswith("synthetic:"):
+        if spec.split(":", 1)[1] not in kinds:
+            raise ValueError(f"expected synthetic:{', synthetic:'.join(kinds)}, or a local HF checkpoint directory")
+    elif not (Path(spec) / "config.json").is_file():
+        raise ValueError("not a synthetic:* model and no config.json in that directory "
+                         f"(expected synthetic:{', synthetic:'.join(kinds)}, or a local HF checkpoint directory)")
+    return spec
+
+
+def resolve_settings(config: pytest.Config) -> Settings:
+    from lora_conformance import devices
+
+    def check_device(spec: str) -> str:
+        try:
+            return devices.resolve_device(spec, _worker_index())
+        except devices.DeviceError as exc:
+            raise ValueError(f"{exc}; accepted: cpu, cuda[:N], xpu[:N], a registered torch device type, auto") from None
+
+    r = options.resolve(config, validators={
+        "engine_arg": options.parse_engine_args,
+        "engine": _check_engine,
+        "base_model": _check_base_model,
+    })
+    try:
+        device = check_device(r["device"])
+    except ValueError as exc:
+        raise options.OptionError(f"--device={r['device']!r} (from {r.source('device')}): {exc}") from None
+    cache = Path(r["lora_cache"]).expanduser() if r["lora_cache"] else default_cache_dir()
+    return Settings(
+        device=device,
+        device_spec=r["device"],
+        engine=r["engine"],
+        engine_args=r["engine_arg"] or {},
+        base_model=r["base_model"],
+        dtype=r["dtype"] or devices.default_dtype_for(device),
+        reference_device=r["reference_device"],
+        reference_dtype=r["reference_dtype"],
+        cache_dir=cache,
+        refresh_references=bool(r["lora_refresh_references"]),
+        report_dir=Path(r["lora_report"]) if r["lora_report"] else None,
+        expectations=Path(r["expectations"]) if r["expectations"] else None,
+        ci_hw=r["ci_hw"],
+        ci_suite=r["ci_suite"],
+        ci_nightly=bool(r["ci_nightly"]),
+        ci_partition=r["ci_partition"],
+        sources=dict(r.sources),
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    if config.getoption("help", False) or config.getoption("version", False):
+        return
+    settings = resolve_settings(config)
+    config.stash[SETTINGS_KEY] = settings
+    _register_subplugins(config, settings)
+
+
+def _register_subplugins(config: pytest.Config, settings: Settings) -> None:
+    from lora_conformance.expectations import ExpectationsPlugin, default_expectations_path
+
+    path = settings.expectations or default_expectations_path(settings.engine, settings.device_type)
+    if path is not None:
+        config.pluginmanager.register(ExpectationsPlugin(path), "lora-conformance-expectations")
+    if settings.ci_hw or settings.ci_suite or settings.ci_partition:
+        from lora_conformance.ci.pytest_ci import CISelection
+
+        config.pluginmanager.register(CISelection(settings), "lora-conformance-ci")
+    if settings.report_dir is not None and not hasattr(config, "workerinput"):
+        from lora_conformance.report.recorder import ReportRecorder
+
+        config.pluginmanager.register(ReportRecorder(settings, settings.report_dir), "lora-conformance-report")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    if SETTINGS_KEY not in config.stash:
+        return []
+    from lora_conformance.environment import environment_fingerprint
+
+    s = get_settings(config)
+    env = environment_fingerprint(s)
+    lines = [
+        f"lora-conformance: engine={s.engine} device={s.device} ({env['device_name']}) dtype={s.dtype} "
+        f"base-model={s.base_model}",
+        f"lora-conformance: reference={s.reference_device}/{s.reference_dtype} cache={s.cache_dir} "
+        f"engine-args={json.dumps(s.engine_args, sort_keys=True)}",
+        "lora-conformance: " + " ".join(f"{k}={env[k]}" for k in ("torch", "transformers", "peft")),
+    ]
+    non_default = {k: v for k, v in s.sources.items() if v != "default"}
+    if non_default:
+        lines.append("lora-conformance: settings from " + ", ".join(f"{k}<-{v}" for k, v in sorted(non_default.items())))
+    return lines
+
+
+# ---- collection ------------------------------------------------------------------------
+
+
+def _device_types_of(item: pytest.Item) -> set[str] | None:
+    types: set[str] = set()
+    found = False
+    for m in item.iter_markers("device"):
+        found = True
+        types.update(m.args)
+    for name in SHORTHAND_TYPES:
+        if item.get_closest_marker(name) is not None:
+            found = True
+            types.add(name)
+    return types if found else None
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if SETTINGS_KEY not in metafunc.config.stash:
+        return
+    s = get_settings(metafunc.config)
+    # Ids carry the device type (not its index: xdist workers must collect identical ids).
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", [s.device], ids=[s.device_type], scope="session")
+    if "dtype" in metafunc.fixturenames and not any(m.args and m.args[0] == "dtype" for m in metafunc.definition.iter_markers("parametrize")):
+        metafunc.parametrize("dtype", [s.dtype], ids=[s.dtype], scope="session")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if SETTINGS_KEY not in config.stash:
+        return
+    from lora_conformance.engines.base import Capability
+
+    s = get_settings(config)
+    for item in items:
+        types = _device_types_of(item)
+        if types is not None and s.device_type not in types:
+            item.add_marker(pytest.mark.skip(
+                reason=f"not applicable: test is for {', '.join(sorted(types))}, running on {s.device_type}"))
+        for m in item.iter_markers("requires"):
+            for cap in m.args:
+                try:
+                    Capability.parse(cap)
+                except ValueError as exc:
+                    raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.requires: {exc}") from None
+
+
+# ---- fixtures --------------------------------------------------------------------------
+
+
+def _harness(config: pytest.Config):
+    if HARNESS_KEY not in config.stash:
+        from lora_conformance.harness import Harness
+
+        config.stash[HARNESS_KEY] = Harness(get_settings(config))
+    return config.stash[HARNESS_KEY]
+
+
+@pytest.fixture(scope="session")
+def lora_settings(pytestconfig: pytest.Config) -> Settings:
+    """The resolved settings of this run."""
+    return get_settings(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def lora_harness(pytestconfig: pytest.Config):
+    """Session services: models, adapters, references, engines (see lora_conformance.harness)."""
+    harness = _harness(pytestconfig)
+    yield harness
+    harness.close()
+
+
+@pytest.fixture
+def lora(request: pytest.FixtureRequest, lora_harness):
+    """Per-test view of the harness: the item's base model, dtype and capability gate applied."""
+    from lora_conformance.harness import TestContext
+
+    ctx = TestContext(lora_harness, request)
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture(autouse=True)
+def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
+    """Skip, as *not certified*, a test whose required capabilities the engine does not declare."""
+    needed = [c for m in request.node.iter_markers("requires") for c in m.args]
+    if not needed:
+        return
+    harness = _harness(request.config)
+    missing = harness.missing_capabilities(request, needed)
+    if missing:
+        pytest.skip(f"{NOT_CERTIFIED} {', '.join(missing)}")
+
+
+# ---- evidence for the report -----------------------------------------------------------
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    if call.excinfo is not None:
+        from lora_conformance.compare.errors import ConformanceAssertionError
+
+        exc = call.excinfo.value
+        if isinstance(exc, ConformanceAssertionError):
+            item.user_properties.append(("lora_evidence", json.dumps(exc.evidence, default=str)))
+    yield

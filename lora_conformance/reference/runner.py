@@ -1,0 +1,230 @@
+"""The reference: HF transformers + PEFT, one request at a time, greedy, with top-k logprobs.
+
+Each request runs alone (batch of one, no padding), so the reference never depends on
+batching. Adapters load into a fresh copy of the base model each, keyed by their content
+hash, so two adapters never share PEFT state and a re-synthesised name is never stale.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from lora_conformance.reference.cache import ReferenceCache, hash_files, key_of
+from lora_conformance.types import GenerationRequest, GenerationResult, TopK
+
+RUNNER_VERSION = 2
+
+
+def _versions() -> dict[str, str]:
+    import peft
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+
+
+def _topk(logprobs_row, k: int, extra: Optional[int] = None) -> TopK:
+    vals, ids = logprobs_row.topk(k)
+    out = {int(i): float(v) for i, v in zip(ids.tolist(), vals.tolist())}
+    if extra is not None and extra not in out:
+        out[int(extra)] = float(logprobs_row[extra])
+    return out
+
+
+class ReferenceRunner:
+    def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32",
+                 cache: Optional[ReferenceCache] = None, max_models: int = 2):
+        self.model_dir = Path(model_dir)
+        self.device = device
+        self.dtype = dtype
+        self.cache = cache
+        self.forward_passes = 0  # model forward calls actually made (a warm cache makes none)
+        self._max_models = max_models
+        self._base = None
+        self._models: "OrderedDict[str, Any]" = OrderedDict()
+        self._tokenizer = None
+        self._model_hash: Optional[str] = None
+        self._adapter_hashes: dict[Path, str] = {}
+        self._encoder: Optional[bool] = None
+
+    # ---- lazily loaded state --------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return self._tokenizer
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.convert_ids_to_tokens(int(token_id))
+
+    @property
+    def model_hash(self) -> str:
+        if self._model_hash is None:
+            self._model_hash = hash_files(self.model_dir)
+        return self._model_hash
+
+    def adapter_hash(self, path: Path) -> str:
+        path = Path(path)
+        if path not in self._adapter_hashes:
+            self._adapter_hashes[path] = hash_files(path)
+        return self._adapter_hashes[path]
+
+    @property
+    def is_encoder(self) -> bool:
+        if self._encoder is None:
+            import json
+
+            cfg = json.loads((self.model_dir / "config.json").read_text())
+            archs = cfg.get("architectures") or []
+            self._encoder = cfg.get("model_type") in ("bert", "roberta", "xlm-roberta") or any(
+                a.endswith("Model") and "CausalLM" not in a for a in archs) and not cfg.get("is_decoder", False)
+        return self._encoder
+
+    def _torch_dtype(self):
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+    def _load_base(self):
+        if self._base is None:
+            from transformers import AutoModel, AutoModelForCausalLM
+
+            cls = AutoModel if self.is_encoder else AutoModelForCausalLM
+            self._base = cls.from_pretrained(self.model_dir, dtype=self._torch_dtype()).eval()
+        return self._base
+
+    def _model_for(self, adapter_path: Optional[Path]):
+        key = "__base__" if adapter_path is None else self.adapter_hash(adapter_path)
+        if key in self._models:
+            self._models.move_to_end(key)
+            return self._models[key]
+        base = self._load_base()
+        if adapter_path is None:
+            model = base
+        else:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(copy.deepcopy(base), str(adapter_path)).eval()
+        model = model.to(self.device)
+        self._models[key] = model
+        while len(self._models) > self._max_models:
+            self._models.popitem(last=False)
+        return model
+
+    # ---- generation -----------------------------------------------------------------
+
+    def _cache_key(self, req: GenerationRequest, adapter_path: Optional[Path], kind: str) -> str:
+        return key_of({
+            "kind": kind,
+            "runner": RUNNER_VERSION,
+            "model": self.model_hash,
+            "adapter": None if adapter_path is None else self.adapter_hash(adapter_path),
+            "request": {"prompt": req.prompt, "max_new_tokens": req.max_new_tokens, "top_k": req.top_k,
+                        "prompt_logprobs": req.prompt_logprobs, "ignore_eos": req.ignore_eos},
+            "dtype": self.dtype,
+            "device_type": self.device.split(":")[0],
+            "versions": _versions(),
+        })
+
+    def generate(self, requests: Sequence[GenerationRequest],
+                 adapters: Mapping[str, Path] = {}) -> list[GenerationResult]:
+        """Reference outputs; ``adapters`` maps each request's adapter name to its PEFT directory."""
+        results = []
+        for req in requests:
+            path = None
+            if req.adapter is not None:
+                if req.adapter not in adapters:
+                    raise KeyError(f"reference: no adapter directory given for {req.adapter!r}")
+                path = Path(adapters[req.adapter])
+            results.append(self._generate_one(req, path))
+        return results
+
+    def _generate_one(self, req: GenerationRequest, adapter_path: Optional[Path]) -> GenerationResult:
+        if self.cache is None:
+            return self._compute(req, adapter_path)
+        key = self._cache_key(req, adapter_path, "generate")
+        hit = self.cache.get(key)
+        if hit is not None:
+            return GenerationResult.from_dict(hit)
+        with self.cache.lock(key):
+            hit = self.cache.get(key)  # another worker may have filled it while we waited
+            if hit is not None:
+                return GenerationResult.from_dict(hit)
+            self.cache.misses += 1
+            result = self._compute(req, adapter_path)
+            self.cache.put(key, result.to_dict())
+            return result
+
+    def _compute(self, req: GenerationRequest, adapter_path: Optional[Path]) -> GenerationResult:
+        import torch
+
+        model = self._model_for(adapter_path)
+        tok = self.tokenizer
+        ids = tok(req.prompt, return_tensors="pt").input_ids.to(self.device)
+        eos = tok.eos_token_id
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True)
+            self.forward_passes += 1
+            lps = torch.log_softmax(out.logits[0].float(), dim=-1)
+            prompt_lps = None
+            if req.prompt_logprobs:
+                prompt_lps = [_topk(lps[p], req.top_k, extra=int(ids[0, p + 1])) for p in range(ids.shape[1] - 1)]
+            past = out.past_key_values
+            step_lp = lps[-1]
+            generated: list[int] = []
+            step_topk: list[TopK] = []
+            for step in range(req.max_new_tokens):
+                nxt = int(step_lp.argmax())
+                generated.append(nxt)
+                step_topk.append(_topk(step_lp, req.top_k))
+                if (not req.ignore_eos and nxt == eos) or step == req.max_new_tokens - 1:
+                    break
+                out = model(input_ids=torch.tensor([[nxt]], device=self.device), past_key_values=past, use_cache=True)
+                self.forward_passes += 1
+                past = out.past_key_values
+                step_lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        return GenerationResult(
+            token_ids=generated,
+            text=tok.decode(generated, skip_special_tokens=True),
+            logprobs=step_topk,
+            prompt_token_ids=ids[0].tolist(),
+            prompt_logprobs=prompt_lps,
+        )
+
+    # ---- embeddings -----------------------------------------------------------------
+
+    def embed(self, texts: Sequence[str], adapter_path: Optional[Path] = None) -> list[list[float]]:
+        """Mean-pooled, L2-normalised embeddings (one text at a time, cached like generations)."""
+        out = []
+        for text in texts:
+            req = GenerationRequest(prompt=text, max_new_tokens=0)
+            key = self._cache_key(req, adapter_path, "embed") if self.cache is not None else None
+            hit = self.cache.get(key) if key else None
+            if hit is None:
+                vec = self._embed_one(text, adapter_path)
+                if key:
+                    with self.cache.lock(key):
+                        self.cache.misses += 1
+                        self.cache.put(key, {"embedding": vec})
+            else:
+                vec = hit["embedding"]
+            out.append(vec)
+        return out
+
+    def _embed_one(self, text: str, adapter_path: Optional[Path]) -> list[float]:
+        import torch
+
+        model = self._model_for(adapter_path)
+        enc = self.tokenizer(text, return_tensors="pt").to(self.device)
+        with torch.inference_mode():
+            hidden = model(**enc).last_hidden_state[0].float()
+            self.forward_passes += 1
+        mask = enc["attention_mask"][0].float().unsqueeze(-1)
+        pooled = (hidden * mask).sum(0) / mask.sum()
+        return torch.nn.functional.normalize(pooled, dim=-1).tolist()

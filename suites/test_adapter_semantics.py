@@ -1,0 +1,127 @@
+"""Adapter semantics: ranks, alpha, rsLoRA, patterns, target sets, the zero adapter, layers.
+
+DoRA, modules_to_save and LoRA biases: the engine either matches the reference or refuses
+the adapter with a clear error. Loading it and silently ignoring part of it is a failure.
+"""
+
+import pytest
+
+from lora_conformance.adapters import AdapterSpec
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.compare import assert_logprobs_close
+from lora_conformance.engines import AdapterIncompatibleError, EngineError, UnsupportedFeatureError
+
+register_cpu_ci(est_time=35, suite="per-commit")
+register_cuda_ci(est_time=25, suite="per-commit")
+register_xpu_ci(est_time=40, suite="per-commit")
+
+PROMPTS = slice(0, 6)
+
+
+def _check(lora, engine, name, spec, labels=None):
+    lora.load(engine, name, spec)
+    labels = labels or [name] * 6
+    reqs = lora.requests(labels, prompts=lora.prompts[PROMPTS],
+                         prompt_logprobs=engine.supports("prompt_logprobs"))
+    lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, {name: spec}), reqs, label=name)
+
+
+@pytest.mark.parametrize("rank", [1, 8, 16, 64, "max"])
+def test_rank(lora, device, dtype, rank):
+    engine = lora.engine
+    r = engine.limits.max_rank if rank == "max" else rank
+    if r > engine.limits.max_rank:
+        pytest.skip(f"not applicable: rank {r} above the engine's max_rank {engine.limits.max_rank}")
+    _check(lora, engine, f"rank{r}", AdapterSpec(seed=11, rank=r, alpha=2 * r))
+
+
+def test_rank_above_engine_max_is_refused(lora, device, dtype):
+    engine = lora.engine
+    too_big = engine.limits.max_rank * 2
+    with pytest.raises(EngineError) as exc:
+        lora.load(engine, "too_big", AdapterSpec(seed=12, rank=too_big))
+    assert isinstance(exc.value, (AdapterIncompatibleError, UnsupportedFeatureError)), type(exc.value)
+    assert str(exc.value).strip(), "the refusal must say why"
+
+
+@pytest.mark.requires("mixed_batch")
+def test_mixed_ranks_in_one_batch(lora, device, dtype):
+    engine = lora.engine
+    specs = {"r2": AdapterSpec(seed=21, rank=2, alpha=4), "r16": AdapterSpec(seed=22, rank=16, alpha=32),
+             "r32": AdapterSpec(seed=23, rank=min(32, engine.limits.max_rank), alpha=16)}
+    for name, spec in specs.items():
+        lora.load(engine, name, spec)
+    reqs = lora.requests(["r2", "r16", None, "r32", "r2", "r16"])
+    lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, specs), reqs, label="mixed ranks")
+
+
+@pytest.mark.parametrize("alpha", [4, 32])
+def test_alpha_scaling(lora, device, dtype, alpha):
+    _check(lora, lora.engine, f"alpha{alpha}", AdapterSpec(seed=31, rank=8, alpha=alpha))
+
+
+@pytest.mark.requires("rslora")
+def test_rslora(lora, device, dtype):
+    _check(lora, lora.engine, "rslora", AdapterSpec(seed=41, rank=16, alpha=8, use_rslora=True))
+
+
+@pytest.mark.requires("rank_pattern")
+def test_rank_and_alpha_patterns(lora, device, dtype):
+    spec = AdapterSpec(seed=51, rank=8, alpha=16, rank_pattern={"v_proj": 4, "layers.1.self_attn.q_proj": 16},
+                       alpha_pattern={"q_proj": 32})
+    _check(lora, lora.engine, "patterns", spec)
+
+
+@pytest.mark.parametrize("targets", ["attention", "mlp", "all-linear"])
+def test_target_set(lora, device, dtype, targets):
+    _check(lora, lora.engine, f"t-{targets}", AdapterSpec(seed=61, targets=targets))
+
+
+@pytest.mark.requires("embed_tokens")
+def test_embed_tokens(lora, device, dtype):
+    _check(lora, lora.engine, "embed", AdapterSpec(seed=71, targets="embed_tokens"))
+
+
+@pytest.mark.requires("lm_head")
+def test_lm_head(lora, device, dtype):
+    _check(lora, lora.engine, "head", AdapterSpec(seed=72, targets="lm_head"))
+
+
+def test_zero_adapter_equals_base(lora, device, dtype):
+    engine = lora.engine
+    lora.load(engine, "zero", AdapterSpec(seed=81, zero=True))
+    reqs = lora.requests(["zero"] * 4, prompts=lora.prompts[:4])
+    base = engine.generate(lora.requests([None] * 4, prompts=lora.prompts[:4]))
+    for i, (z, b) in enumerate(zip(engine.generate(reqs), base)):
+        assert_logprobs_close(z, b, lora.tolerance, label=f"zero adapter vs base, prompt {i}", decode=lora.decode)
+
+
+def test_layers_to_transform(lora, device, dtype):
+    _check(lora, lora.engine, "layer1", AdapterSpec(seed=91, targets="all-linear", layers_to_transform=(1,)))
+
+
+REFUSABLE = {
+    "dora": AdapterSpec(seed=101, use_dora=True),
+    "modules_to_save": AdapterSpec(seed=102, modules_to_save=("lm_head",)),
+    "bias": AdapterSpec(seed=103, bias="lora_only"),
+}
+
+
+@pytest.mark.parametrize("feature", list(REFUSABLE))
+def test_matches_or_refuses(lora, device, dtype, feature):
+    """Either the engine serves the adapter exactly as PEFT does, or it refuses it with a clear error."""
+    engine = lora.engine
+    spec = REFUSABLE[feature]
+    try:
+        lora.load(engine, feature, spec)
+    except EngineError as exc:
+        assert str(exc).strip(), f"{feature}: refused without a reason"
+        return
+    reqs = lora.requests([feature] * 4, prompts=lora.prompts[:4])
+    try:
+        outs = engine.generate(reqs)
+    except UnsupportedFeatureError as exc:  # refusing at first use is a refusal too
+        assert str(exc).strip(), f"{feature}: refused without a reason"
+        return
+    lora.assert_matches_reference(outs, lora.reference(reqs, {feature: spec}), reqs,
+                                  label=f"{feature} (accepted, so it must match)")

@@ -1,0 +1,67 @@
+"""Features combined, as engines combine them in production (the seed's XPU suite did the same)."""
+
+import pytest
+
+from lora_conformance.adapters import AdapterSpec
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.compare import assert_nearest_reference_routing
+from lora_conformance.engines import CapacityError
+from lora_conformance.types import GenerationRequest
+
+register_cpu_ci(est_time=20, suite="per-commit")
+register_cuda_ci(est_time=15, suite="per-commit")
+register_xpu_ci(est_time=25, suite="per-commit")
+
+
+@pytest.mark.requires("prefix_cache", "mixed_batch")
+def test_prefix_cache_with_routing(lora, device, dtype):
+    """Warm the cache with one adapter, then route a batch of the same prompt across adapters and base."""
+    engine = lora.fresh_engine(prefix_cache=1)
+    for name in ("A", "B", "C"):
+        lora.load(engine, name)
+    prompt = " ".join(lora.prompts[2:6])
+    engine.generate([GenerationRequest(prompt=prompt, adapter="A", max_new_tokens=4)])
+    labels = ["B", None, "A", "C", None, "B"]
+    outs = engine.generate([GenerationRequest(prompt=prompt, adapter=l, max_new_tokens=16) for l in labels])
+    refs = lora.reference([GenerationRequest(prompt=prompt, adapter=l, max_new_tokens=16) for l in ("A", "B", "C", None)])
+    assert_nearest_reference_routing(outs, labels, dict(zip(["A", "B", "C", "__base__"], refs)), decode=lora.decode)
+
+
+@pytest.mark.requires("overlap_loading", "max_loaded")
+def test_overlap_loading_with_eviction(lora, device, dtype):
+    engine = lora.fresh_engine(overlap_loading=1, max_loras_per_batch=2, max_loaded_loras=2)
+    specs = {f"O{i}": AdapterSpec(seed=600 + i) for i in range(4)}
+    for name, spec in specs.items():
+        lora.load(engine, name, spec)
+    for labels in (["O0", "O1", None], ["O2", "O3"], ["O1", "O0", "O2"], ["O3", None, "O0"]):
+        reqs = lora.requests(labels)
+        lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, specs), reqs, label=str(labels))
+
+
+@pytest.mark.requires("pinning", "max_loaded")
+def test_pinning_with_eviction(lora, device, dtype):
+    """A pinned adapter stays loaded and right while others churn through the remaining slot."""
+    engine = lora.fresh_engine(max_loras_per_batch=2, max_loaded_loras=3)
+    specs = {f"P{i}": AdapterSpec(seed=700 + i) for i in range(5)}
+    lora.load(engine, "P0", specs["P0"], pinned=True)
+    with pytest.raises(CapacityError):
+        lora.load(engine, "P1", specs["P1"], pinned=True)
+    for name in ("P1", "P2", "P3", "P4"):
+        lora.load(engine, name, specs[name])
+    for other in ("P1", "P2", "P3", "P4", "P2"):
+        reqs = lora.requests(["P0", other, "P0"])
+        lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, specs), reqs, label=f"P0 + {other}")
+        assert "P0" in engine.list_adapters(), "the pinned adapter was dropped"
+
+
+@pytest.mark.requires("dynamic_loading", "prefix_cache")
+def test_dynamic_loading_with_prefix_cache(lora, device, dtype):
+    """Unload and reload a name with other weights while its prompt's KV is cached."""
+    engine = lora.fresh_engine(prefix_cache=1)
+    prompt = " ".join(lora.prompts[6:9])
+    req = [GenerationRequest(prompt=prompt, adapter="X", max_new_tokens=12)]
+    for weights in ("A", "B", "A"):
+        lora.load(engine, "X", weights)
+        lora.assert_matches_reference(engine.generate(req), lora.reference(req, {"X": weights}), req,
+                                      label=f"X = {weights}")
+        engine.unload_adapter("X")

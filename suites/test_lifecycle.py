@@ -1,0 +1,93 @@
+"""Adapter lifecycle: dynamic load / unload / reload, unknown names, pinning, eviction."""
+
+import pytest
+
+from lora_conformance.adapters import AdapterSpec
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.compare import assert_logprobs_close
+from lora_conformance.engines import AdapterNotLoadedError, CapacityError, EngineError
+
+register_cpu_ci(est_time=25, suite="per-commit")
+register_cuda_ci(est_time=20, suite="per-commit")
+register_xpu_ci(est_time=30, suite="per-commit")
+
+pytestmark = pytest.mark.requires("dynamic_loading")
+
+PROMPTS = slice(0, 4)
+
+
+def _run(lora, engine, name):
+    reqs = lora.requests([name] * 4, prompts=lora.prompts[PROMPTS])
+    return reqs, engine.generate(reqs)
+
+
+def test_load_unload_reload(lora, device, dtype):
+    engine = lora.fresh_engine()
+    lora.load(engine, "A")
+    assert "A" in engine.list_adapters()
+    reqs, first = _run(lora, engine, "A")
+    lora.assert_matches_reference(first, lora.reference(reqs), reqs, label="first load")
+    engine.unload_adapter("A")
+    assert "A" not in engine.list_adapters()
+    with pytest.raises(AdapterNotLoadedError):
+        engine.generate(reqs)
+    lora.load(engine, "A")
+    _, again = _run(lora, engine, "A")
+    for i, (a, b) in enumerate(zip(again, first)):
+        assert_logprobs_close(a, b, lora.tolerance, label=f"after reload, prompt {i}", decode=lora.decode)
+
+
+def test_unknown_adapter_gives_a_clear_error(lora, device, dtype):
+    engine = lora.engine
+    with pytest.raises(AdapterNotLoadedError) as exc:
+        engine.generate(lora.requests(["never-loaded"]))
+    assert "never-loaded" in str(exc.value)
+    with pytest.raises(EngineError):
+        engine.unload_adapter("never-loaded")
+
+
+def test_reloading_a_name_with_new_weights(lora, device, dtype):
+    engine = lora.fresh_engine()
+    lora.load(engine, "X", "A")
+    _run(lora, engine, "X")  # serve once with A's weights, so any cache is warm
+    engine.unload_adapter("X")
+    lora.load(engine, "X", "B")
+    reqs, outs = _run(lora, engine, "X")
+    lora.assert_matches_reference(outs, lora.reference(reqs, {"X": "B"}), reqs, label="X reloaded with B")
+
+
+@pytest.mark.requires("pinning")
+def test_pinning_every_slot_is_refused(lora, device, dtype):
+    engine = lora.fresh_engine(max_loras_per_batch=2, max_loaded_loras=4)
+    lora.load(engine, "A", pinned=True)
+    with pytest.raises(CapacityError) as exc:
+        lora.load(engine, "B", pinned=True)
+    assert str(exc.value).strip()
+    lora.load(engine, "B")  # unpinned is fine
+    reqs = lora.requests(["A", "B", None, "A"])
+    lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs), reqs, label="pinned A + B")
+
+
+@pytest.mark.requires("max_loaded")
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_eviction_and_reload(lora, device, dtype, policy):
+    """Fewer loaded slots than adapters: cycling through them must keep every output right,
+    and an evicted adapter reloaded on demand gives the first run's outputs."""
+    cap = f"eviction_{policy}"
+    if not lora.engine.supports(cap):
+        pytest.skip(f"not certified: engine does not declare {cap}")
+    engine = lora.fresh_engine(max_loras_per_batch=1, max_loaded_loras=2, eviction=policy)
+    specs = {f"E{i}": AdapterSpec(seed=200 + i) for i in range(4)}
+    for name, spec in specs.items():
+        lora.load(engine, name, spec)
+    first = {}
+    for round_ in range(2):
+        for name in ["E0", "E1", "E2", "E3", "E1", "E0"]:
+            reqs, outs = _run(lora, engine, name)
+            if name not in first:
+                lora.assert_matches_reference(outs, lora.reference(reqs, specs), reqs, label=f"{name} ({policy})")
+                first[name] = outs
+            else:
+                for i, (a, b) in enumerate(zip(outs, first[name])):
+                    assert_logprobs_close(a, b, lora.tolerance, label=f"{name} round {round_} prompt {i} ({policy})",
+                                          decode=lora.decode)

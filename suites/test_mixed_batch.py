@@ -1,0 +1,142 @@
+"""Mixed batches and routing: each request gets its own adapter (or none) inside one batch.
+
+Every output must match its own isolated reference; the nearest-reference assertion checks
+routing with base rows counted as references; base rows must equal a run with no adapters
+loaded; slots are saturated and oversubscribed; batch size and order must not matter.
+"""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.compare import assert_logprobs_close, assert_nearest_reference_routing
+from lora_conformance.types import GenerationRequest
+
+register_cpu_ci(est_time=35, suite="per-commit")
+register_cuda_ci(est_time=25, suite="per-commit")
+register_xpu_ci(est_time=40, suite="per-commit")
+
+pytestmark = pytest.mark.requires("mixed_batch")
+
+COMPOSITIONS = {
+    "A-B-base": ["A", "B", None],
+    "base-A-B": [None, "A", "B"],
+    "A-base-B": ["A", None, "B"],
+    "all-base": [None, None, None],
+    "all-same": ["A", "A", "A"],
+}
+
+
+def _same_prompt_routing_batch(lora, labels, prompt):
+    return [GenerationRequest(prompt=prompt, adapter=l, max_new_tokens=16) for l in labels]
+
+
+@pytest.mark.parametrize("composition", list(COMPOSITIONS))
+def test_composition_matches_isolated_references(lora, device, dtype, composition):
+    engine = lora.engine
+    labels = COMPOSITIONS[composition]
+    for name in {l for l in labels if l}:
+        lora.load(engine, name)
+    reqs = lora.requests(labels)
+    lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs), reqs, label=composition)
+
+
+@pytest.mark.parametrize("prompt_index", [0, 3, 8])
+def test_nearest_reference_routing(lora, device, dtype, prompt_index):
+    """One prompt, every slot a different adapter or base: each output is nearest its own reference."""
+    engine = lora.engine
+    for name in ("A", "B", "C"):
+        lora.load(engine, name)
+    labels = ["A", "B", None, "C", "B", None, "A", "C"]
+    prompt = lora.prompts[prompt_index]
+    reqs = _same_prompt_routing_batch(lora, labels, prompt)
+    outs = engine.generate(reqs)
+    refs = {l or "__base__": r for l, r in zip(["A", "B", "C", None],
+                                               lora.reference(_same_prompt_routing_batch(lora, ["A", "B", "C", None], prompt)))}
+    assert_nearest_reference_routing(outs, labels, refs, decode=lora.decode, label=f"prompt {prompt_index}")
+
+
+def test_base_rows_equal_a_run_without_adapters(lora, device, dtype):
+    labels = [None, "A", None, "B", None]
+    reqs = lora.requests(labels)
+    clean = lora.fresh_engine()
+    baseline = clean.generate([r for r in reqs if r.adapter is None])
+    engine = lora.engine
+    lora.load(engine, "A")
+    lora.load(engine, "B")
+    mixed = engine.generate(reqs)
+    base_rows = [o for o, r in zip(mixed, reqs) if r.adapter is None]
+    for i, (row, ref) in enumerate(zip(base_rows, baseline)):
+        assert_logprobs_close(row, ref, lora.tolerance, label=f"base row {i} vs no-adapter engine", decode=lora.decode)
+
+
+def _distinct_specs(n, rank=8):
+    from lora_conformance.adapters import AdapterSpec
+
+    return {f"S{i}": AdapterSpec(seed=100 + i, rank=rank) for i in range(n)}
+
+
+def test_slot_saturation(lora, device, dtype):
+    """As many distinct adapters active in one batch as the engine has slots, plus base rows."""
+    engine = lora.engine
+    specs = _distinct_specs(min(engine.limits.max_loras_per_batch, engine.limits.max_loaded_loras))
+    for name, spec in specs.items():
+        lora.load(engine, name, spec)
+    labels = list(specs) + [None, None]
+    reqs = lora.requests(labels)
+    outs = engine.generate(reqs)
+    lora.assert_matches_reference(outs, lora.reference(reqs, specs), reqs, label="saturated")
+
+
+@pytest.mark.requires("max_loaded")
+def test_more_adapters_than_slots(lora, device, dtype):
+    """More adapters in one call than device slots: the engine must split or queue, never mis-route."""
+    engine = lora.engine_with(max_loras_per_batch=2, max_loaded_loras=8)
+    specs = _distinct_specs(5)
+    for name, spec in specs.items():
+        lora.load(engine, name, spec)
+    labels = ["S0", "S1", None, "S2", "S3", "S4", None, "S0", "S4"]
+    reqs = lora.requests(labels)
+    outs = engine.generate(reqs)
+    lora.assert_matches_reference(outs, lora.reference(reqs, specs), reqs, label="oversubscribed")
+
+
+def test_batch_size_invariance(lora, device, dtype):
+    engine = lora.engine
+    lora.load(engine, "A")
+    target = lora.requests(["A"], prompts=[lora.prompts[5]])[0]
+    alone = engine.generate([target])[0]
+    crowd = lora.requests(["B", None, "A", None, "B", "A", None])
+    lora.load(engine, "B")
+    batched = engine.generate(crowd[:3] + [target] + crowd[3:])[3]
+    assert_logprobs_close(batched, alone, lora.tolerance, label="in a batch of 8 vs alone", decode=lora.decode)
+
+
+def test_order_invariance(lora, device, dtype):
+    engine = lora.engine
+    for name in ("A", "B"):
+        lora.load(engine, name)
+    reqs = lora.requests(["A", None, "B", "A", None, "B"])
+    forward = engine.generate(reqs)
+    backward = engine.generate(list(reversed(reqs)))[::-1]
+    for i, (a, b) in enumerate(zip(forward, backward)):
+        assert_logprobs_close(b, a, lora.tolerance, label=f"request {i}, reversed batch", decode=lora.decode)
+
+
+@given(data=st.data())
+def test_random_compositions(lora, device, dtype, data):
+    """Random adapter/base mixes, prompt lengths and max tokens; each output vs its isolated reference."""
+    engine = lora.engine
+    for name in ("A", "B", "C"):
+        lora.load(engine, name)
+    size = data.draw(st.integers(1, 6), label="batch size")
+    labels = data.draw(st.lists(st.sampled_from(["A", "B", "C", None]), min_size=size, max_size=size), label="labels")
+    words = " ".join(lora.prompts).split()
+    reqs = []
+    for label in labels:
+        start = data.draw(st.integers(0, len(words) - 2), label="prompt start")
+        length = data.draw(st.integers(1, 20), label="prompt words")
+        tokens = data.draw(st.integers(1, 12), label="max new tokens")
+        reqs.append(GenerationRequest(prompt=" ".join(words[start:start + length]), adapter=label, max_new_tokens=tokens))
+    lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs), reqs, label=f"composition {labels}")

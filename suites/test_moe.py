@@ -1,0 +1,40 @@
+"""MoE expert LoRA (PEFT ``target_parameters`` on fused 3-D expert weights) against the PEFT reference."""
+
+import pytest
+
+from lora_conformance.adapters import AdapterSpec
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+
+register_cpu_ci(est_time=15, suite="per-commit")
+register_cuda_ci(est_time=10, suite="per-commit")
+register_xpu_ci(est_time=20, suite="per-commit")
+
+pytestmark = [pytest.mark.base_model("moe"), pytest.mark.requires("moe")]
+
+EXPERTS = {"M1": AdapterSpec(seed=501, targets="moe_experts"), "M2": AdapterSpec(seed=502, targets="moe_experts")}
+ATTENTION = AdapterSpec(seed=503, targets="attention")
+
+
+@pytest.mark.parametrize("name", list(EXPERTS))
+def test_expert_lora_matches_reference(lora, device, dtype, name):
+    engine = lora.engine
+    lora.load(engine, name, EXPERTS[name])
+    reqs = lora.requests([name] * 6, prompts=lora.prompts[:6])
+    lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, EXPERTS), reqs, label=name)
+
+
+def test_attention_lora_on_moe_model(lora, device, dtype):
+    engine = lora.engine
+    lora.load(engine, "MA", ATTENTION)
+    reqs = lora.requests(["MA"] * 4, prompts=lora.prompts[:4])
+    lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, {"MA": ATTENTION}), reqs, label="MA")
+
+
+@pytest.mark.requires("mixed_batch")
+def test_expert_lora_mixed_batch(lora, device, dtype):
+    """PEFT cannot batch these; the reference is each request alone, which is what must come out."""
+    engine = lora.engine
+    for name, spec in EXPERTS.items():
+        lora.load(engine, name, spec)
+    reqs = lora.requests(["M1", None, "M2", "M1", None, "M2"])
+    lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, EXPERTS), reqs, label="experts mixed")

@@ -1,0 +1,42 @@
+"""Prefix cache: a hit equals the miss, and two adapters on one prompt never share cached entries."""
+
+import pytest
+
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.compare import assert_logprobs_close
+from lora_conformance.types import GenerationRequest
+
+register_cpu_ci(est_time=15, suite="per-commit")
+register_cuda_ci(est_time=10, suite="per-commit")
+register_xpu_ci(est_time=20, suite="per-commit")
+
+pytestmark = pytest.mark.requires("prefix_cache")
+
+
+def long_prompt(lora, i=0):
+    """Several KV blocks long, so block-granular caches really hold it."""
+    return " ".join(lora.prompts[i:] + lora.prompts[:i])[:600]
+
+
+def test_hit_equals_miss(lora, device, dtype):
+    engine = lora.fresh_engine(prefix_cache=1)
+    lora.load(engine, "A")
+    reqs = [GenerationRequest(prompt=long_prompt(lora), adapter=a, max_new_tokens=12) for a in ("A", None)]
+    miss = engine.generate(reqs)
+    hit = engine.generate(reqs)
+    for i, (h, m) in enumerate(zip(hit, miss)):
+        assert_logprobs_close(h, m, lora.tolerance, label=f"cache hit vs miss, request {i}", decode=lora.decode)
+    lora.assert_matches_reference(hit, lora.reference(reqs), reqs, label="cache hit")
+
+
+@pytest.mark.parametrize("order", [("A", "B", None), (None, "A", "B")])
+def test_adapters_never_share_cached_entries(lora, device, dtype, order):
+    """Serve one prompt under each adapter in turn: every later request must see its own adapter's KV."""
+    engine = lora.fresh_engine(prefix_cache=1)
+    for name in ("A", "B"):
+        lora.load(engine, name)
+    prompt = long_prompt(lora, 3)
+    for label in order:
+        req = [GenerationRequest(prompt=prompt, adapter=label, max_new_tokens=12)]
+        lora.assert_matches_reference(engine.generate(req), lora.reference(req), req,
+                                      label=f"{label or 'base'} after {order}")

@@ -1,0 +1,166 @@
+"""The comparison library on hand-made outputs: each check passes on agreement and fails on each way of disagreeing."""
+
+import math
+
+import pytest
+
+from lora_conformance.compare import (
+    BASE,
+    ConformanceAssertionError,
+    IndistinctReferencesError,
+    assert_embeddings_close,
+    assert_logprobs_close,
+    assert_nearest_reference_routing,
+    assert_rouge_l,
+    assert_same_output,
+    rouge_l,
+    tolerance_for,
+)
+from lora_conformance.types import GenerationResult
+
+
+def result(tokens, lps=None, prompt=None, text=None):
+    """Each step's top-k: the chosen token at its logprob, then two runners-up 1.0 and 2.0 below."""
+    lps = lps or [-0.1] * len(tokens)
+    steps = [{t: lp, 900 + i: lp - 1.0, 950 + i: lp - 2.0} for i, (t, lp) in enumerate(zip(tokens, lps))]
+    return GenerationResult(token_ids=list(tokens), text=text or " ".join(f"w{t}" for t in tokens),
+                            logprobs=steps, prompt_logprobs=prompt)
+
+
+def test_identical_outputs_agree():
+    ref = result([1, 2, 3, 4])
+    a = assert_logprobs_close(result([1, 2, 3, 4]), ref, "float32")
+    assert a.steps_compared == 4 and a.tie_at is None and a.max_decode_diff == 0
+
+
+def test_logprob_drift_beyond_tolerance_fails_with_table():
+    tol = tolerance_for("float32").decode_atol
+    ref = result([1, 2, 3])
+    bad = result([1, 2, 3], lps=[-0.1, -0.1 - 3 * tol, -0.1])
+    with pytest.raises(ConformanceAssertionError) as exc:
+        assert_logprobs_close(bad, ref, "float32", label="slot 0")
+    msg = str(exc.value)
+    assert "step 1" in msg and "decode_atol" in msg and "reference" in msg  # side-by-side table
+    assert exc.value.evidence["check"] == "logprobs_close"
+    assert exc.value.evidence["rows"][1]["step"] == 1
+
+
+def test_drift_within_tolerance_passes():
+    tol = tolerance_for("bfloat16").decode_atol
+    ref = result([1, 2, 3])
+    a = assert_logprobs_close(result([1, 2, 3], lps=[-0.1, -0.1 + tol / 2, -0.1]), ref, "bfloat16")
+    assert math.isclose(a.max_decode_diff, tol / 2, rel_tol=1e-6)
+
+
+def tie_pair(gap):
+    """Reference prefers 5 over 6 by ``gap``; the engine picks 6."""
+    ref = GenerationResult(token_ids=[1, 5, 7], text="", logprobs=[{1: -0.1, 2: -3.0}, {5: -0.7, 6: -0.7 - gap}, {7: -0.1}])
+    act = GenerationResult(token_ids=[1, 6, 8], text="", logprobs=[{1: -0.1, 2: -3.0}, {5: -0.7, 6: -0.7 - gap}, {8: -0.1}])
+    return act, ref
+
+
+def test_divergence_at_a_tie_is_tolerated_and_stops():
+    act, ref = tie_pair(gap=tolerance_for("bfloat16").tie_margin / 4)
+    a = assert_logprobs_close(act, ref, "bfloat16")
+    assert a.tie_at == 1 and a.steps_compared == 1 and a.notes
+
+
+def test_divergence_at_a_decided_step_fails():
+    act, ref = tie_pair(gap=1.5)
+    with pytest.raises(ConformanceAssertionError, match="decided"):
+        assert_logprobs_close(act, ref, "bfloat16")
+
+
+def test_divergence_outside_topk_fails():
+    ref = result([1, 2, 3])
+    act = result([1, 42, 3])
+    with pytest.raises(ConformanceAssertionError, match="not in the reference top-k"):
+        assert_logprobs_close(act, ref, "float32")
+
+
+def test_prefill_tolerance():
+    ref = result([1], prompt=[{3: -0.5, 4: -1.0}, {5: -0.2, 6: -2.0}])
+    ok = result([1], prompt=[{3: -0.5, 4: -1.0}, {5: -0.2, 6: -2.0}])
+    assert_logprobs_close(ok, ref, "float32")
+    bad = result([1], prompt=[{3: -0.5, 4: -1.0}, {5: -0.4, 6: -2.0}])
+    with pytest.raises(ConformanceAssertionError, match="prompt logprob at position 2"):
+        assert_logprobs_close(bad, ref, "float32")
+
+
+def test_length_mismatch_and_empty_output_fail():
+    with pytest.raises(ConformanceAssertionError, match="tokens"):
+        assert_logprobs_close(result([1, 2]), result([1, 2, 3]), "float32")
+    with pytest.raises(ConformanceAssertionError, match="no tokens"):
+        assert_logprobs_close(GenerationResult([], ""), result([1]), "float32")
+
+
+def test_rouge_l_text_and_ids():
+    assert rouge_l("the cat sat", "the cat sat") == 1.0
+    assert 0 < rouge_l("the cat sat on mat", "the dog sat on the mat") < 1
+    assert rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert rouge_l([1, 2, 3, 4], [1, 3, 4, 9]) == pytest.approx(0.75)
+    assert rouge_l([1, 2], [3, 4]) == 0.0
+    with pytest.raises(TypeError):
+        rouge_l("a b", [1, 2])
+    assert_rouge_l("a b c d", "a b c d", 1.0)
+    with pytest.raises(ConformanceAssertionError, match="ROUGE-L"):
+        assert_rouge_l("a b x y", "a b c d", 0.9)
+
+
+REFS = {"A": result([1, 2, 3, 4]), "B": result([5, 6, 7, 8]), BASE: result([9, 10, 11, 12])}
+
+
+def test_routing_passes_when_each_slot_is_nearest_its_own():
+    outs = [result([1, 2, 3, 4]), result([9, 10, 11, 12]), result([5, 6, 7, 9])]
+    assert assert_nearest_reference_routing(outs, ["A", None, "B"], REFS) == ["A", BASE, "B"]
+
+
+def test_routing_catches_base_row_receiving_an_adapter():
+    outs = [result([1, 2, 3, 4]), result([1, 2, 3, 4]), result([5, 6, 7, 8])]
+    with pytest.raises(ConformanceAssertionError) as exc:
+        assert_nearest_reference_routing(outs, ["A", None, "B"], REFS)
+    assert "slot 1 expected '__base__' but is nearest 'A'" in str(exc.value)
+    assert exc.value.evidence["rows"][1]["nearest"] == "A"
+
+
+def test_routing_catches_swapped_adapters_and_identical_outputs():
+    with pytest.raises(ConformanceAssertionError, match="slot 0 expected 'A'"):
+        assert_nearest_reference_routing([result([5, 6, 7, 8]), result([1, 2, 3, 4])], ["A", "B"], REFS)
+    with pytest.raises(ConformanceAssertionError, match="all outputs are identical"):
+        # every row served by the base model: all identical although A, B and base are mixed
+        assert_nearest_reference_routing([result([9, 10, 11, 12])] * 3, ["A", "B", None], REFS)
+
+
+def test_routing_refuses_indistinct_references():
+    refs = {"A": result([1, 2]), "B": result([1, 2])}
+    with pytest.raises(IndistinctReferencesError):
+        assert_nearest_reference_routing([result([1, 2]), result([1, 2])], ["A", "B"], refs)
+
+
+def test_routing_uses_logprobs_to_break_token_ties():
+    # Same tokens for A and B; only logprobs tell them apart.
+    refs = {"A": result([1, 2, 3], lps=[-0.1, -0.1, -0.1]), "B": result([1, 2, 4], lps=[-0.5, -0.5, -0.5])}
+    out = result([1, 2, 3], lps=[-0.12, -0.1, -0.1])
+    assert assert_nearest_reference_routing([out], ["A"], refs) == ["A"]
+
+
+def test_embeddings_close():
+    assert_embeddings_close([[1.0, 0.0]], [[0.99, 0.01]], 0.99)
+    with pytest.raises(ConformanceAssertionError, match="cosine"):
+        assert_embeddings_close([[1.0, 0.0]], [[0.0, 1.0]], 0.99)
+
+
+def test_same_output_is_exact():
+    a = result([1, 2, 3])
+    assert_same_output(a, result([1, 2, 3]))
+    with pytest.raises(ConformanceAssertionError):
+        assert_same_output(a, result([1, 2, 3], lps=[-0.1, -0.1, -0.10001]))
+
+
+def test_every_dtype_has_a_tolerance_and_unknown_is_refused():
+    for d in ("float32", "bfloat16", "float16"):
+        t = tolerance_for(d)
+        assert 0 < t.decode_atol and 0 < t.tie_margin and 0 < t.embedding_cos_min <= 1
+    assert tolerance_for("float32").decode_atol < tolerance_for("float16").decode_atol < tolerance_for("bfloat16").decode_atol
+    with pytest.raises(ValueError, match="no tolerance"):
+        tolerance_for("int8")

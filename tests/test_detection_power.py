@@ -1,0 +1,61 @@
+"""Detection power: each suite must fail against the built-in engine with each fault it targets.
+
+The suites run in-process through pytester against ``--engine=builtin --engine-arg fault=NAME``;
+every test named for a fault must fail, so a suite that cannot see a bug is itself a failure.
+The same suites pass with no fault (tests/test_suites_pass.py). README's fault table is this dict.
+"""
+
+import pytest
+
+from lora_conformance.engines.builtin.faults import DEVICE_ONLY_FAULTS, FAULTS
+from lora_conformance.settings import suites_dir
+
+# fault -> the suite tests (file::function, any parametrisation) that must catch it
+CATCHERS: dict[str, list[str]] = {
+    "base_gets_last_adapter": ["test_mixed_batch.py::test_nearest_reference_routing",
+                               "test_mixed_batch.py::test_base_rows_equal_a_run_without_adapters"],
+    "adapter_index_off_by_one": ["test_mixed_batch.py::test_composition_matches_isolated_references",
+                                 "test_mixed_batch.py::test_nearest_reference_routing"],
+    "scaling_alpha_not_over_r": ["test_accuracy.py::test_single_adapter_matches_reference",
+                                 "test_adapter_semantics.py::test_alpha_scaling"],
+    "rslora_ignored": ["test_adapter_semantics.py::test_rslora"],
+    "patterns_ignored": ["test_adapter_semantics.py::test_rank_and_alpha_patterns"],
+    "drop_v_proj": ["test_accuracy.py::test_single_adapter_matches_reference"],
+    "lm_head_dropped": ["test_adapter_semantics.py::test_lm_head"],
+    "embed_tokens_dropped": ["test_adapter_semantics.py::test_embed_tokens"],
+    "stale_reload": ["test_lifecycle.py::test_reloading_a_name_with_new_weights",
+                     "test_combinations.py::test_dynamic_loading_with_prefix_cache"],
+    "prefix_cache_ignores_adapter": ["test_prefix_cache.py::test_adapters_never_share_cached_entries",
+                                     "test_combinations.py::test_prefix_cache_with_routing"],
+    "evict_pinned": ["test_combinations.py::test_pinning_with_eviction"],
+    "lora_fp16": ["test_accuracy.py::test_single_adapter_matches_reference"],
+    "graph_stale_indices": ["test_runtime_modes.py::test_graphs_equal_eager"],
+    "overlap_no_wait": ["test_runtime_modes.py::test_overlap_loading_equals_synchronous"],
+    "moe_expert_mismatch": ["test_moe.py::test_expert_lora_matches_reference"],
+    "delta_twice": ["test_accuracy.py::test_single_adapter_matches_reference",
+                    "test_mixed_batch.py::test_composition_matches_isolated_references"],
+}
+
+
+def test_every_fault_has_catchers():
+    assert set(CATCHERS) == set(FAULTS), "each catalogued fault needs the suite tests that catch it"
+
+
+def _selection(catchers):
+    files = sorted({c.split("::")[0] for c in catchers})
+    names = " or ".join(sorted({c.split("::")[1] for c in catchers}))
+    return [str(suites_dir() / f) for f in files], names
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_suites_catch_the_fault(pytester, fault, lora_settings):
+    needs = DEVICE_ONLY_FAULTS.get(fault)
+    if needs and lora_settings.device_type == "cpu":
+        pytest.skip(f"not applicable on cpu: fault {fault!r} needs {needs}")
+    files, names = _selection(CATCHERS[fault])
+    result = pytester.runpytest(*files, "-k", names, f"--device={lora_settings.device}",
+                                f"--lora-cache={lora_settings.cache_dir}", "--engine=builtin", "--engine-arg", f"fault={fault}", "-p", "no:cacheprovider", "-q")
+    reports = [r for r in result.reprec.getreports("pytest_runtest_logreport") if r.when == "call"]
+    failed = {r.nodeid.split("[")[0].split("/")[-1] for r in reports if r.failed}
+    missed = [c for c in CATCHERS[fault] if c not in failed]
+    assert not missed, f"fault {fault!r} not caught by: {missed}\n" + "\n".join(result.outlines[-30:])

@@ -1,0 +1,35 @@
+"""The suites are right: the built-in engine and PEFT pass them against the reference.
+
+This is the other half of detection power: a suite that fails a correct engine is as
+useless as one that passes a broken one. Run in-process through pytester.
+"""
+
+import pytest
+
+from lora_conformance.settings import suites_dir
+
+
+def _run(pytester, lora_settings, engine, *extra):
+    result = pytester.runpytest(str(suites_dir()), f"--device={lora_settings.device}", f"--engine={engine}",
+                                f"--lora-cache={lora_settings.cache_dir}", "-p", "no:cacheprovider", "-q", "-rfEs",
+                                *extra)
+    reports = [r for r in result.reprec.getreports("pytest_runtest_logreport")]
+    failed = [r.nodeid for r in reports if r.failed]
+    assert not failed, f"{engine}: suites failed on a correct engine:\n" + "\n".join(result.outlines[-60:])
+    passed = [r for r in reports if r.when == "call" and r.passed]
+    skipped = [r for r in reports if r.skipped]
+    return passed, skipped
+
+
+def test_builtin_engine_passes_every_suite(pytester, lora_settings):
+    passed, skipped = _run(pytester, lora_settings, "builtin")
+    assert len(passed) >= 60, f"only {len(passed)} suite tests passed"
+    reasons = {str(r.longrepr[2]) for r in skipped}
+    # On cpu the built-in engine declares everything but graphs; nothing else may be skipped.
+    allowed = ("graphs", "not applicable")
+    assert all(any(a in reason for a in allowed) for reason in reasons), reasons
+
+
+def test_peft_engine_passes_what_it_declares(pytester, lora_settings):
+    passed, skipped = _run(pytester, lora_settings, "peft")
+    assert len(passed) >= 30, f"only {len(passed)} suite tests passed on PEFT"
