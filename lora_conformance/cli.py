@@ -19,19 +19,22 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (none for top-level help)."""
     parser = argparse.ArgumentParser(prog="lora-conformance", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

@@ -91,8 +91,10 @@ def resolve_device(spec: str, worker_index: Optional[int] = None) -> str:
     ``auto`` picks the first available accelerator, else cpu. A type without an index
     gets index ``worker_index mod device_count`` (pytest-xdist worker gwN -> device N).
     """
-    torch = _torch()
     spec = spec.strip()
+    if spec == CPU:
+        return CPU  # no torch import: a cpu run starts fast
+    torch = _torch()
     if spec == "auto":
         candidates = list(ACCELERATOR_TYPES)
         pu1 = _privateuse1_name()

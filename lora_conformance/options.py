@@ -57,6 +57,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("ci_suite", "--ci-suite", "with --ci-hw: the registered suite name", None),
     Option("ci_nightly", "--ci-nightly", "with --ci-hw: include nightly registrations", False, is_flag=True),
     Option("ci_partition", "--ci-partition", "with --ci-hw: run shard i of n (i/n, 0-based)", None),
+    Option("ci_durations", "--ci-durations", "with --ci-partition: measured durations (JUnit XML, report.json or "
+           "{file: seconds} JSON) that override est_time; default suites/ci_durations.json", None),
 )
 
 BY_NAME = {o.name: o for o in OPTIONS}

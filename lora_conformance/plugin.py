@@ -96,6 +96,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
         ci_suite=r["ci_suite"],
         ci_nightly=bool(r["ci_nightly"]),
         ci_partition=r["ci_partition"],
+        ci_durations=Path(r["ci_durations"]) if r["ci_durations"] else None,
         sources=dict(r.sources),
     )
 
@@ -129,16 +130,16 @@ def _register_subplugins(config: pytest.Config, settings: Settings) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str]:
     if SETTINGS_KEY not in config.stash:
         return []
-    from lora_conformance.environment import environment_fingerprint
+    from lora_conformance.report.environment import device_info, package_versions
 
     s = get_settings(config)
-    env = environment_fingerprint(s)
+    versions = package_versions()
     lines = [
-        f"lora-conformance: engine={s.engine} device={s.device} ({env['device_name']}) dtype={s.dtype} "
+        f"lora-conformance: engine={s.engine} device={s.device} ({device_info(s.device)['device_name']}) dtype={s.dtype} "
         f"base-model={s.base_model}",
         f"lora-conformance: reference={s.reference_device}/{s.reference_dtype} cache={s.cache_dir} "
         f"engine-args={json.dumps(s.engine_args, sort_keys=True)}",
-        "lora-conformance: " + " ".join(f"{k}={env[k]}" for k in ("torch", "transformers", "peft")),
+        "lora-conformance: " + " ".join(f"{k}={versions[k]}" for k in ("torch", "transformers", "peft")),
     ]
     non_default = {k: v for k, v in s.sources.items() if v != "default"}
     if non_default:

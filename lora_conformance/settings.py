@@ -30,6 +30,7 @@ class Settings:
     ci_suite: Optional[str] = None
     ci_nightly: bool = False
     ci_partition: Optional[str] = None
+    ci_durations: Optional[Path] = None
     sources: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -1,0 +1,45 @@
+"""``lora-conformance report merge|render``: work on report.json files without rerunning."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="report_command", required=True, metavar="ACTION")
+    m = sub.add_parser("merge", help="merge reports into one engine x device matrix (report.md/html/json)")
+    m.add_argument("reports", nargs="+", type=Path, help="report.json files (or directories holding one)")
+    m.add_argument("-o", "--output", type=Path, required=True, help="output directory")
+    r = sub.add_parser("render", help="re-verify one report.json and write report.md/html/json and badge.svg")
+    r.add_argument("report", type=Path, help="a report.json (or a directory holding one)")
+    r.add_argument("-o", "--output", type=Path, required=True, help="output directory")
+
+
+def run(args) -> int:
+    from lora_conformance.report.document import ReportFormatError, load_report, reverify, write_report
+    from lora_conformance.report.merge import MergeConflict, merge, write_matrix
+
+    try:
+        if args.report_command == "merge":
+            matrix = merge(load_report(p) for p in args.reports)
+            paths = write_matrix(matrix, args.output)
+            print(f"merged {len(args.reports)} report(s) into {len(matrix['columns'])} column(s): "
+                  f"{', '.join(c['key'] + ' ' + c['score'] for c in matrix['columns'])}")
+            print(f"wrote {paths['report.html']}")
+            return 0
+        report = load_report(args.report)
+        verdict, same = reverify(report)
+        if not same:
+            # Rules changed since the run (or the file was edited): the records decide.
+            print("note: the stored verdict differs from the re-verified one; writing the re-verified verdict",
+                  file=sys.stderr)
+        paths = write_report(report, args.output)
+        passed, counted = verdict.score()
+        print(f"{'certified' if verdict.certified else 'not certified'}: {passed}/{counted} features pass")
+        print(f"wrote {paths['report.html']}")
+        return 0
+    except (ReportFormatError, MergeConflict, OSError) as exc:
+        print(f"lora-conformance report: error: {exc}", file=sys.stderr)
+        return 2

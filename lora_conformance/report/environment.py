@@ -1,0 +1,120 @@
+"""The environment fingerprint of a run: what a certificate is a certificate of.
+
+Called at session finish. Package versions come from installed metadata (no import); the
+device name is asked of torch only when torch is already loaded or the device is an
+accelerator, so a CPU run that never imported torch does not pay for it here.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+PACKAGES = ("torch", "transformers", "peft", "pytest", "pytest-xdist")
+
+
+def package_versions() -> dict[str, Optional[str]]:
+    out: dict[str, Optional[str]] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit(where: Path) -> Optional[str]:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info(device: str) -> dict[str, Optional[str]]:
+    """Name and runtime of ``device``, as far as torch can tell; never raises."""
+    dtype = device.split(":", 1)[0]
+    info: dict[str, Optional[str]] = {"name": device, "type": dtype, "device_name": None, "runtime": None}
+    if dtype == "cpu":
+        info["device_name"] = _cpu_name()
+        return info
+    try:
+        import torch
+
+        backend = getattr(torch, dtype, None)
+        if backend is not None and hasattr(backend, "get_device_name"):
+            info["device_name"] = str(backend.get_device_name(torch.device(device)))
+        runtime = getattr(torch.version, "hip", None) or getattr(torch.version, dtype, None)
+        if runtime:
+            info["runtime"] = f"{dtype} {runtime}"
+    except Exception:  # a broken driver must not lose the report
+        pass
+    return info
+
+
+def _deep_merge(base: dict, extra: Mapping) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        elif value is not None:
+            out[key] = value
+    return out
+
+
+def fingerprint(settings: Any, extra: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """Environment from the resolved settings, overridden (deeply) by ``extra``: the dict the
+    plugin leaves at ``config.stash[ENV_KEY]`` (engine version, device name, ...)."""
+    import lora_conformance
+    from lora_conformance.settings import repo_root
+
+    device = getattr(settings, "device", None) or "unknown"
+    env: dict[str, Any] = {
+        "suite_version": lora_conformance.__version__,
+        "engine": {
+            "name": getattr(settings, "engine", None),
+            "version": None,
+            "args": dict(getattr(settings, "engine_args", {}) or {}),
+        },
+        "device": {"name": device, "type": device.split(":", 1)[0]},
+        "dtype": getattr(settings, "dtype", None),
+        "reference": {
+            "device": getattr(settings, "reference_device", None),
+            "dtype": getattr(settings, "reference_dtype", None),
+        },
+        "base_model": getattr(settings, "base_model", None),
+        "packages": package_versions(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": git_commit(repo_root()),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    extra = dict(extra or {})
+    device_extra = extra.get("device") if isinstance(extra.get("device"), Mapping) else {}
+    if "device_name" not in device_extra and ("torch" in sys.modules or not device.startswith("cpu")):
+        env["device"] = _deep_merge(env["device"], device_info(device))
+    elif device.startswith("cpu"):
+        env["device"]["device_name"] = _cpu_name()
+    return _deep_merge(env, extra)
+
+
+def column_key(env: Mapping[str, Any]) -> str:
+    """``engine@device/dtype``: one column of a merged matrix."""
+    engine = (env.get("engine") or {}).get("name") or "unknown"
+    device = (env.get("device") or {}).get("type") or "unknown"
+    return f"{engine}@{device}/{env.get('dtype') or 'unknown'}"

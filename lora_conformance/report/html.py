@@ -1,0 +1,156 @@
+"""report.html: one self-contained page (inline CSS, no script, nothing fetched).
+
+Sections: verdict and summary, the feature matrix, each failure with its evidence (token
+diff, the per-step table with margins, the raw evidence), the environment.
+"""
+
+from __future__ import annotations
+
+import json
+from html import escape
+from pathlib import Path
+from string import Template
+from typing import Any, Iterable, Mapping, Optional
+
+from lora_conformance.report.badge import badge_color, badge_text, render_badge
+from lora_conformance.report.markdown import environment_rows
+from lora_conformance.report.verify import STATUSES, Verdict
+
+_TEMPLATE = Template((Path(__file__).with_name("template.html")).read_text(encoding="utf-8"))
+MAX_ROWS = 64
+
+
+def page(title: str, body: str) -> str:
+    return _TEMPLATE.substitute(title=escape(title), body=body)
+
+
+def status_badge(status: Optional[str], title: str = "") -> str:
+    if not status:
+        return '<span class="status st-none">—</span>'
+    t = f' title="{escape(title)}"' if title else ""
+    return f'<span class="status st-{status.replace(" ", "-")}"{t}>{escape(status)}</span>'
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return " ".join(_fmt(v) for v in value)
+    return str(value)
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[str]], cls: Iterable[str] = ()) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    head = f"<thead><tr>{head}</tr></thead>" if head.replace("<th></th>", "") else ""
+    body = []
+    classes = list(cls)
+    for i, row in enumerate(rows):
+        c = f' class="{classes[i]}"' if i < len(classes) and classes[i] else ""
+        body.append(f"<tr{c}>" + "".join(row) + "</tr>")
+    return f"<table>{head}<tbody>{''.join(body)}</tbody></table>"
+
+
+def _token_diff(rows: list[dict]) -> str:
+    """Reference and engine tokens side by side, differing steps highlighted."""
+    if not rows or not all(isinstance(r, dict) for r in rows):
+        return ""
+    if not any("reference_text" in r or "reference_token" in r for r in rows):
+        return ""
+
+    def strip(side: str) -> str:
+        spans = []
+        for r in rows:
+            tok = r.get(f"{side}_text", r.get(f"{side}_token"))
+            cls = ' class="diff"' if r.get("same") is False else ""
+            spans.append(f"<span{cls}>{escape(_fmt(tok))}</span>")
+        return f'<div class="tokens"><b>{side}</b>{"".join(spans)}</div>'
+
+    return strip("reference") + strip("engine")
+
+
+def evidence_html(evidence: Any) -> str:
+    if not isinstance(evidence, dict):
+        return ""
+    parts = []
+    scalars = [(k, v) for k, v in evidence.items() if k != "rows" and not isinstance(v, (dict, list))]
+    if scalars:
+        parts.append("<p>" + " · ".join(f"<b>{escape(str(k))}</b>: {escape(_fmt(v))}" for k, v in scalars) + "</p>")
+    rows = evidence.get("rows")
+    if isinstance(rows, list) and rows:
+        parts.append(_token_diff(rows))
+        dict_rows = [r for r in rows[:MAX_ROWS] if isinstance(r, dict)]
+        keys: list[str] = []
+        for r in dict_rows:
+            keys += [k for k in r if k not in keys]
+        cells = [[f'<td class="{"margin" if "margin" in k else ""}">{escape(_fmt(r.get(k)))}</td>' for k in keys]
+                 for r in dict_rows]
+        bad = ["bad" if (r.get("same") is False or r.get("ok") is False) else "" for r in dict_rows]
+        parts.append(_table(keys, cells, bad))
+        if len(rows) > MAX_ROWS:
+            parts.append(f'<p class="muted">{len(rows) - MAX_ROWS} more rows in report.json</p>')
+    parts.append("<details><summary>raw evidence</summary><pre>"
+                 + escape(json.dumps(evidence, indent=1, default=str)) + "</pre></details>")
+    return "".join(parts)
+
+
+def _summary_html(verdict: Verdict) -> str:
+    by = verdict.summary["features_by_status"]
+    return '<p class="counts">' + "".join(
+        f"<span>{status_badge(s)} {by[s]}</span>" for s in STATUSES if by[s]) + (
+        f'<span class="muted">{verdict.summary["features"]} features, {verdict.summary["cases"]} cases</span></p>')
+
+
+def environment_html(env: Mapping[str, Any]) -> str:
+    return _table(("", ""), [[f"<th>{escape(k)}</th>", f"<td>{escape(v)}</td>"] for k, v in environment_rows(env)])
+
+
+def _verdict_status(verdict: Verdict) -> str:
+    by = verdict.summary["features_by_status"]
+    if verdict.certified:
+        return "passed"
+    return "failed" if by["failed"] or by["error"] else "not certified"
+
+
+def render_html(report: Mapping[str, Any], verdict: Verdict) -> str:
+    env = report.get("environment") or {}
+    device = (env.get("device") or {}).get("type") or "unknown"
+    engine = (env.get("engine") or {}).get("name")
+    label, value = badge_text(verdict, device)
+    body = [
+        f"<h1>LoRA conformance: {escape(str(engine))} on {escape(device)}</h1>",
+        render_badge(label, value, badge_color(verdict)),
+        f'<p class="verdict">{status_badge(_verdict_status(verdict))} '
+        f'{"certified" if verdict.certified else "not certified"}: {value} features pass</p>',
+        _summary_html(verdict),
+        '<h2 id="matrix">Feature matrix</h2>',
+    ]
+    rows = []
+    for fid, feat in verdict.features.items():
+        c = feat.counts
+        rows.append([f"<td><code>{escape(fid)}</code></td>", f"<td>{status_badge(feat.status)}</td>"]
+                    + [f'<td class="num">{c[s]}</td>' for s in STATUSES]
+                    + [f"<td>{escape(feat.reason[:300])}</td>"])
+    body.append(_table(("feature", "status") + STATUSES + ("reason",), rows))
+    failures = [c for c in verdict.cases if c.status in ("failed", "error")]
+    body.append(f'<h2 id="failures">Failures ({len(failures)})</h2>')
+    if not failures:
+        body.append('<p class="muted">none</p>')
+    for case in failures:
+        body.append('<div class="failure">'
+                    f"<h3>{status_badge(case.status)} <code>{escape(case.nodeid)}</code></h3>"
+                    f"<pre>{escape(case.reason[:4000])}</pre>"
+                    + evidence_html(case.evidence)
+                    + (f"<details><summary>reproduction</summary><pre>{escape(case.repro)}</pre></details>"
+                       if case.repro else "")
+                    + (f"<details><summary>traceback</summary><pre>{escape(case.longrepr)}</pre></details>"
+                       if case.longrepr else "")
+                    + "</div>")
+    body.append('<h2 id="environment">Environment</h2>')
+    body.append(environment_html(env))
+    return page(f"LoRA conformance: {engine} on {device} ({value})", "\n".join(body))

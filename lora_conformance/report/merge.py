@@ -1,0 +1,112 @@
+"""Many reports -> one engine x device matrix (rows: features; columns: ``engine@device/dtype``).
+
+Reports with the same column key (the shards of one CI run) are combined into one column by
+concatenating their records; every column is re-verified from its records, so a stored
+verdict is never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+from html import escape
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from lora_conformance.report.environment import column_key
+from lora_conformance.report.markdown import ICON
+from lora_conformance.report.verify import verify
+
+MATRIX_SCHEMA = "lora-conformance/matrix/1"
+
+
+class MergeConflict(ValueError):
+    pass
+
+
+def merge(reports: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    columns: dict[str, dict[str, Any]] = {}
+    for report in reports:
+        key = column_key(report.get("environment") or {})
+        col = columns.setdefault(key, {"environment": report.get("environment") or {}, "records": {}, "runs": 0})
+        col["runs"] += 1
+        for rec in report["records"]:
+            old = col["records"].get(rec["nodeid"])
+            if old is not None and old != rec:
+                # Two shards ran the same test with different results: refuse to pick one.
+                raise MergeConflict(f"{key}: {rec['nodeid']} appears in two reports with different outcomes")
+            col["records"][rec["nodeid"]] = rec
+    out_cols, cells, features = [], {}, set()
+    for key in sorted(columns):
+        col = columns[key]
+        verdict = verify(col["records"].values())
+        passed, counted = verdict.score()
+        out_cols.append({
+            "key": key,
+            "runs": col["runs"],
+            "environment": col["environment"],
+            "summary": verdict.summary,
+            "score": f"{passed}/{counted}",
+        })
+        for fid, feat in verdict.features.items():
+            features.add(fid)
+            cells.setdefault(fid, {})[key] = {"status": feat.status, "reason": feat.reason}
+    return {
+        "schema": MATRIX_SCHEMA,
+        "columns": out_cols,
+        "features": sorted(features),
+        "cells": {fid: cells[fid] for fid in sorted(cells)},
+    }
+
+
+def render_matrix_markdown(matrix: Mapping[str, Any]) -> str:
+    keys = [c["key"] for c in matrix["columns"]]
+    lines = ["# LoRA conformance matrix", "",
+             "| Feature | " + " | ".join(f"`{k}`" for k in keys) + " |",
+             "| --- |" + " --- |" * len(keys)]
+    for fid in matrix["features"]:
+        row = []
+        for k in keys:
+            cell = matrix["cells"][fid].get(k)
+            row.append(f"{ICON[cell['status']]} {cell['status']}" if cell else "—")
+        lines.append(f"| `{fid}` | " + " | ".join(row) + " |")
+    lines.append("| **passed / counted** | " + " | ".join(f"**{c['score']}**" for c in matrix["columns"]) + " |")
+    lines += ["", "## Columns", ""]
+    for c in matrix["columns"]:
+        env = c["environment"]
+        pk = env.get("packages") or {}
+        dev = env.get("device") or {}
+        lines.append(f"- `{c['key']}`: {c['runs']} run(s); engine {(env.get('engine') or {}).get('version') or '?'}; "
+                     f"device {dev.get('device_name') or dev.get('name')}; torch {pk.get('torch')}; "
+                     f"{env.get('date')}")
+    return "\n".join(lines) + "\n"
+
+
+def render_matrix_html(matrix: Mapping[str, Any]) -> str:
+    from lora_conformance.report.html import page, status_badge
+
+    keys = [c["key"] for c in matrix["columns"]]
+    head = "<tr><th>feature</th>" + "".join(f"<th><code>{escape(k)}</code></th>" for k in keys) + "</tr>"
+    rows = []
+    for fid in matrix["features"]:
+        tds = []
+        for k in keys:
+            cell = matrix["cells"][fid].get(k)
+            tds.append(f"<td>{status_badge(cell['status'], cell['reason']) if cell else status_badge(None)}</td>")
+        rows.append(f"<tr><td><code>{escape(fid)}</code></td>{''.join(tds)}</tr>")
+    rows.append("<tr><th>passed / counted</th>" + "".join(f"<th>{escape(c['score'])}</th>"
+                                                         for c in matrix["columns"]) + "</tr>")
+    body = ("<h1>LoRA conformance matrix</h1>"
+            f'<p class="muted">{len(matrix["features"])} features, {len(keys)} engine/device columns; '
+            "hover a status for its reason.</p>"
+            f"<table><thead>{head}</thead><tbody>{''.join(rows)}</tbody></table>")
+    return page("LoRA conformance matrix", body)
+
+
+def write_matrix(matrix: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {n: out_dir / n for n in ("report.json", "report.md", "report.html")}
+    paths["report.json"].write_text(json.dumps(matrix, indent=1, default=str) + "\n", encoding="utf-8")
+    paths["report.md"].write_text(render_matrix_markdown(matrix), encoding="utf-8")
+    paths["report.html"].write_text(render_matrix_html(matrix), encoding="utf-8")
+    return paths

@@ -1,0 +1,184 @@
+"""Execution side of the report: record every test's outcome, write the report at the end.
+
+Register ``ReportRecorder(settings, report_dir)`` as a plugin (on the controller and on
+xdist workers alike). What it reads from each ``TestReport`` is what pytest-xdist carries
+from workers to the controller:
+
+- ``nodeid``, ``when``, ``outcome``, ``duration``, ``wasxfail`` (xfail reason),
+- the skip reason (``longrepr`` = ``(path, line, "Skipped: reason")``),
+- for failures, ``longrepr.reprcrash.message`` and ``longreprtext``,
+- ``user_properties`` entries ``("lora_evidence", json_string)`` (a ConformanceAssertionError's
+  ``.evidence``) and, optionally, ``("lora_repro", text)`` (a small reproduction).
+
+The recorder itself adds ``("lora_evidence", ...)`` in ``pytest_runtest_makereport`` when the
+test raised a ConformanceAssertionError and no fixture did already. On xdist workers it only
+does that; the controller records and writes. Verification is ``verify.verify``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from lora_conformance.report.verify import feature_of
+
+# The plugin may put environment facts that need torch or the engine here (deep-merged over
+# what the recorder computes): {"engine": {"version": ..., "capabilities": [...]},
+# "device": {"device_name": ..., "driver": ...}, ...}.
+ENV_KEY = pytest.StashKey[dict]()
+EVIDENCE_PROPERTY = "lora_evidence"
+REPRO_PROPERTY = "lora_repro"
+MAX_TEXT = 8000
+
+
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def _skip_reason(report) -> str:
+    lr = report.longrepr
+    if isinstance(lr, (tuple, list)) and len(lr) == 3:
+        text = str(lr[2])
+    else:
+        text = str(lr or "")
+    return text[len("Skipped: "):] if text.startswith("Skipped: ") else text
+
+
+def _failure_message(report) -> str:
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    message = getattr(crash, "message", None)
+    if not message:
+        text = getattr(report, "longreprtext", "") or str(report.longrepr or "")
+        message = text.strip().splitlines()[-1] if text.strip() else "failed"
+    # "pkg.mod.SomeError: text" -> "SomeError: text": the module path is noise in a table.
+    message = re.sub(r"^(?:[A-Za-z_][\w]*\.)+(?=[A-Za-z_]\w*:)", "", message)
+    return message[:MAX_TEXT]
+
+
+def _properties(report, name: str) -> list[Any]:
+    out = []
+    for prop in getattr(report, "user_properties", None) or ():
+        if isinstance(prop, (tuple, list)) and len(prop) == 2 and prop[0] == name:
+            out.append(prop[1])
+    return out
+
+
+def _evidence(report) -> Optional[dict]:
+    for value in _properties(report, EVIDENCE_PROPERTY):
+        if isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(parsed, dict):
+            return parsed
+    return None
+
+
+class ReportRecorder:
+    def __init__(self, settings: Any, report_dir: "str | Path"):
+        self.settings = settings
+        self.report_dir = Path(report_dir)
+        self.records: dict[str, dict[str, Any]] = {}
+        self.written: dict[str, Path] = {}
+        self.verdict = None
+        self.config: Optional[pytest.Config] = None
+
+    # ---- execution: what happened ---------------------------------------------------
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        exc = call.excinfo.value if call.excinfo is not None else None
+        evidence = getattr(exc, "evidence", None)
+        if isinstance(evidence, dict) and not _properties(report, EVIDENCE_PROPERTY):
+            # A fresh list: report.user_properties is item.user_properties itself.
+            report.user_properties = list(report.user_properties) + [
+                (EVIDENCE_PROPERTY, json.dumps(evidence, default=str))]
+
+    def _record(self, nodeid: str) -> dict[str, Any]:
+        return self.records.setdefault(nodeid, {
+            "nodeid": nodeid, "phases": {}, "wasxfail": None, "skip_reason": None, "message": None,
+            "evidence": None, "repro": None, "longrepr": None, "duration": 0.0,
+        })
+
+    def pytest_runtest_logreport(self, report):
+        if self.config is not None and _is_worker(self.config):
+            return
+        rec = self._record(report.nodeid)
+        rec["phases"][report.when] = report.outcome
+        rec["duration"] = round(rec["duration"] + float(report.duration or 0.0), 6)
+        if getattr(report, "wasxfail", None) is not None:
+            rec["wasxfail"] = str(report.wasxfail)
+        if report.skipped and rec["skip_reason"] is None:
+            rec["skip_reason"] = _skip_reason(report)
+        if report.failed:
+            if rec["message"] is None:  # the first failure is the cause; a teardown error follows it
+                rec["message"] = _failure_message(report)
+                rec["longrepr"] = (getattr(report, "longreprtext", "") or "")[-MAX_TEXT:] or None
+            rec["evidence"] = rec["evidence"] or _evidence(report)
+            repro = _properties(report, REPRO_PROPERTY)
+            rec["repro"] = rec["repro"] or (str(repro[0]) if repro else None)
+
+    def pytest_collectreport(self, report):
+        if report.failed and (self.config is None or not _is_worker(self.config)):
+            rec = self._record(report.nodeid or "(session)")
+            rec["phases"]["collect"] = "failed"
+            rec["message"] = _failure_message(report)
+            rec["longrepr"] = (getattr(report, "longreprtext", "") or "")[-MAX_TEXT:] or None
+
+    # ---- session ---------------------------------------------------------------------
+
+    def pytest_sessionstart(self, session):
+        self.config = session.config
+        if not self.report_dir.is_absolute():
+            self.report_dir = Path(session.config.invocation_params.dir) / self.report_dir
+
+    def environment(self, config: Optional[pytest.Config]) -> dict[str, Any]:
+        from lora_conformance.report.environment import fingerprint
+
+        extra = config.stash.get(ENV_KEY, None) if config is not None else None
+        return fingerprint(self.settings, extra)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session, exitstatus):
+        config = session.config
+        self.config = config
+        if _is_worker(config):
+            return
+        from lora_conformance.report.document import build_report, write_report
+        from lora_conformance.report.verify import verify
+
+        report = build_report(self.environment(config), self.records.values())
+        self.written = write_report(report, self.report_dir)
+        self.verdict = verify(report["records"])
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.verdict is None:
+            return
+        from lora_conformance.report.badge import badge_text
+
+        tr = terminalreporter
+        tr.write_sep("=", "LoRA conformance")
+        columns = ("passed", "failed", "error", "xfail", "not certified", "skipped")
+        header = ("suite",) + columns
+        rows = [header] + [(suite,) + tuple(str(c[k]) for k in columns) for suite, c in self.verdict.suites.items()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        for row in rows:
+            tr.write_line(" | ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                                     for i, (cell, w) in enumerate(zip(row, widths))))
+        device = (getattr(self.settings, "device", None) or "unknown").split(":", 1)[0]
+        label, value = badge_text(self.verdict, device)
+        tr.write_line(f"{label} · {value} ({'certified' if self.verdict.certified else 'not certified'})")
+        tr.write_line(f"report: {self.written.get('report.html')}")
+
+
+def feature_id(nodeid: str) -> str:
+    """Convenience re-export: the feature id a test id is reported under."""
+    return feature_of(nodeid)[1]

@@ -1,0 +1,111 @@
+"""report render (re-verify one report) and report merge (engine x device matrix)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lora_conformance.report import cli as report_cli
+from lora_conformance.report.document import SCHEMA, ReportFormatError, build_report, load_report, write_report
+from lora_conformance.report.merge import MergeConflict, merge
+
+OK = {"setup": "passed", "call": "passed", "teardown": "passed"}
+FAIL = {"setup": "passed", "call": "failed", "teardown": "passed"}
+NC = {"setup": "skipped", "teardown": "passed"}
+
+
+def env(engine, device, dtype):
+    return {"engine": {"name": engine, "version": "1"}, "device": {"name": device, "type": device.split(":")[0]},
+            "dtype": dtype, "packages": {"torch": "2.13"}, "date": "2026-01-01"}
+
+
+def r(nodeid, phases, **kw):
+    return {"nodeid": nodeid, "phases": phases, "duration": 1.0, **kw}
+
+
+def write(tmp_path, name, environment, records):
+    out = tmp_path / name
+    write_report(build_report(environment, records), out)
+    return out / "report.json"
+
+
+@pytest.fixture
+def reports(tmp_path):
+    a = write(tmp_path, "builtin-cpu-0", env("builtin", "cpu", "float32"), [
+        r("suites/test_mixed_batch.py::test_routing[1]", OK),
+        r("suites/test_pinning.py::test_pinned", NC, skip_reason="not certified: engine does not declare pinning")])
+    # A second shard of the same configuration: merges into the same column.
+    b = write(tmp_path, "builtin-cpu-1", env("builtin", "cpu", "float32"), [
+        r("suites/test_dora.py::test_dora", OK)])
+    c = write(tmp_path, "sglang-xpu", env("sglang", "xpu:0", "bfloat16"), [
+        r("suites/test_mixed_batch.py::test_routing[1]", FAIL, message="slot 0 wrong"),
+        r("suites/test_pinning.py::test_pinned", OK)])
+    return a, b, c
+
+
+def test_merge_builds_one_matrix(reports):
+    m = merge(load_report(p) for p in reports)
+    assert [c["key"] for c in m["columns"]] == ["builtin@cpu/float32", "sglang@xpu/bfloat16"]
+    assert [c["runs"] for c in m["columns"]] == [2, 1]
+    assert [c["score"] for c in m["columns"]] == ["2/3", "1/2"]
+    assert m["features"] == ["dora/dora", "mixed_batch/routing", "pinning/pinned"]
+    cells = {f: {k: v["status"] for k, v in row.items()} for f, row in m["cells"].items()}
+    assert cells == {
+        "dora/dora": {"builtin@cpu/float32": "passed"},
+        "mixed_batch/routing": {"builtin@cpu/float32": "passed", "sglang@xpu/bfloat16": "failed"},
+        "pinning/pinned": {"builtin@cpu/float32": "not certified", "sglang@xpu/bfloat16": "passed"},
+    }
+
+
+def test_merge_refuses_contradicting_shards(tmp_path, reports):
+    other = write(tmp_path, "again", env("builtin", "cpu", "float32"),
+                  [r("suites/test_dora.py::test_dora", FAIL, message="x")])
+    with pytest.raises(MergeConflict, match="builtin@cpu/float32: suites/test_dora.py::test_dora appears in two"):
+        merge(load_report(p) for p in [reports[1], other])
+
+
+def test_merge_command(reports, tmp_path):
+    out = tmp_path / "merged"
+    done = subprocess.run([sys.executable, "-m", "lora_conformance.report", "merge", *map(str, reports), "-o", str(out)],
+                          capture_output=True, text=True, check=True)
+    assert "into 2 column(s): builtin@cpu/float32 2/3, sglang@xpu/bfloat16 1/2" in done.stdout
+    data = json.loads((out / "report.json").read_text())
+    assert data["schema"] == "lora-conformance/matrix/1"
+    md = (out / "report.md").read_text()
+    assert "| Feature | `builtin@cpu/float32` | `sglang@xpu/bfloat16` |" in md
+    assert "| `dora/dora` | ✅ passed | — |" in md
+    assert "| **passed / counted** | **2/3** | **1/2** |" in md
+    html = (out / "report.html").read_text()
+    assert 'title="slot 0 wrong"' in html and "<script" not in html
+
+
+def test_render_reverifies_from_records(reports, tmp_path, capsys):
+    data = load_report(reports[2])
+    data["verdict"]["summary"]["certified"] = True  # a tampered (or stale) verdict
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(data))
+    parser = argparse.ArgumentParser()
+    report_cli.add_arguments(parser)
+    out = tmp_path / "rendered"
+    assert report_cli.run(parser.parse_args(["render", str(tampered), "-o", str(out)])) == 0
+    captured = capsys.readouterr()
+    assert "stored verdict differs" in captured.err
+    assert "not certified: 1/2 features pass" in captured.out
+    rendered = json.loads((out / "report.json").read_text())
+    assert rendered["verdict"]["summary"]["certified"] is False
+    assert rendered["records"] == data["records"]
+    assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "report.html", "badge.svg"}
+
+
+def test_load_rejects_other_files(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"schema": "something/else"}')
+    with pytest.raises(ReportFormatError, match=f"expected schema '{SCHEMA}', got 'something/else'"):
+        load_report(bad)
+    parser = argparse.ArgumentParser()
+    report_cli.add_arguments(parser)
+    assert report_cli.run(parser.parse_args(["render", str(bad), "-o", str(tmp_path / "o")])) == 2
