@@ -8,6 +8,7 @@ other), the reference, and comparison helpers that apply the dtype's tolerance.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
@@ -23,8 +24,10 @@ MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder"
 
 
 class Harness:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, environment: Optional[dict] = None):
         self.settings = settings
+        # Filled with what only a live engine knows (version, capabilities, limits), for the report.
+        self.environment = environment if environment is not None else {}
         self._model_dirs: dict[str, Path] = {}
         self._kinds: dict[Path, str] = {}
         self._references: dict[Path, Any] = {}
@@ -98,7 +101,16 @@ class Harness:
             self._engine_failures[key] = exc  # do not retry a failing start for every test
             raise
         self._engines[key] = engine
+        self._record(engine)
         return engine
+
+    def _record(self, engine) -> None:
+        if "engine" not in self.environment:
+            self.environment["engine"] = {
+                "version": engine.version(),
+                "capabilities": sorted(c.value for c in engine.capabilities),
+                "limits": dataclasses.asdict(engine.limits),
+            }
 
     def missing_capabilities(self, request: pytest.FixtureRequest, needed: Iterable[str]) -> list[str]:
         from lora_conformance.engines.base import Capability, UnsupportedFeatureError

@@ -199,8 +199,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _harness(config: pytest.Config):
     if HARNESS_KEY not in config.stash:
         from lora_conformance.harness import Harness
+        from lora_conformance.report.recorder import ENV_KEY
 
-        config.stash[HARNESS_KEY] = Harness(get_settings(config))
+        environment = config.stash.setdefault(ENV_KEY, {})
+        config.stash[HARNESS_KEY] = Harness(get_settings(config), environment)
     return config.stash[HARNESS_KEY]
 
 

@@ -1,0 +1,206 @@
+"""Throughput, side by side on one device: the built-in engine vs HF PEFT.
+
+Runs (same requests, greedy, fixed length, no early stop):
+  builtin-mixed   built-in engine, 8 adapters + base rows in one batch
+  builtin-base    built-in engine, no adapters (its own LoRA-overhead baseline)
+  peft-mixed      HF + PEFT generate(adapter_names=[...]) with "__base__" rows
+  peft-single     HF + PEFT, one adapter for the whole batch
+  hf-base         HF generate on the base model
+
+Self-contained: builds a random Qwen2-shaped checkpoint, a word-level tokenizer and rank-16
+all-linear PEFT adapters in a temp dir (no network).
+
+  python bench/engine_throughput.py --config cpu --json out.json
+  python bench/engine_throughput.py --config gpu --device cuda --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CONFIGS = {
+    # Qwen2-0.5B shape (~457M parameters with tied embeddings), bfloat16.
+    "gpu": dict(hidden=896, layers=24, heads=14, kv_heads=2, inter=4864, vocab=32000, dtype="bfloat16",
+                batch=32, prompt=128, new=64, adapters=8, rank=16),
+    "cpu": dict(hidden=256, layers=4, heads=4, kv_heads=2, inter=1376, vocab=8000, dtype="float32",
+                batch=8, prompt=128, new=64, adapters=8, rank=16),
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_world(root: Path, c: dict):
+    from peft import LoraConfig, get_peft_model
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(c["vocab"] - 4)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", padding_side="left")
+    base = root / "base"
+    fast.save_pretrained(str(base))
+    cfg = Qwen2Config(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["inter"],
+                      num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
+                      num_key_value_heads=c["kv_heads"], max_position_embeddings=4096, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(getattr(torch, c["dtype"])).eval()
+    model.save_pretrained(str(base))
+    adapters = {}
+    for i in range(c["adapters"]):
+        m = Qwen2ForCausalLM.from_pretrained(str(base), dtype=getattr(torch, c["dtype"]))
+        pm = get_peft_model(m, LoraConfig(r=c["rank"], lora_alpha=2 * c["rank"], target_modules=TARGETS,
+                                          init_lora_weights=False))
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(100 + i)
+            for n, p in pm.named_parameters():
+                if "lora_" in n:
+                    p.copy_((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype))
+        adapters[f"ad{i}"] = root / f"ad{i}"
+        pm.save_pretrained(str(adapters[f"ad{i}"]))
+    return base, adapters, fast
+
+
+def prompts(c: dict, seed: int) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, c["vocab"], (c["batch"], c["prompt"] - 1), generator=g)  # +BOS = prompt tokens
+    return [" ".join(f"w{int(t) - 4}" for t in row) for row in ids]
+
+
+def routing(c: dict) -> list:
+    # every 4th request on the base model, the others round-robin over the adapters
+    names = [f"ad{i % c['adapters']}" for i in range(c["batch"])]
+    return [None if i % 4 == 3 else n for i, n in enumerate(names)]
+
+
+def timed(fn, device: str) -> float:
+    from lora_conformance import devices
+
+    devices.synchronize(device)
+    t = time.perf_counter()
+    fn()
+    devices.synchronize(device)
+    return time.perf_counter() - t
+
+
+def bench_builtin(base, adapters, c, device, names, graphs: bool) -> float:
+    from lora_conformance.engines.builtin import BuiltinEngine
+    from lora_conformance.types import GenerationRequest
+
+    args = {"max_loras_per_batch": str(c["adapters"]), "max_rank": str(c["rank"]), "graphs": "1" if graphs else "0",
+            "max_batch_size": str(c["batch"]), "max_model_len": str(c["prompt"] + c["new"] + 16),
+            "prefix_cache": "0"}
+    eng = BuiltinEngine(base, device, c["dtype"], args)
+    for n, p in adapters.items():
+        eng.load_adapter(n, p)
+
+    def run(seed):
+        reqs = [GenerationRequest(p, a, max_new_tokens=c["new"], top_k=1, ignore_eos=True)
+                for p, a in zip(prompts(c, seed), names)]
+        res = eng.generate(reqs)
+        assert all(len(r.token_ids) == c["new"] for r in res)
+
+    run(1)  # warm-up: slot loads, graph capture, allocator
+    secs = timed(lambda: run(2), device)
+    eng.close()
+    return secs
+
+
+def bench_hf(base, adapters, c, device, mode: str) -> float:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=getattr(torch, c["dtype"])).to(device).eval()
+    kw = {}
+    if mode != "base":
+        items = list(adapters.items()) if mode == "mixed" else list(adapters.items())[:1]
+        model = PeftModel.from_pretrained(model, str(items[0][1]), adapter_name=items[0][0])
+        for n, p in items[1:]:
+            model.load_adapter(str(p), adapter_name=n)
+        model.eval()
+        if mode == "mixed":
+            kw["adapter_names"] = [n or "__base__" for n in routing(c)]
+    model.generation_config.eos_token_id = None
+
+    def run(seed):
+        enc = tok(prompts(c, seed), return_tensors="pt", padding=True).to(device)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=c["new"], min_new_tokens=c["new"], do_sample=False,
+                                 pad_token_id=tok.pad_token_id, **kw)
+        assert out.shape[1] - enc["input_ids"].shape[1] == c["new"]
+
+    run(1)
+    secs = timed(lambda: run(2), device)
+    del model
+    return secs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="cpu")
+    ap.add_argument("--device", default=None, help="torch device (default: cpu for --config cpu, else auto)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--graphs", choices=("auto", "0", "1"), default="auto")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--skip", default="", help="comma-separated runs to skip (e.g. peft-single)")
+    a = ap.parse_args(argv)
+    from lora_conformance import devices
+
+    c = CONFIGS[a.config]
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = devices.resolve_device(a.device or ("cpu" if a.config == "cpu" else "auto"))
+    graphs = devices.graphs_supported(device) if a.graphs == "auto" else a.graphs == "1"
+    tokens = c["batch"] * c["new"]
+    skip = set(filter(None, a.skip.split(",")))
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base, adapters, _ = build_world(Path(tmp), c)
+        runs = {
+            "builtin-mixed": lambda: bench_builtin(base, adapters, c, device, routing(c), graphs),
+            "builtin-base": lambda: bench_builtin(base, adapters, c, device, [None] * c["batch"], graphs),
+            "peft-mixed": lambda: bench_hf(base, adapters, c, device, "mixed"),
+            "peft-single": lambda: bench_hf(base, adapters, c, device, "single"),
+            "hf-base": lambda: bench_hf(base, adapters, c, device, "base"),
+        }
+        for name, fn in runs.items():
+            if name in skip:
+                continue
+            secs = fn()
+            results[name] = {"seconds": round(secs, 4), "tokens": tokens, "tok_per_s": round(tokens / secs, 1)}
+            print(f"{name:14s} {tokens / secs:10.1f} tok/s  ({secs:.3f} s)", file=sys.stderr, flush=True)
+    tps = {k: v["tok_per_s"] for k, v in results.items()}
+    ratios = {}
+    if "builtin-mixed" in tps and "peft-mixed" in tps:
+        ratios["builtin_mixed_over_peft_mixed"] = round(tps["builtin-mixed"] / tps["peft-mixed"], 2)
+    if "builtin-mixed" in tps and "builtin-base" in tps:
+        ratios["builtin_lora_overhead"] = round(tps["builtin-base"] / tps["builtin-mixed"], 3)
+    if "builtin-mixed" in tps and "hf-base" in tps:
+        ratios["builtin_mixed_over_hf_base"] = round(tps["builtin-mixed"] / tps["hf-base"], 2)
+    report = {"config": a.config, "device": device, "device_name": devices.device_name(device), "graphs": graphs,
+              "workload": c, "torch": torch.__version__, "results": results, "ratios": ratios}
+    print(f"\nconfig={a.config} device={device} ({report['device_name']}) dtype={c['dtype']} graphs={graphs} "
+          f"batch={c['batch']} prompt={c['prompt']} new={c['new']} adapters={c['adapters']} r={c['rank']}")
+    print(f"{'run':16s}{'tok/s':>12s}{'seconds':>10s}")
+    for k, v in results.items():
+        print(f"{k:16s}{v['tok_per_s']:12.1f}{v['seconds']:10.3f}")
+    for k, v in ratios.items():
+        print(f"{k}: {v}")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

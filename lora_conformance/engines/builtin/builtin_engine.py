@@ -1,0 +1,135 @@
+"""BuiltinEngine: the project's own multi-LoRA serving engine behind the Engine interface."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from lora_conformance import devices
+from lora_conformance.engines.base import Capability, Engine, Limits, UnsupportedFeatureError
+from lora_conformance.engines.builtin.args import EngineArgs
+from lora_conformance.engines.builtin.engine.adapter import load_adapter_dir, model_lora_modules
+from lora_conformance.engines.builtin.engine.adapter_pool import AdapterPool
+from lora_conformance.engines.builtin.engine.block_manager import BlockManager
+from lora_conformance.engines.builtin.engine.llm_engine import LLMEngine
+from lora_conformance.engines.builtin.engine.model_runner import ModelRunner
+from lora_conformance.engines.builtin.faults import Faults
+from lora_conformance.engines.builtin.models.config import load_spec
+from lora_conformance.engines.builtin.models.loader import build_model
+from lora_conformance.types import GenerationRequest, GenerationResult
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class BuiltinEngine(Engine):
+    name = "builtin"
+
+    def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
+        super().__init__(model_dir, device, dtype, args)
+        self.cfg = EngineArgs.parse(self.args)
+        self.faults = Faults(self.cfg.fault)
+        self.device = devices.resolve_device(device or "auto")
+        if dtype in (None, "", "auto"):
+            dtype = devices.default_dtype_for(self.device)
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r}: the builtin engine takes one of {', '.join(_DTYPES)}")
+        self.dtype, self.torch_dtype = dtype, _DTYPES[dtype]
+        if self.cfg.graphs and not devices.graphs_supported(self.device):
+            raise UnsupportedFeatureError(
+                f"engine arg graphs=1: graph capture is not supported on {self.device}; use graphs=0"
+            )
+        self.spec = load_spec(self.model_dir)
+        max_len = max(self.cfg.max_model_len, 16)
+        self.model = build_model(self.model_dir, self.spec, self.faults, max_len, self.device, self.torch_dtype)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        bs = self.cfg.kv_block_size
+        num_blocks = self.cfg.num_kv_blocks or 1 + self.cfg.max_batch_size * ((min(max_len, 1024) + bs - 1) // bs)
+        self._modules = model_lora_modules(self.model)
+        pin = devices.pin_memory_supported(self.device)
+        self.pool = AdapterPool(
+            self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction, self.faults,
+            lambda n, p, pinned: load_adapter_dir(n, p, self._modules, self.cfg.max_rank, self.faults,
+                                                  self.torch_dtype, pin),
+        )
+        self.runner = ModelRunner(self.model, self.spec, self.cfg, self.faults, self.device, self.torch_dtype,
+                                  num_blocks)
+        self.blocks = BlockManager(num_blocks, bs, self.cfg.prefix_cache, self.faults)
+        eos = set(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.llm = LLMEngine(self.runner, self.pool, self.blocks, self.tokenizer, self.cfg, eos)
+        self.capabilities = frozenset(self._capabilities())
+        self.limits = Limits(self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.max_rank)
+
+    def _capabilities(self):
+        C = Capability
+        caps = {C.DYNAMIC_LOADING, C.PINNING, C.EVICTION_LRU, C.EVICTION_FIFO, C.MAX_LOADED, C.RSLORA,
+                C.RANK_PATTERN}
+        if self.cfg.overlap_loading:
+            caps.add(C.OVERLAP_LOADING)
+        if self.spec.kind == "encoder":
+            return caps | {C.EMBEDDINGS}
+        caps |= {C.MIXED_BATCH, C.EMBED_TOKENS, C.LM_HEAD, C.PROMPT_LOGPROBS}
+        if self.cfg.prefix_cache:
+            caps.add(C.PREFIX_CACHE)
+        if self.spec.kind == "moe":
+            caps.add(C.MOE)
+        if self.cfg.graphs and self.spec.kind == "decoder":
+            caps.add(C.GRAPHS)
+        return caps
+
+    # ---- adapters --------------------------------------------------------------------
+    def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
+        self.pool.register(name, Path(path), pinned)
+
+    def unload_adapter(self, name: str) -> None:
+        self.pool.unregister(name)
+
+    def list_adapters(self) -> list[str]:
+        return self.pool.names()
+
+    def resident_adapters(self) -> list[str]:
+        """Names whose weights are in the host cache (eviction order: first = next victim under lru)."""
+        return list(self.pool.host)
+
+    def slot_adapters(self) -> list[Optional[str]]:
+        return [s.name for s in self.pool.slots]
+
+    # ---- inference -------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        if self.spec.kind == "encoder":
+            raise UnsupportedFeatureError(f"{self.model_dir} is an encoder: use embed(), not generate()")
+        return self.llm.generate(list(requests))
+
+    @torch.inference_mode()
+    def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
+        if self.spec.kind != "encoder":
+            raise UnsupportedFeatureError(f"{self.model_dir} is a decoder: the builtin engine embeds with encoders only")
+        slot = -1
+        if adapter is not None:
+            slot = self.pool.assign(adapter, set())
+            self.runner.load_slots(self.pool.pending_copies())
+        self.tokenizer.padding_side = "right"  # absolute positions: padding must come last
+        enc = self.tokenizer(list(texts), padding=True, truncation=True,
+                             max_length=self.spec.max_position_embeddings, return_tensors="pt")
+        ids, attn = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+        slots = torch.full((ids.numel(),), self.runner.row_slots_for(slot), dtype=torch.long, device=self.device)
+        out = self.model(ids, attn, self.runner.lora_batch(slots, None))
+        return out.cpu().tolist()
+
+    def version(self) -> str:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("lora-conformance")
+        except PackageNotFoundError:
+            v = "0+unknown"
+        return f"lora-conformance builtin {v}"
+
+    def close(self) -> None:
+        self.model = None
+        self.runner = None

@@ -1,0 +1,235 @@
+"""Read a PEFT LoRA adapter directory into host tensors packed for the slot pool.
+
+Validation happens here, once, with errors that name the adapter path and the field:
+unsupported features (DoRA, modules_to_save, bias) -> UnsupportedFeatureError; rank above
+max_rank, unknown target modules, shape mismatches -> AdapterIncompatibleError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from lora_conformance.engines.base import AdapterIncompatibleError, UnsupportedFeatureError
+
+PREFIX = "base_model.model."
+
+
+def pattern_value(patterns: dict, module: str, default):
+    """PEFT semantics: a key matches a dot-bounded suffix of the module name; first match wins."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+@dataclass
+class PackedLora:
+    """One module's LoRA, zero-padded to the pool rank. Shapes depend on the module kind:
+    linear A (R, in) / Bt (R, out); embedding At (vocab, R) / Bt (R, hidden);
+    expert A (E, R, in) / Bt (E, R, out)."""
+
+    A: torch.Tensor
+    Bt: torch.Tensor
+    rank: int
+
+
+@dataclass
+class HostAdapter:
+    name: str
+    path: Path
+    identity: str  # content hash: what the prefix cache keys on
+    modules: dict[str, PackedLora] = field(default_factory=dict)
+
+    @property
+    def max_rank(self) -> int:
+        return max((m.rank for m in self.modules.values()), default=0)
+
+
+def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], bytes]:
+    st = path / "adapter_model.safetensors"
+    if st.exists():
+        from safetensors.torch import load_file
+
+        return load_file(str(st)), st.read_bytes()
+    binf = path / "adapter_model.bin"
+    if binf.exists():
+        return torch.load(str(binf), map_location="cpu", weights_only=True), binf.read_bytes()
+    raise AdapterIncompatibleError(f"adapter {path}: no adapter_model.safetensors (or .bin) found")
+
+
+def _check_config(cfg: dict, path: Path) -> None:
+    where = f"{path}/adapter_config.json"
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterIncompatibleError(f"adapter {path}: peft_type={cfg.get('peft_type')!r} in {where}; only LORA")
+    if cfg.get("use_dora"):
+        raise UnsupportedFeatureError(f"DoRA (use_dora=true in {where}) is not supported by the builtin engine")
+    if cfg.get("modules_to_save"):
+        raise UnsupportedFeatureError(
+            f"modules_to_save={cfg['modules_to_save']!r} in {where} is not supported by the builtin engine"
+        )
+    if cfg.get("bias", "none") != "none" or cfg.get("lora_bias"):
+        raise UnsupportedFeatureError(f"LoRA bias (bias={cfg.get('bias')!r}, lora_bias in {where}) is not supported")
+    if cfg.get("trainable_token_indices"):
+        raise UnsupportedFeatureError(f"trainable_token_indices in {where} is not supported by the builtin engine")
+
+
+def _split_key(key: str) -> tuple[str, str, int]:
+    """'base_model.model.X.base_layer.lora_A.weight' -> (module X, 'A'|'B'|'embA'|'embB', nesting depth)."""
+    k = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    for suffix, kind in ((".lora_A.weight", "A"), (".lora_B.weight", "B"),
+                         (".lora_embedding_A", "embA"), (".lora_embedding_B", "embB")):
+        if k.endswith(suffix):
+            mod = k[: -len(suffix)]
+            depth = 0
+            while mod.endswith(".base_layer"):
+                mod, depth = mod[: -len(".base_layer")], depth + 1
+            return mod, kind, depth
+    return k, "", 0
+
+
+def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, faults, dtype,
+                     pin: bool) -> HostAdapter:
+    """model_modules: our module name -> ('linear'|'embedding'|'expert', module)."""
+    path = Path(path)
+    cfg_file = path / "adapter_config.json"
+    if not cfg_file.exists():
+        raise AdapterIncompatibleError(f"adapter {path}: adapter_config.json not found")
+    cfg = json.loads(cfg_file.read_text())
+    _check_config(cfg, path)
+    tensors, raw = _read_tensors(path)
+    if any(k.endswith("lora_magnitude_vector") for k in tensors):
+        raise UnsupportedFeatureError(f"DoRA magnitude vectors in {path} are not supported by the builtin engine")
+
+    r0, alpha0, rs = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8)), bool(cfg.get("use_rslora", False))
+    rank_pat, alpha_pat = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    targets = cfg.get("target_modules")
+    tparams = list(cfg.get("target_parameters") or [])
+    if isinstance(targets, list):
+        names = list(model_modules)
+        for t in targets:
+            if not any(n == t or n.endswith("." + t) for n in names):
+                raise AdapterIncompatibleError(
+                    f"adapter {path}: target_modules entry {t!r} matches no module of this model"
+                )
+
+    pairs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        mod, kind, depth = _split_key(key)
+        if not kind:
+            continue  # base_layer copies of embed_tokens/lm_head and the like
+        if mod.startswith("bert."):
+            mod = mod[len("bert."):]
+        pairs.setdefault((mod, depth), {})[kind] = t
+
+    ad = HostAdapter(name=name, path=path, identity="")
+    for (mod, depth), ts in sorted(pairs.items()):
+        target = mod if mod in model_modules else _expert_target(mod, ts, tparams, model_modules)
+        if target not in model_modules:
+            raise AdapterIncompatibleError(
+                f"adapter {path}: target_modules/target_parameters names module {mod!r}, which this model lacks"
+            )
+        kind_m, module = model_modules[target]
+        if faults.on("drop_v_proj") and target.endswith("v_proj"):
+            continue
+        if faults.on("lm_head_dropped") and target.endswith("lm_head"):
+            continue
+        if faults.on("embed_tokens_dropped") and kind_m == "embedding":
+            continue
+        A, B = (ts.get("embA"), ts.get("embB")) if kind_m == "embedding" else (ts.get("A"), ts.get("B"))
+        if A is None or B is None:
+            raise AdapterIncompatibleError(f"adapter {path}: module {mod!r} lacks its lora_A or lora_B tensor")
+        E = module.weight.shape[0] if kind_m == "expert" else 1
+        r = A.shape[0] // E
+        if r > max_rank:
+            field_ = "rank_pattern" if pattern_value(rank_pat, target, None) else "r"
+            raise AdapterIncompatibleError(
+                f"adapter {path}: rank {r} of {target} ({field_} in adapter_config.json) exceeds max_rank={max_rank}"
+            )
+        key_for_patterns = mod if kind_m == "expert" else target
+        rm = int(pattern_value(rank_pat, key_for_patterns, r0))
+        am = float(pattern_value(alpha_pat, key_for_patterns, alpha0))
+        if faults.on("patterns_ignored"):
+            rm, am = r0, alpha0
+        use_rs = rs and not faults.on("rslora_ignored")
+        scale = am if faults.on("scaling_alpha_not_over_r") else am / (math.sqrt(rm) if use_rs else rm)
+        ad.modules[target] = _pack(kind_m, module, A.float(), B.float(), r, E, scale, max_rank, dtype, path, target)
+    if pin:
+        for m in ad.modules.values():
+            m.A, m.Bt = m.A.pin_memory(), m.Bt.pin_memory()
+    h = hashlib.sha256(raw)
+    h.update(json.dumps({"r": r0, "a": alpha0, "rs": rs, "rp": rank_pat, "ap": alpha_pat}, sort_keys=True).encode())
+    ad.identity = h.hexdigest()[:32]
+    return ad
+
+
+def _expert_target(mod: str, ts: dict, tparams: list[str], model_modules: dict) -> str:
+    """Which fused expert parameter a (nested) ParamWrapper's tensors belong to.
+
+    Nesting depth follows the order PEFT applied the wrappers, which the saved config does not
+    reliably preserve, so match by shape: gate_up (E, 2I, H) takes lora_A (r*E, H) and lora_B
+    (2I, r*E); down (E, H, I) takes (r*E, I) and (H, r*E). The two never both fit.
+    """
+    A, B = ts.get("A"), ts.get("B")
+    for p in tparams:
+        owner, _, pname = p.rpartition(".")
+        cand = f"{mod}.{pname}"
+        if not mod.endswith(owner) or cand not in model_modules or A is None or B is None:
+            continue
+        E, out_f, in_f = model_modules[cand][1].weight.shape
+        if A.shape[1] == in_f and B.shape[0] == out_f and A.shape[0] % E == 0:
+            return cand
+    return mod
+
+
+def _pack(kind, module, A, B, r, E, scale, R, dtype, path, target) -> PackedLora:
+    def bad(what):
+        return AdapterIncompatibleError(f"adapter {path}: {target} {what} does not fit the base model's shape")
+
+    if kind == "linear":
+        if A.shape[1] != module.in_features or B.shape != (module.out_features, r):
+            raise bad(f"lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)}")
+        Ap = torch.zeros(R, A.shape[1]); Ap[:r] = A  # noqa: E702
+        Bp = torch.zeros(R, B.shape[0]); Bp[:r] = (B * scale).t()  # noqa: E702
+    elif kind == "embedding":  # lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)
+        if A.shape[1] != module.num_embeddings or B.shape != (module.embedding_dim, r):
+            raise bad(f"lora_embedding_A {tuple(A.shape)} / lora_embedding_B {tuple(B.shape)}")
+        Ap = torch.zeros(A.shape[1], R); Ap[:, :r] = A.t()  # noqa: E702
+        Bp = torch.zeros(R, B.shape[0]); Bp[:r] = (B * scale).t()  # noqa: E702
+    else:  # expert: lora_A (r*E, in) grouped by expert; lora_B (out, r*E) grouped by rank
+        _, out_f, in_f = module.weight.shape
+        if A.shape != (r * E, in_f) or B.shape != (out_f, r * E):
+            raise bad(f"lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)}")
+        Ae = A.view(E, r, in_f)
+        Be = B.view(out_f, r, E).permute(2, 1, 0)  # (E, r, out) = B_e^T
+        Ap = torch.zeros(E, R, in_f); Ap[:, :r] = Ae  # noqa: E702
+        Bp = torch.zeros(E, R, out_f); Bp[:, :r] = Be * scale  # noqa: E702
+    return PackedLora(Ap.to(dtype).contiguous(), Bp.to(dtype).contiguous(), r)
+
+
+def model_lora_modules(model) -> dict:
+    """Our LoRA-capable modules by name, with their kind."""
+    from lora_conformance.engines.builtin.layers.embedding import LoraEmbedding
+    from lora_conformance.engines.builtin.layers.linear import LoraLinear
+    from lora_conformance.engines.builtin.models.moe import ExpertParam
+
+    out = {}
+    for n, m in model.named_modules():
+        if isinstance(m, LoraLinear):
+            out[n] = ("linear", m)
+        elif isinstance(m, LoraEmbedding):
+            out[n] = ("embedding", m)
+        elif isinstance(m, ExpertParam):
+            out[n] = ("expert", m)
+    return out
+
+
+def identity_of(adapter: Optional[HostAdapter]) -> str:
+    return "base" if adapter is None else adapter.identity

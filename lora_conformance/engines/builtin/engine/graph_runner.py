@@ -1,0 +1,89 @@
+"""Decode under captured device graphs, through the device layer.
+
+One graph per (padded batch size, padded block-table width, LoRA layout). Inputs live in
+static buffers that every replay overwrites -- including the per-row adapter slot indices,
+which is exactly what fault ``graph_stale_indices`` forgets to do. Padding rows write
+their KV into scratch block 0 and use slot -1 (base).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lora_conformance import devices
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def _bucket(n: int, buckets) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return n
+
+
+class DecodeGraphs:
+    def __init__(self, runner):
+        self.runner = runner
+        self.device = runner.device
+        self.graphs: dict[tuple, tuple] = {}
+        self.pool = devices.graph_pool_handle(self.device)
+        self.max_width = (runner.args.max_model_len + runner.block_size - 1) // runner.block_size
+
+    def _widths(self):
+        w, out = 4, []
+        while w < self.max_width:
+            out.append(w)
+            w *= 2
+        return out + [self.max_width]
+
+    def _buffers(self, B: int, W: int) -> dict:
+        # One flat int64 buffer, so each replay needs a single host->device copy.
+        flat = torch.zeros(B * (5 + W), dtype=torch.long, device=self.device)
+        cols = flat[: 5 * B].view(5, B)
+        return {"flat": flat, "ids": cols[0], "pos": cols[1], "smap": cols[2], "ctx": cols[3], "slots": cols[4],
+                "tables": flat[5 * B:].view(B, W)}
+
+    def _capture(self, bufs: dict):
+        """Capture with the current batch already in the buffers (the warm-up step writes the
+        same KV values the replay will write)."""
+        r, dev = self.runner, self.device
+        fn = lambda: r.decode_forward(bufs["ids"], bufs["pos"], bufs["smap"], bufs["tables"], bufs["ctx"], bufs["slots"])  # noqa: E731
+        side = devices.new_stream(dev)
+        side.wait_stream(devices.current_stream(dev))
+        with devices.stream_context(dev, side):
+            fn()  # warm-up outside capture (lazy inits, allocator)
+        devices.current_stream(dev).wait_stream(side)
+        graph = devices.new_graph(dev)
+        with devices.graph_capture(dev, graph, pool=self.pool):
+            out = fn()
+        return graph, out
+
+    def run(self, seqs, ids, pos, smap, ctx, slots) -> torch.Tensor:
+        r = self.runner
+        n = len(seqs)
+        B = _bucket(n, BATCH_BUCKETS)
+        W = _bucket(max(len(s.block_table) for s in seqs), self._widths())
+        key = (B, W, r.layout_version, r.lora_signature)
+        entry = self.graphs.get(key)
+        if entry is None:
+            self.graphs = {k: v for k, v in self.graphs.items() if k[2:] == key[2:]}  # drop stale layouts
+            entry = self.graphs[key] = {"bufs": self._buffers(B, W), "graph": None}
+        pad = B - n
+        slot_row = slots + [-1] * pad
+        if r.faults.on("graph_stale_indices") and entry["graph"] is not None:
+            slot_row = entry["captured_slots"]  # the bug: indices frozen at capture time
+        host = ids + [0] * pad
+        host += pos + [0] * pad
+        host += smap + [0] * pad
+        host += ctx + [1] * pad
+        host += slot_row
+        for s in seqs:
+            host += s.block_table + [0] * (W - len(s.block_table))
+        host += [0] * (W * pad)
+        entry["bufs"]["flat"].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
+        if entry["graph"] is None:
+            entry["graph"], entry["out"] = self._capture(entry["bufs"])
+            entry["captured_slots"] = slot_row
+        entry["graph"].replay()
+        return entry["out"][:n]

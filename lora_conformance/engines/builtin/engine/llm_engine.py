@@ -1,0 +1,68 @@
+"""The serving loop: requests -> sequences -> scheduler steps -> model runner -> results."""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+from lora_conformance.engines.builtin.engine.adapter_pool import AdapterPool
+from lora_conformance.engines.builtin.engine.block_manager import BlockManager
+from lora_conformance.engines.builtin.engine.model_runner import ModelRunner
+from lora_conformance.engines.builtin.engine.scheduler import Scheduler
+from lora_conformance.engines.builtin.engine.sequence import Sequence
+from lora_conformance.types import GenerationRequest, GenerationResult
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, pool: AdapterPool, blocks: BlockManager, tokenizer, args, eos_ids):
+        self.runner, self.pool, self.blocks, self.tokenizer = runner, pool, blocks, tokenizer
+        self.scheduler = Scheduler(blocks, pool, args.max_batch_size, max(args.max_model_len, 8192))
+        self.eos_ids = set(eos_ids)
+        self.steps = {"prefill": 0, "decode": 0}
+
+    def make_sequences(self, requests: Seq[GenerationRequest]) -> list[Sequence]:
+        seqs = []
+        for i, req in enumerate(requests):
+            identity = "base" if req.adapter is None else self.pool.check(req.adapter).identity
+            ids = self.tokenizer(req.prompt)["input_ids"]
+            seqs.append(Sequence(list(ids), req.adapter, identity, req.max_new_tokens, req.top_k,
+                                 req.prompt_logprobs, req.ignore_eos, index=i))
+        return seqs
+
+    def generate(self, requests: Seq[GenerationRequest]) -> list[GenerationResult]:
+        seqs = self.make_sequences(requests)
+        # Canonical admission order: results do not depend on the order of the caller's list.
+        for s in sorted(seqs, key=lambda s: (s.identity, s.prompt_ids, s.max_new_tokens, s.top_k,
+                                             s.want_prompt_logprobs, s.ignore_eos, s.index)):
+            if s.max_new_tokens > 0:
+                self.scheduler.add(s)
+            elif s.want_prompt_logprobs:
+                s.max_new_tokens = 0
+                self.scheduler.add(s)
+        while self.scheduler.has_work():
+            batch, is_prefill = self.scheduler.schedule()
+            if not batch:
+                break
+            self.runner.load_slots(self.pool.pending_copies())
+            outs = self.runner.prefill(batch) if is_prefill else self.runner.decode(batch)
+            self.steps["prefill" if is_prefill else "decode"] += 1
+            for s in batch:
+                tok, top, prompt_lp = outs[s.seq_id]
+                if is_prefill:
+                    s.num_computed = len(s)
+                    self.blocks.publish_prompt(s)
+                    if prompt_lp is not None:
+                        s.prompt_logprobs = [dict(r) for r in prompt_lp]
+                else:
+                    s.num_computed += 1
+                if s.max_new_tokens > len(s.output_ids):
+                    s.output_ids.append(tok)
+                    s.logprobs.append(dict(top))
+                stop = not s.ignore_eos and tok in self.eos_ids
+                if len(s.output_ids) >= s.max_new_tokens or stop:
+                    self.scheduler.finish(s)
+        return [self._result(s) for s in seqs]
+
+    def _result(self, s: Sequence) -> GenerationResult:
+        text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+        return GenerationResult(token_ids=list(s.output_ids), text=text, logprobs=list(s.logprobs),
+                                prompt_token_ids=list(s.prompt_ids), prompt_logprobs=s.prompt_logprobs)

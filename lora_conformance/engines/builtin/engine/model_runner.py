@@ -1,0 +1,210 @@
+"""The model runner owns every device tensor: weights, KV cache, LoRA slot pools, graphs.
+
+It turns a scheduled batch into flat tensors (tokens, positions, cache slots, per-token
+adapter slots), runs the model, and returns greedy tokens with top-k logprobs on the host
+(one device->host transfer per step, none per layer).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lora_conformance import devices
+from lora_conformance.engines.builtin.engine.adapter import HostAdapter, model_lora_modules
+from lora_conformance.engines.builtin.engine.sequence import Sequence
+from lora_conformance.engines.builtin.layers.attention import AttentionMetadata, build_mask
+from lora_conformance.engines.builtin.layers.lora import LoraBatch, segments_of
+from lora_conformance.engines.builtin.layers.sampler import greedy_with_topk
+
+StepOutput = tuple[int, list[tuple[int, float]], Optional[list[list[tuple[int, float]]]]]
+
+
+class ModelRunner:
+    def __init__(self, model, spec, args, faults, device: str, dtype, num_blocks: int):
+        self.model, self.spec, self.args, self.faults = model, spec, args, faults
+        self.device, self.dtype = device, dtype
+        self.num_slots, self.rank = args.max_loras_per_batch, args.max_rank
+        self.block_size = args.kv_block_size
+        self.lora_modules = model_lora_modules(model)
+        self.layout_version = 0  # bumped when a module's pool is allocated: graphs must be recaptured
+        self.lora_signature: tuple = ()
+        self.load_stream = devices.new_stream(device) if args.overlap_loading else None
+        self._inflight: list = []  # host tensors of copies that may still be running
+        if spec.kind != "encoder":
+            shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+            model.kv_caches = [
+                (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(spec.num_layers)
+            ]
+        self.graphs = None
+        if args.graphs and spec.kind == "decoder":
+            from lora_conformance.engines.builtin.engine.graph_runner import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
+
+    # ---- adapter slots -------------------------------------------------------------
+    def load_slots(self, copies: list[tuple[int, HostAdapter]]) -> None:
+        """Copy adapters into their slots; with overlap loading on a side stream + event."""
+        if not copies:
+            return
+        for _, ad in copies:
+            for name in ad.modules:
+                _, mod = self.lora_modules[name]
+                if not self._pool_of(mod):
+                    mod.alloc_pool(self.num_slots, self.rank)
+                    self.layout_version += 1
+        compute = devices.current_stream(self.device)
+        side = self.load_stream
+        if side is not None:
+            side.wait_stream(compute)  # the slot may still be read by queued work
+        ctx = devices.stream_context(self.device, side) if side is not None else _null()
+        with ctx:
+            for slot, ad in copies:
+                for name, (_, mod) in self.lora_modules.items():
+                    if not self._pool_of(mod):
+                        continue
+                    p = ad.modules.get(name)
+                    A, Bt = self._pool_of(mod)
+                    if p is None:
+                        if mod.slot_rank[slot]:
+                            A[..., slot, :, :].zero_() if A.dim() == 4 else A[slot].zero_()
+                            Bt[..., slot, :, :].zero_() if Bt.dim() == 4 else Bt[slot].zero_()
+                        mod.slot_rank[slot] = 0
+                        continue
+                    nb = p.A.is_pinned()
+                    if A.dim() == 4:  # experts: (E, S, R, in)
+                        A[:, slot].copy_(p.A, non_blocking=nb)
+                        Bt[:, slot].copy_(p.Bt, non_blocking=nb)
+                    else:
+                        A[slot].copy_(p.A, non_blocking=nb)
+                        Bt[slot].copy_(p.Bt, non_blocking=nb)
+                    mod.slot_rank[slot] = p.rank
+                self._inflight.append(ad)
+        # Which modules have any LoRA at all is host state the forward branches on: graphs key on it.
+        self.lora_signature = tuple(bool(any(m.slot_rank)) for _, m in self.lora_modules.values())
+        if side is not None:
+            event = devices.new_event(self.device)
+            event.record(side)
+            if not self.faults.on("overlap_no_wait"):
+                devices.wait_event(self.device, event, compute)
+        self._inflight = self._inflight[-2 * self.num_slots:]
+
+    @staticmethod
+    def _pool_of(mod):
+        if hasattr(mod, "lora_At"):
+            return None if mod.lora_At is None else (mod.lora_At, mod.lora_Bt)
+        return None if mod.lora_A is None else (mod.lora_A, mod.lora_Bt)
+
+    # ---- routing ---------------------------------------------------------------------
+    def row_slots(self, seqs: list[Sequence]) -> list[int]:
+        slots = [s.slot for s in seqs]
+        if self.faults.on("adapter_index_off_by_one"):
+            slots = [x + 1 if x >= 0 else x for x in slots]
+        if self.faults.on("base_gets_last_adapter"):
+            used = [x for x in slots if x >= 0]
+            if used:
+                slots = [x if x >= 0 else max(used) for x in slots]
+        return slots
+
+    def row_slots_for(self, slot: int) -> int:
+        """Fault-aware slot for a single-adapter batch (embeddings)."""
+        return self.row_slots([type("S", (), {"slot": slot})()])[0]
+
+    def lora_batch(self, token_slots: torch.Tensor, segments) -> LoraBatch:
+        return LoraBatch.build(token_slots, self.num_slots, self.dtype, segments,
+                               fp16=self.faults.on("lora_fp16"), times=2 if self.faults.on("delta_twice") else 1)
+
+    def _t(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    # ---- prefill -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> dict[int, StepOutput]:
+        seqs = sorted(seqs, key=lambda s: s.slot)  # contiguous per-adapter segments (SGMV)
+        bs = self.block_size
+        ids, pos, smap, tok_slots, q_lens, ctx_lens, logit_rows = [], [], [], [], [], [], []
+        q_index, out_index = [], []
+        slots = self.row_slots(seqs)
+        Lq = max(len(s) - s.num_cached for s in seqs)
+        for b, (s, slot) in enumerate(zip(seqs, slots)):
+            start, toks = s.num_cached, s.tokens
+            n = len(toks) - start
+            t0 = len(ids)
+            ids += toks[start:]
+            pos += range(start, len(toks))
+            smap += [s.block_table[p // bs] * bs + p % bs for p in range(start, len(toks))]
+            tok_slots += [slot] * n
+            q_lens.append(n)
+            ctx_lens.append(len(toks))
+            q_index.append(list(range(t0, t0 + n)) + [-1] * (Lq - n))
+            out_index += [b * Lq + i for i in range(n)]
+            want_prompt = s.want_prompt_logprobs and s.prompt_logprobs is None
+            logit_rows += list(range(t0, t0 + n)) if want_prompt else [t0 + n - 1]
+        T = len(ids)
+        q_index = [[T if i < 0 else i for i in row] for row in q_index]
+        W = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (W - len(s.block_table)) for s in seqs]
+        ctx_t, q_t = self._t(ctx_lens), self._t(q_lens)
+        meta = AttentionMetadata(self._t(smap), self._t(tables), self._t(q_index), self._t(out_index),
+                                 build_mask(ctx_t, q_t, Lq, W * bs))
+        slots_t = self._t(tok_slots)
+        rows_t = self._t(logit_rows)
+        lora = self.lora_batch(slots_t, segments_of(tok_slots))
+        row_slot_list = [tok_slots[r] for r in logit_rows]
+        lora_logits = lora.rows(rows_t, segments_of(row_slot_list))
+        logits = self.model(self._t(ids), self._t(pos), meta, lora, rows_t, lora_logits)
+        k = max(max(s.top_k for s in seqs), 1)
+        nxt, top_ids, top_lp = greedy_with_topk(logits, k)
+        top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
+        out: dict[int, StepOutput] = {}
+        r = 0
+        for s in seqs:
+            want_prompt = s.want_prompt_logprobs and s.prompt_logprobs is None
+            n = len(s) - s.num_cached if want_prompt else 1
+            rows = [list(zip(top_ids[r + i][: s.top_k], top_lp[r + i][: s.top_k])) for i in range(n)]
+            last = r + n - 1
+            out[s.seq_id] = (top_ids[last][0], rows[-1], rows[:-1] if want_prompt else None)
+            r += n
+        return out
+
+    # ---- decode ------------------------------------------------------------------------
+    def decode_inputs(self, seqs: list[Sequence]):
+        bs = self.block_size
+        ids = [s.tokens[-1] for s in seqs]
+        pos = [len(s) - 1 for s in seqs]
+        smap = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        ctx = [len(s) for s in seqs]
+        return ids, pos, smap, ctx, self.row_slots(seqs)
+
+    def decode_forward(self, ids, pos, smap, tables, ctx_lens, slots) -> torch.Tensor:
+        """Tensor-only decode step (what graphs capture): one query per sequence."""
+        B, W = tables.shape
+        ar = torch.arange(B, device=ids.device)
+        meta = AttentionMetadata(smap, tables, ar.view(B, 1), ar, build_mask(ctx_lens, torch.ones_like(ctx_lens), 1, W * self.block_size))
+        lora = self.lora_batch(slots, None)
+        return self.model(ids, pos, meta, lora, ar, lora)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> dict[int, StepOutput]:
+        ids, pos, smap, ctx, slots = self.decode_inputs(seqs)
+        if self.graphs is not None:
+            logits = self.graphs.run(seqs, ids, pos, smap, ctx, slots)
+        else:
+            W = max(len(s.block_table) for s in seqs)
+            tables = self._t([s.block_table + [0] * (W - len(s.block_table)) for s in seqs])
+            logits = self.decode_forward(self._t(ids), self._t(pos), self._t(smap), tables, self._t(ctx), self._t(slots))
+        k = max(max(s.top_k for s in seqs), 1)
+        _, top_ids, top_lp = greedy_with_topk(logits, k)
+        top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
+        return {s.seq_id: (top_ids[i][0], list(zip(top_ids[i][: s.top_k], top_lp[i][: s.top_k])), None)
+                for i, s in enumerate(seqs)}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False

@@ -1,0 +1,52 @@
+"""Deliberate bugs for self-validation: ``--engine-arg fault=NAME`` switches exactly one on.
+
+Each fault alters the code path its name says, so a conformance suite that is worth its
+salt must fail against it. None is ever active without the engine arg. Faults marked
+[streams] or [graphs] only change behaviour on a device with asynchronous streams or
+graph capture; on cpu those code paths do not exist and the fault is inert.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+FAULTS: dict[str, str] = {
+    "base_gets_last_adapter": "base rows in a mixed batch receive the adapter in the batch's last used slot",
+    "adapter_index_off_by_one": "adapter rows use slot index + 1 (the neighbouring adapter, or none)",
+    "scaling_alpha_not_over_r": "LoRA scaling is lora_alpha instead of lora_alpha / r",
+    "rslora_ignored": "use_rslora is ignored: scaling alpha / r instead of alpha / sqrt(r)",
+    "patterns_ignored": "rank_pattern / alpha_pattern are ignored when computing the scaling",
+    "drop_v_proj": "v_proj LoRA weights are silently dropped",
+    "lm_head_dropped": "lm_head LoRA is silently dropped",
+    "embed_tokens_dropped": "embed_tokens LoRA is silently dropped",
+    "stale_reload": "reloading an adapter name keeps the old weights",
+    "prefix_cache_ignores_adapter": "prefix cache blocks are keyed by tokens only, not by adapter identity",
+    "evict_pinned": "eviction (host cache and device slots) may evict a pinned adapter",
+    "lora_fp16": "the LoRA delta is computed in float16 whatever the model dtype",
+    "graph_stale_indices": "[graphs] graph replay uses the adapter slot indices captured at capture time",
+    "overlap_no_wait": "[streams] the compute stream does not wait on the overlap-load event",
+    "moe_expert_mismatch": "MoE expert LoRA of expert e is applied to expert e+1 (mod E)",
+    "delta_twice": "the LoRA delta is added twice",
+}
+
+# Faults whose code path exists only on accelerators (cpu runs in order and has no graphs).
+DEVICE_ONLY_FAULTS: dict[str, str] = {"graph_stale_indices": "graphs", "overlap_no_wait": "streams"}
+
+
+class Faults:
+    """The one active fault (or none); ``faults.on("name")`` guards each deliberate bug."""
+
+    def __init__(self, name: Optional[str] = None):
+        if name in ("", "none"):
+            name = None
+        if name is not None and name not in FAULTS:
+            catalogue = "\n".join(f"  {k}: {v}" for k, v in FAULTS.items())
+            raise ValueError(f"unknown fault {name!r}; the catalogue:\n{catalogue}")
+        self.name = name
+
+    def on(self, name: str) -> bool:
+        assert name in FAULTS, name  # a typo here would make a fault silently inert
+        return self.name == name
+
+    def __repr__(self) -> str:
+        return f"Faults({self.name!r})"

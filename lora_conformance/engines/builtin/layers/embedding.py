@@ -1,0 +1,43 @@
+"""Token embedding with embed_tokens LoRA: E[x] + s * (A^T[x] @ B^T), routed per token."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lora_conformance.engines.builtin.layers.linear import LoraContext
+
+
+class LoraEmbedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, ctx: LoraContext):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = vocab, hidden
+        self.weight = nn.Parameter(torch.empty(vocab, hidden), requires_grad=False)
+        self.ctx = ctx
+        self.lora_At: Optional[torch.Tensor] = None  # (S, vocab, R): row lookup by token id
+        self.lora_Bt: Optional[torch.Tensor] = None  # (S, R, hidden), scaling folded in
+        self.slot_rank: list[int] = []
+
+    def alloc_pool(self, num_slots: int, rank: int) -> None:
+        w = self.weight
+        self.lora_At = torch.zeros(num_slots, self.num_embeddings, rank, dtype=w.dtype, device=w.device)
+        self.lora_Bt = torch.zeros(num_slots, rank, self.embedding_dim, dtype=w.dtype, device=w.device)
+        self.slot_rank = [0] * num_slots
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        e = F.embedding(ids, self.weight)
+        batch = self.ctx.batch
+        if self.lora_At is None or batch is None or not any(self.slot_rank):
+            return e
+        S, _, R = self.lora_At.shape
+        slots = batch.token_slots.clamp(0, S - 1)
+        h = self.lora_At[slots, ids]  # (T, R); rows of base tokens are zeroed by the one-hot below
+        bt = self.lora_Bt.reshape(S * R, -1)
+        if batch.fp16:
+            h, bt = h.half(), bt.half()
+        h = (batch.onehot.to(h.dtype).unsqueeze(2) * h.unsqueeze(1)).reshape(h.shape[0], S * R)
+        d = (h @ bt).to(e.dtype)
+        return e + d * batch.times

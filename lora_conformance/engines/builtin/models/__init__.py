@@ -1,0 +1,1 @@
+"""Architectures served by the built-in engine, written from scratch on our layers."""

@@ -1,0 +1,111 @@
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3 and the MoE variants' shared skeleton).
+
+Module names mirror the HF checkpoints (``model.layers.N.self_attn.q_proj``, ``lm_head``),
+so PEFT adapter keys map onto our LoRA layers by name.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lora_conformance.engines.builtin.layers.attention import AttentionMetadata, paged_attention
+from lora_conformance.engines.builtin.layers.embedding import LoraEmbedding
+from lora_conformance.engines.builtin.layers.linear import LoraContext, LoraLinear
+from lora_conformance.engines.builtin.layers.lora import LoraBatch
+from lora_conformance.engines.builtin.layers.rmsnorm import RMSNorm
+from lora_conformance.engines.builtin.layers.rotary import RotaryEmbedding
+from lora_conformance.engines.builtin.models.config import ModelSpec
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, ctx: LoraContext):
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_proj = LoraLinear(h, spec.num_heads * d, spec.qkv_bias, ctx)
+        self.k_proj = LoraLinear(h, spec.num_kv_heads * d, spec.qkv_bias, ctx)
+        self.v_proj = LoraLinear(h, spec.num_kv_heads * d, spec.qkv_bias, ctx)
+        self.o_proj = LoraLinear(spec.num_heads * d, h, spec.o_bias, ctx)
+        self.q_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
+        self.scale = d**-0.5
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, act: str, ctx: LoraContext):
+        super().__init__()
+        self.gate_proj = LoraLinear(hidden, inter, False, ctx)
+        self.up_proj = LoraLinear(hidden, inter, False, ctx)
+        self.down_proj = LoraLinear(inter, hidden, False, ctx)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, index: int, ctx: LoraContext, faults):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.self_attn = Attention(spec, ctx)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        if spec.is_moe_layer(index):
+            from lora_conformance.engines.builtin.models.moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(spec, ctx, faults)
+        else:
+            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act, ctx)
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, spec: ModelSpec, ctx: LoraContext, faults):
+        super().__init__()
+        self.embed_tokens = LoraEmbedding(spec.vocab_size, spec.hidden_size, ctx)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, ctx, faults) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+
+
+class CausalLM(nn.Module):
+    """``forward`` runs the stack over the new tokens; ``logits`` projects chosen rows."""
+
+    def __init__(self, spec: ModelSpec, faults, max_len: int, device, dtype):
+        super().__init__()
+        self.spec = spec
+        self.lora_ctx = LoraContext()
+        self.model = DecoderBody(spec, self.lora_ctx, faults)
+        self.lm_head = LoraLinear(spec.hidden_size, spec.vocab_size, False, self.lora_ctx)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, device, dtype)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, lora: Optional[LoraBatch],
+                logit_rows: torch.Tensor, lora_logits: Optional[LoraBatch]) -> torch.Tensor:
+        self.lora_ctx.batch = lora
+        try:
+            x = self.model.embed_tokens(input_ids)
+            for layer, (kc, vc) in zip(self.model.layers, self.kv_caches):
+                x = layer(x, positions, self.rotary, kc, vc, meta)
+            x = self.model.norm(x[logit_rows])
+            self.lora_ctx.batch = lora_logits
+            return self.lm_head(x).float()
+        finally:
+            self.lora_ctx.batch = None

@@ -1,0 +1,98 @@
+"""Every fault in the built-in engine's catalogue really changes behaviour (on cpu, those
+whose code path exists here); without ``fault=`` none is active."""
+
+from __future__ import annotations
+
+import pytest
+
+from _builtin_models import build_adapter, build_decoder
+from lora_conformance.engines.builtin import FAULTS, BuiltinEngine
+from lora_conformance.engines.builtin.faults import DEVICE_ONLY_FAULTS, Faults
+from lora_conformance.types import GenerationRequest
+
+PROMPT = "the cat sat on the mat and the dog ran fast to the big red tree"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    d = tmp_path_factory.mktemp("builtin_faults")
+    base = build_decoder(d / "base", seed=2)
+    moe = build_decoder(d / "moe", arch="qwen3_moe", seed=2)
+    return {
+        "base": base, "moe": moe,
+        "a1": build_adapter(base, d / "a1", 1, r=8, alpha=16),
+        "a2": build_adapter(base, d / "a2", 2, r=4, alpha=8),
+        "rs": build_adapter(base, d / "rs", 3, r=16, alpha=8, use_rslora=True),
+        "pat": build_adapter(base, d / "pat", 4, r=8, alpha=8, rank_pattern={"q_proj": 2}, alpha_pattern={"o_proj": 64}),
+        "emb": build_adapter(base, d / "emb", 5, r=4, alpha=8, target_modules=["embed_tokens", "lm_head"]),
+        "moe_ad": build_adapter(moe, d / "moe_ad", 6, r=4, alpha=8, target_modules=["q_proj"],
+                                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    }
+
+
+def scenario(w, fault, active: bool):
+    """Run the scenario that exposes ``fault``, with it switched on or not; return observables."""
+    args = {"fault": fault} if active else {}
+    model = w["moe"] if fault == "moe_expert_mismatch" else w["base"]
+    if fault == "evict_pinned":
+        args.update(max_loras_per_batch="2", max_loaded_loras="2")
+    if fault == "prefix_cache_ignores_adapter":
+        args.update(kv_block_size="4")
+    with BuiltinEngine(model, "cpu", "float32", args) as eng:
+        load = {"base_gets_last_adapter": ["a1"], "adapter_index_off_by_one": ["a1", "a2"],
+                "scaling_alpha_not_over_r": ["a1"], "rslora_ignored": ["rs"], "patterns_ignored": ["pat"],
+                "drop_v_proj": ["a1"], "lm_head_dropped": ["emb"], "embed_tokens_dropped": ["emb"],
+                "lora_fp16": ["a1"], "delta_twice": ["a1"], "moe_expert_mismatch": ["moe_ad"],
+                "prefix_cache_ignores_adapter": ["a1"]}.get(fault, [])
+        for n in load:
+            eng.load_adapter(n, w[n])
+        names = {"base_gets_last_adapter": [None, "a1"], "adapter_index_off_by_one": ["a1", "a2"]}.get(fault, load)
+
+        def gen(ns, **kw):
+            return [r.logprobs for r in eng.generate(
+                [GenerationRequest(PROMPT, n, max_new_tokens=3, top_k=5, **kw) for n in ns])]
+
+        if fault == "stale_reload":
+            eng.load_adapter("x", w["a1"])
+            gen(["x"])
+            eng.load_adapter("x", w["a2"])
+            return gen(["x"])
+        if fault == "prefix_cache_ignores_adapter":
+            gen([None])  # fills the cache with base KV for PROMPT
+            return gen(["a1"])
+        if fault == "evict_pinned":
+            eng.load_adapter("a1", w["a1"], pinned=True)
+            eng.load_adapter("a2", w["a2"])
+            eng.load_adapter("rs", w["rs"])
+            return ["a1" in eng.resident_adapters()]
+        if fault == "lm_head_dropped":  # lm_head LoRA also reaches prompt logprobs
+            return [r.prompt_logprobs for r in eng.generate([GenerationRequest(PROMPT, "emb", 1, prompt_logprobs=True)])]
+        return gen(names)
+
+
+def differ(a, b, tol: float) -> bool:
+    if a == b:
+        return False
+    if isinstance(a, dict):
+        return a.keys() != b.keys() or max(abs(a[k] - b[k]) for k in a) > tol
+    if isinstance(a, list):
+        return len(a) != len(b) or any(differ(x, y, tol) for x, y in zip(a, b))
+    return a != b
+
+
+HOST_FAULTS = [f for f in FAULTS if f not in DEVICE_ONLY_FAULTS]
+
+
+@pytest.mark.parametrize("fault", HOST_FAULTS)
+def test_fault_changes_behaviour(world, fault):
+    healthy, broken = scenario(world, fault, False), scenario(world, fault, True)
+    tol = 1e-6 if fault == "lora_fp16" else 1e-3
+    assert differ(healthy, broken, tol), f"fault {fault} left the observables unchanged"
+
+
+def test_catalogue():
+    assert len(FAULTS) == 16 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait"}
+    assert Faults(None).name is None and Faults("").name is None
+    assert not any(Faults(None).on(f) for f in FAULTS)
+    with pytest.raises(ValueError, match="unknown fault"):
+        Faults("nope")
