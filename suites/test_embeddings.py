@@ -13,7 +13,7 @@ register_xpu_ci(est_time=10, suite="per-commit")
 
 pytestmark = [pytest.mark.base_model("encoder"), pytest.mark.requires("embeddings")]
 
-SPECS = {"EA": AdapterSpec(seed=401, targets="encoder-attention"), "EB": AdapterSpec(seed=402, targets="encoder-attention")}
+SPECS = {"EA": AdapterSpec(seed=401, targets="encoder_attention"), "EB": AdapterSpec(seed=402, targets="encoder_attention")}
 UNIT_NORM_ATOL = 1e-2
 SAME_ADAPTER_MIN_COS = 0.999
 CHANGED_MAX_COS = 0.999

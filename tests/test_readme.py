@@ -1,0 +1,26 @@
+"""The README stays true: its Python examples run, and .ci/run calls its test command."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+def test_readme_has_python_examples():
+    assert len(BLOCKS) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_python_example_runs(index):
+    exec(compile(BLOCKS[index], f"README.md python block {index}", "exec"), {"__name__": "readme_example"})
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    commands = re.findall(r"```bash\n(.*?)```", README, re.S)
+    test_command = next(c.strip() for c in commands if "pytest" in c and "certify" not in c)
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command in [line.strip() for line in ci], f".ci/run does not run {test_command!r}"
