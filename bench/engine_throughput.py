@@ -12,6 +12,7 @@ all-linear PEFT adapters in a temp dir (no network).
 
   python bench/engine_throughput.py --config cpu --json out.json
   python bench/engine_throughput.py --config gpu --device cuda --json out.json
+  python bench/engine_throughput.py --config cpu --count-ops   # aten ops per decode step instead
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def build_world(root: Path, c: dict):
     from peft import LoraConfig, get_peft_model
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(c["vocab"] - 4)])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -48,16 +49,18 @@ def build_world(root: Path, c: dict):
                                    pad_token="<pad>", padding_side="left")
     base = root / "base"
     fast.save_pretrained(str(base))
-    cfg = Qwen2Config(vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["inter"],
+    # Qwen2's computation as a Llama config with q/k/v biases: transformers 5 forces the Qwen2
+    # tokenizer class on model_type "qwen2", which would turn our word-level prompts into one token.
+    cfg = LlamaConfig(attention_bias=True, vocab_size=c["vocab"], hidden_size=c["hidden"], intermediate_size=c["inter"],
                       num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
                       num_key_value_heads=c["kv_heads"], max_position_embeddings=4096, tie_word_embeddings=True,
                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(getattr(torch, c["dtype"])).eval()
+    model = LlamaForCausalLM(cfg).to(getattr(torch, c["dtype"])).eval()
     model.save_pretrained(str(base))
     adapters = {}
     for i in range(c["adapters"]):
-        m = Qwen2ForCausalLM.from_pretrained(str(base), dtype=getattr(torch, c["dtype"]))
+        m = LlamaForCausalLM.from_pretrained(str(base), dtype=getattr(torch, c["dtype"]))
         pm = get_peft_model(m, LoraConfig(r=c["rank"], lora_alpha=2 * c["rank"], target_modules=TARGETS,
                                           init_lora_weights=False))
         with torch.no_grad():
@@ -115,6 +118,63 @@ def bench_builtin(base, adapters, c, device, names, graphs: bool) -> float:
     return secs
 
 
+def count_decode_ops(base, adapters, c, device, names) -> dict:
+    """aten ops in one full-batch decode step of the built-in engine (eager, what graphs capture).
+
+    Views launch no kernel, so they are counted apart: ``kernels`` is what a replayed graph runs.
+    """
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lora_conformance.engines.builtin import BuiltinEngine
+    from lora_conformance.types import GenerationRequest
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+                with self:  # count what a composite op (linear, reshape, to, ...) really runs
+                    out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            self.ops[func] += 1
+            return func(*args, **kwargs)
+
+    args = {"max_loras_per_batch": str(c["adapters"]), "max_rank": str(c["rank"]), "graphs": "0",
+            "max_batch_size": str(c["batch"]), "max_model_len": str(c["prompt"] + c["new"] + 16),
+            "prefix_cache": "0"}
+    eng = BuiltinEngine(base, device, c["dtype"], args)
+    for n, p in adapters.items():
+        eng.load_adapter(n, p)
+    runner, seen = eng.runner, []
+    forward = runner.decode_forward
+
+    def counted(*a, **kw):
+        if seen:
+            return forward(*a, **kw)
+        mode = Count()
+        with mode:
+            out = forward(*a, **kw)
+        seen.append(mode.ops)
+        return out
+
+    runner.decode_forward = counted
+    eng.generate([GenerationRequest(p, a, max_new_tokens=2, top_k=1, ignore_eos=True)
+                  for p, a in zip(prompts(c, 1), names)])
+    eng.close()
+    ops = seen[0]
+    views = sum(n for f, n in ops.items() if f.is_view or f == torch.ops.aten._unsafe_view.default)
+    total = sum(ops.values())
+    kernels = [(str(f), n) for f, n in ops.most_common() if not (f.is_view or f == torch.ops.aten._unsafe_view.default)]
+    return {"ops": total, "kernels": total - views, "views": views,
+            "per_layer_kernels": round((total - views) / c["layers"], 1), "top": kernels}
+
+
 def bench_hf(base, adapters, c, device, mode: str) -> float:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -152,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--graphs", choices=("auto", "0", "1"), default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="print aten ops per decode step for builtin-mixed and builtin-base, then exit")
     ap.add_argument("--skip", default="", help="comma-separated runs to skip (e.g. peft-single)")
     a = ap.parse_args(argv)
     from lora_conformance import devices
@@ -166,6 +228,23 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         base, adapters, _ = build_world(Path(tmp), c)
+        from transformers import AutoTokenizer
+
+        n_prompt = len(AutoTokenizer.from_pretrained(str(base))(prompts(c, 0)[0]).input_ids)
+        if n_prompt != c["prompt"]:  # every engine tokenises through AutoTokenizer: guard the workload
+            raise SystemExit(f"workload error: prompts tokenise to {n_prompt} tokens, expected {c['prompt']}")
+        if a.count_ops:
+            for name, names in (("builtin-mixed", routing(c)), ("builtin-base", [None] * c["batch"])):
+                r = count_decode_ops(base, adapters, c, device, names)
+                print(f"{name:14s} {r['kernels']:6d} kernel ops/decode step ({r['per_layer_kernels']} per layer), "
+                      f"{r['views']} views, {r['ops']} aten ops in all")
+                for op, n in r["top"]:
+                    print(f"    {n:6d}  {op}")
+                results[name] = r
+            if a.json:
+                a.json.parent.mkdir(parents=True, exist_ok=True)
+                a.json.write_text(json.dumps({"config": a.config, "count_ops": results}, indent=2))
+            return 0
         runs = {
             "builtin-mixed": lambda: bench_builtin(base, adapters, c, device, routing(c), graphs),
             "builtin-base": lambda: bench_builtin(base, adapters, c, device, [None] * c["batch"], graphs),

@@ -162,3 +162,46 @@ def test_encoder_embeddings_match_hf_mean_pooling(tmp_path):
     torch.testing.assert_close(got_ad, ref_ad, atol=1e-5, rtol=0)
     assert (got_base - got_ad).abs().max() > 1e-3
     torch.testing.assert_close(got_base.norm(dim=-1), torch.ones(3))
+
+
+def test_masked_prefill_matches_peft(llama):
+    """Accelerators prefill with the masked (all-slot) LoRA path; cpu defaults to segments. Both must agree."""
+    base, ads = llama
+    with BuiltinEngine(base, "cpu", "float32", {}) as eng:
+        eng.runner.segmented_prefill = False
+        for n, p in ads.items():
+            eng.load_adapter(n, p)
+        check_against_reference(eng, base, ads, ["a1", None, "a2", "a1", None], "float32")
+
+
+def test_decode_step_is_graph_capturable(llama):
+    """What graphs capture (one decode step) never syncs with the host and allocates no data-dependent shapes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    syncing = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten.item.default, torch.ops.aten.bincount.default}
+
+    class Watch(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bad, self.calls = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            if func in syncing:
+                self.bad.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    base, ads = llama
+    with BuiltinEngine(base, "cpu", "float32", {}) as eng:
+        for n, p in ads.items():
+            eng.load_adapter(n, p)
+        watch, forward = Watch(), eng.runner.decode_forward
+
+        def watched(*a, **kw):
+            with watch:
+                return forward(*a, **kw)
+
+        eng.runner.decode_forward = watched
+        eng.generate([GenerationRequest(p, n, max_new_tokens=3) for p, n in zip(PROMPTS, ["a1", None, "a2", "a1"])])
+    assert watch.calls > 0 and watch.bad == [], watch.bad

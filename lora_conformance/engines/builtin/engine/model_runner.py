@@ -14,7 +14,7 @@ import torch
 from lora_conformance import devices
 from lora_conformance.engines.builtin.engine.adapter import HostAdapter, model_lora_modules
 from lora_conformance.engines.builtin.engine.sequence import Sequence
-from lora_conformance.engines.builtin.layers.attention import AttentionMetadata, build_mask
+from lora_conformance.engines.builtin.layers.attention import AttentionMetadata, additive_mask, build_mask
 from lora_conformance.engines.builtin.layers.lora import LoraBatch, segments_of
 from lora_conformance.engines.builtin.layers.sampler import greedy_with_topk
 
@@ -33,11 +33,12 @@ class ModelRunner:
         self.load_stream = devices.new_stream(device) if args.overlap_loading else None
         self._inflight: list = []  # host tensors of copies that may still be running
         if spec.kind != "encoder":
-            shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-            model.kv_caches = [
-                (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(spec.num_layers)
-            ]
+            shape = (num_blocks, self.block_size, 2, spec.num_kv_heads, spec.head_dim)
+            model.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        # How prefill routes LoRA rows. On cpu, FLOPs dominate and launches are cheap: one
+        # shrink/expand per adapter segment. On accelerators, launches dominate: every slot at
+        # once, masked (a few wasted FLOPs, no per-segment host loop). Decode is always masked.
+        self.segmented_prefill = devices.device_type(device) == "cpu"
         self.graphs = None
         if args.graphs and spec.kind == "decoder":
             from lora_conformance.engines.builtin.engine.graph_runner import DecodeGraphs
@@ -148,12 +149,13 @@ class ModelRunner:
         tables = [s.block_table + [0] * (W - len(s.block_table)) for s in seqs]
         ctx_t, q_t = self._t(ctx_lens), self._t(q_lens)
         meta = AttentionMetadata(self._t(smap), self._t(tables), self._t(q_index), self._t(out_index),
-                                 build_mask(ctx_t, q_t, Lq, W * bs))
+                                 additive_mask(build_mask(ctx_t, q_t, Lq, W * bs), self.dtype))
         slots_t = self._t(tok_slots)
         rows_t = self._t(logit_rows)
-        lora = self.lora_batch(slots_t, segments_of(tok_slots))
+        seg = self.segmented_prefill
+        lora = self.lora_batch(slots_t, segments_of(tok_slots) if seg else None)
         row_slot_list = [tok_slots[r] for r in logit_rows]
-        lora_logits = lora.rows(rows_t, segments_of(row_slot_list))
+        lora_logits = lora.rows(rows_t, segments_of(row_slot_list) if seg else None)
         logits = self.model(self._t(ids), self._t(pos), meta, lora, rows_t, lora_logits)
         k = max(max(s.top_k for s in seqs), 1)
         nxt, top_ids, top_lp = greedy_with_topk(logits, k)
@@ -180,11 +182,11 @@ class ModelRunner:
 
     def decode_forward(self, ids, pos, smap, tables, ctx_lens, slots) -> torch.Tensor:
         """Tensor-only decode step (what graphs capture): one query per sequence."""
-        B, W = tables.shape
-        ar = torch.arange(B, device=ids.device)
-        meta = AttentionMetadata(smap, tables, ar.view(B, 1), ar, build_mask(ctx_lens, torch.ones_like(ctx_lens), 1, W * self.block_size))
+        W = tables.shape[1]
+        mask = build_mask(ctx_lens, torch.ones_like(ctx_lens), 1, W * self.block_size)
+        meta = AttentionMetadata(smap, tables, None, None, additive_mask(mask, self.dtype))
         lora = self.lora_batch(slots, None)
-        return self.model(ids, pos, meta, lora, ar, lora)
+        return self.model(ids, pos, meta, lora, None, lora)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> dict[int, StepOutput]:

@@ -1,14 +1,18 @@
 """Attention over a paged KV cache.
 
-Every step (prefill or decode) first writes the new keys/values into their cache slots,
-then each sequence attends over its whole context gathered from its block table. Prefill
-and decode share the code: decode is the case of one query per sequence. All shapes are
+One cache tensor per layer, ``(num_blocks, block_size, 2, kv_heads, head_dim)``: a token's
+key and value sit side by side, and so do k and v in the fused qkv projection's output,
+so every step writes both with one index_copy and reads a sequence's context with one
+gather. Prefill and decode share the write and the gather; decode (one query per sequence)
+skips the query padding and folds the query heads that share a KV head into SDPA's query
+length, so it needs no grouped-query support from the attention kernel. All shapes are
 fixed by (sequences, query length, block-table width), so decode can be graph-captured.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +22,9 @@ import torch.nn.functional as F
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) flat cache slot of each new token (padding -> scratch block 0)
     block_tables: torch.Tensor  # (B, W) block ids, padded with 0
-    q_index: torch.Tensor  # (B, Lq) index into the T new tokens (+1 padding row at index T)
-    out_index: torch.Tensor  # (T,) where token t sits in the flattened (B*Lq) query grid
-    mask: torch.Tensor  # (B, 1, Lq, W*block_size) bool: which keys each query may see
+    q_index: Optional[torch.Tensor]  # (B, Lq) index into the T new tokens (+1 padding row at index T); None: decode
+    out_index: Optional[torch.Tensor]  # (T,) where token t sits in the flattened (B*Lq) query grid
+    mask: torch.Tensor  # (B, 1, Lq, W*block_size) additive (0 / -inf, model dtype): which keys each query sees
 
 
 def build_mask(ctx_lens: torch.Tensor, q_lens: torch.Tensor, Lq: int, Lk: int) -> torch.Tensor:
@@ -35,18 +39,30 @@ def build_mask(ctx_lens: torch.Tensor, q_lens: torch.Tensor, Lq: int, Lk: int) -
     return allowed.unsqueeze(1)
 
 
-def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q (T, H, D), k/v (T, KVH, D); caches (num_blocks, block_size, KVH, D). Returns (T, H*D)."""
-    T, H, D = q.shape
-    kvh = k.shape[1]
-    k_cache.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kvh, D).index_copy_(0, meta.slot_mapping, v)
-    B, W = meta.block_tables.shape
-    keys = k_cache[meta.block_tables].reshape(B, -1, kvh, D)
-    vals = v_cache[meta.block_tables].reshape(B, -1, kvh, D)
+def additive_mask(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    """Boolean mask -> 0 / -inf, as SDPA converts it itself; done once per step, not once per layer."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
+                    scale: float) -> torch.Tensor:
+    """qkv (T, (H + 2*KVH)*D): rotated q and k, then v; cache (num_blocks, block_size, 2, KVH, D).
+    Returns (T, H*D)."""
+    kvh, D = kv_cache.shape[-2], kv_cache.shape[-1]
+    H, T = num_heads, qkv.shape[0]
+    kv_cache.view(-1, 2 * kvh * D).index_copy_(0, meta.slot_mapping, qkv[:, H * D:(H + 2 * kvh) * D])
+    B = meta.block_tables.shape[0]
+    ctx = kv_cache[meta.block_tables].view(B, -1, 2, kvh, D)
+    keys, vals = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)  # (B, KVH, L, D)
+    q = qkv[:, : H * D]
+    if meta.q_index is None:  # decode: row b is sequence b; head h = kv head h // G, so group g rides in Lq
+        out = F.scaled_dot_product_attention(q.view(B, kvh, H // kvh, D), keys, vals, attn_mask=meta.mask,
+                                             scale=scale)  # (B, KVH, G, D)
+        return out.reshape(B, H * D)
+    q = q.view(T, H, D)
     qp = torch.cat([q, q.new_zeros(1, H, D)], dim=0)[meta.q_index]  # (B, Lq, H, D)
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=meta.mask, scale=scale,
+        qp.transpose(1, 2), keys, vals, attn_mask=meta.mask, scale=scale,
         enable_gqa=kvh != H,  # grouped-query attention without materialising repeated K/V
     )  # (B, H, Lq, D)
     out = out.transpose(1, 2).reshape(-1, H * D)

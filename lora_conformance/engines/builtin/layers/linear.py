@@ -1,4 +1,21 @@
-"""A linear layer whose weight is the base model's and whose LoRA lives in a slot pool."""
+"""LoRA-aware linear layers: checkpoint modules (``LoraLinear``) computed through groups.
+
+A ``LoraLinear`` is one checkpoint module (``q_proj``, ``lm_head``, ...): its base weight
+and its view of a LoRA slot pool, under the module's own name so that PEFT keys map onto it.
+The arithmetic lives in a ``LinearGroup``. Siblings that read the same input (q/k/v,
+gate/up) share one: one base GEMM, one LoRA shrink and one LoRA expand for all of them,
+instead of one of each per module. Decode is bound by kernel launches, not by FLOPs.
+
+Group pool layout, P parts, S slots, pool rank R: ``A`` (P*S*R, in) part-major, so each
+part's pool is one contiguous (S, R, in) block; ``Bt`` (P*S*R, N) block-diagonal: rows of
+part k only fill part k's output columns (the other blocks stay zero). In a fused group
+``A`` is stored as extra rows of the base weight, so the base GEMM also computes the shrink
+for every slot. Rows then keep only their own slot through ``LoraBatch.mask`` (masked
+path: fixed shapes, no host sync, graph-capturable) or, when rows come grouped into
+per-slot segments, through one shrink/expand per segment (segmented path: no wasted FLOPs).
+The masked expand is one GEMM over the whole block-diagonal ``Bt`` on accelerators (fewer
+launches) and one GEMM per diagonal block on cpu (fewer bytes read).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_conformance.engines.builtin.layers.lora import LoraBatch, lora_delta
+from lora_conformance.engines.builtin.layers.lora import LoraBatch
 
 
 class LoraContext:
@@ -25,22 +42,178 @@ class LoraLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.ctx = ctx
-        # Allocated lazily by the adapter pool the first time an adapter targets this module.
+        # Views into the group's pool, allocated the first time an adapter targets the group.
         self.lora_A: Optional[torch.Tensor] = None  # (S, R, in)
         self.lora_Bt: Optional[torch.Tensor] = None  # (S, R, out), scaling folded in
         self.slot_rank: list[int] = []  # host copy: rank of each slot here (0 = not targeted)
+        self.group = LinearGroup([self])
 
     def alloc_pool(self, num_slots: int, rank: int) -> None:
-        w = self.weight
-        self.lora_A = torch.zeros(num_slots, rank, self.in_features, dtype=w.dtype, device=w.device)
-        self.lora_Bt = torch.zeros(num_slots, rank, self.out_features, dtype=w.dtype, device=w.device)
-        self.slot_rank = [0] * num_slots
+        self.group.alloc_pool(num_slots, rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        return self.group(x)
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out += self(x), in place (the residual stream: no separate add kernel)."""
+        return self.group.add_to(out, x)
+
+
+class LinearGroup:
+    """Modules sharing an input, computed as one; output columns are the parts' in order.
+
+    The compute weight is ``wt`` (in, N [+ S*P*R]): ``x @ wt``. On accelerators it is a
+    transposed view of the row-major (out, in) weight, as ``F.linear`` reads it; on cpu it is
+    stored (in, out) contiguous, which the cpu BLAS runs 2-3x faster for the few-row GEMMs
+    of decode. Either way the parts' ``weight`` parameters are views into it (no second copy).
+    """
+
+    def __init__(self, parts: list[LoraLinear]):
+        self.parts = list(parts)
+        for p in self.parts:
+            p.group = self
+        self.ctx = self.parts[0].ctx
+        self.in_features = self.parts[0].in_features
+        self.N = sum(p.out_features for p in self.parts)
+        self.fused = len(self.parts) > 1
+        self.transposed = False  # wt stored (in, out) contiguous
+        self.wt: Optional[torch.Tensor] = None  # set by fuse(); None: read the single part's weight live
+        self.b_all: Optional[torch.Tensor] = None
+        self.A: Optional[torch.Tensor] = None  # (P*S*R, in); in a fused group, columns N: of wt
+        self.Bt: Optional[torch.Tensor] = None  # (P*S*R, N), block-diagonal
+        self.S = self.R = 0
+        self.blocks: list[tuple[slice, slice]] = []  # per part: (its rows of A/Bt, its output columns)
+
+    # ---- layout --------------------------------------------------------------------
+    def fuse(self, transposed: bool) -> None:
+        """Once the checkpoint is loaded: one weight for the group; the parts' become views of it."""
+        self.transposed = transposed
+        if self.fused or transposed:
+            self._store(torch.cat([p.weight.data for p in self.parts]), self._cat_bias(0))
+
+    def _cat_bias(self, extra: int) -> Optional[torch.Tensor]:
+        if all(p.bias is None for p in self.parts):
+            return None
+        w = self.parts[0].weight
+        bs = [p.bias.data if p.bias is not None else w.new_zeros(p.out_features) for p in self.parts]
+        return torch.cat(bs + [w.new_zeros(extra)])
+
+    def _store(self, rows: torch.Tensor, b_all: Optional[torch.Tensor]) -> None:
+        """rows (N [+ S*P*R], in): the parts' weights, then (fused, with a pool) the LoRA A rows."""
+        self.wt = rows.t().contiguous() if self.transposed else rows.t()
+        self.b_all = b_all
+        off = 0
+        for p in self.parts:
+            p.weight.data = self.wt[:, off: off + p.out_features].t()
+            if p.bias is not None:
+                p.bias.data = b_all[off: off + p.out_features]
+            off += p.out_features
+
+    def alloc_pool(self, num_slots: int, rank: int) -> None:
+        w = self.parts[0].weight
+        P, n_in = len(self.parts), self.in_features
+        rows = num_slots * P * rank
+        kw = dict(dtype=w.dtype, device=w.device)
+        if self.fused:  # A rides in the base weight: the base GEMM computes the shrink too
+            w_all = torch.zeros(self.N + rows, n_in, **kw)
+            w_all[: self.N] = self.wt[:, : self.N].t()
+            self._store(w_all, self._cat_bias(rows))
+            self.A = self.wt[:, self.N:].t()
+        else:
+            self.A = torch.zeros(rows, n_in, **kw)
+        self.Bt = torch.zeros(rows, self.N, **kw)
+        self.S, self.R, SR = num_slots, rank, num_slots * rank
+        off, self.blocks = 0, []
+        for k, p in enumerate(self.parts):
+            r, c = slice(k * SR, (k + 1) * SR), slice(off, off + p.out_features)
+            p.lora_A = self.A[r].view(num_slots, rank, n_in)
+            p.lora_Bt = self.Bt[r, c].view(num_slots, rank, p.out_features)
+            p.slot_rank = [0] * num_slots
+            self.blocks.append((r, c))
+            off += p.out_features
+
+    def _base(self):
+        """(in, N) weight and bias of the base model alone."""
+        if self.wt is None:  # read live: lm_head may be tied to the embedding after loading
+            p = self.parts[0]
+            return p.weight.t(), p.bias
+        b = None if self.b_all is None else self.b_all[: self.N]
+        return self.wt[:, : self.N], b
+
+    def _batch(self) -> Optional[LoraBatch]:
         batch = self.ctx.batch
-        if self.lora_A is not None and batch is not None and any(self.slot_rank):
-            d = lora_delta(x, self.lora_A, self.lora_Bt, batch, self.slot_rank)
-            if d is not None:
-                y = y + d
+        if self.A is None or batch is None or not any(any(p.slot_rank) for p in self.parts):
+            return None
+        return batch
+
+    # ---- compute -------------------------------------------------------------------
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.N)
+        batch = self._batch()
+        if batch is not None and self.fused and batch.segments is None and not batch.fp16:
+            out = _mm(x, self.wt, self.b_all)  # [base | shrink against every slot]
+            y = out[:, : self.N]
+            self._add_delta(y, x, batch, h=out[:, self.N:])
+            return y
+        y = _mm(x, *self._base())
+        if batch is not None:
+            self._add_delta(y, x, batch)
         return y
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out += self(x), in place."""
+        out2, x2 = out.view(-1, self.N), x.reshape(-1, self.in_features)
+        wt, b = self._base()
+        out2.addmm_(x2, wt)
+        if b is not None:
+            out2.add_(b)
+        batch = self._batch()
+        if batch is not None:
+            self._add_delta(out2, x2, batch)
+        return out
+
+    def _add_delta(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch, h=None) -> None:
+        """out += the LoRA delta of x's rows. h: x's shrink against every slot, if already computed."""
+        S, R, t = self.S, self.R, batch.times
+        if batch.segments is None:
+            mask = batch.mask(R, len(self.parts))
+            if batch.fp16 or not self.transposed or len(self.parts) == 1:
+                _delta_into(out, x, self.A, self.Bt, mask, batch, h)
+                return
+            h = torch.mm(x, self.A.t()) if h is None else h
+            h.mul_(mask)
+            for rows, cols in self.blocks:
+                out[:, cols].addmm_(h[:, rows], self.Bt[rows, cols], alpha=t)
+            return
+        for slot, start, end in batch.segments:
+            if not 0 <= slot < S:
+                continue
+            for k, (rows, cols) in enumerate(self.blocks):
+                if self.parts[k].slot_rank[slot]:
+                    r = slice(rows.start + slot * R, rows.start + (slot + 1) * R)
+                    _delta_into(out[start:end, cols], x[start:end], self.A[r], self.Bt[r, cols], None, batch)
+
+
+def _mm(x: torch.Tensor, wt: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
+
+
+def _delta_into(out, x, A, Bt, mask, batch: LoraBatch, h=None) -> None:
+    """out += times * ((x @ A^T) [* mask]) @ Bt; h: x @ A^T if already computed."""
+    if batch.fp16 and x.dtype != torch.float16:  # fault lora_fp16: the delta in half, whatever the dtype
+        h = x.half() @ A.half().t()
+        if mask is not None:
+            h = h * mask.half()
+        out.add_((h @ Bt.half()).to(out.dtype), alpha=batch.times)
+        return
+    h = torch.mm(x, A.t()) if h is None else h
+    if mask is not None:
+        h.mul_(mask)
+    out.addmm_(h, Bt, alpha=batch.times)
+
+
+def fuse_linear_groups(model: nn.Module, transposed: bool) -> None:
+    groups = {id(m.group): m.group for m in model.modules() if isinstance(m, LoraLinear)}
+    for g in groups.values():
+        g.fuse(transposed)

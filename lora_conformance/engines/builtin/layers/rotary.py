@@ -35,22 +35,29 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict]) ->
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables; ``lookup`` once per forward, ``apply`` per layer (three kernels for q and k)."""
+
     def __init__(self, head_dim: int, theta: float, scaling: Optional[dict], max_len: int, device, dtype):
         super().__init__()
         inv = inverse_frequencies(head_dim, theta, scaling).to(device)
         pos = torch.arange(max_len, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv)  # exact products, as HF's (d,1)@(1,L) matmul
         emb = torch.cat([freqs, freqs], dim=-1)
+        half = head_dim // 2
+        sign = torch.cat([-torch.ones(half, device=device), torch.ones(half, device=device)])
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated): exact,
+        # and swapping halves is one flip instead of neg + cat.
+        self.register_buffer("sin_signed", (emb.sin() * sign).to(dtype), persistent=False)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) for these positions, (T, 1, D): shared by every layer of the forward."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
     @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: (T, H, D), k: (T, KVH, D)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+    def apply(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """out = x * cos + rotate_half(x) * sin for x (T, heads, D); out may be x itself."""
+        cos, sin_signed = rope
+        T, n, D = x.shape
+        swapped = x.reshape(T, n, 2, D // 2).flip(2).view(T, n, D)
+        return torch.addcmul(x * cos, swapped, sin_signed, out=out)

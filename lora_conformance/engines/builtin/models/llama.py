@@ -14,7 +14,7 @@ from torch import nn
 
 from lora_conformance.engines.builtin.layers.attention import AttentionMetadata, paged_attention
 from lora_conformance.engines.builtin.layers.embedding import LoraEmbedding
-from lora_conformance.engines.builtin.layers.linear import LoraContext, LoraLinear
+from lora_conformance.engines.builtin.layers.linear import LinearGroup, LoraContext, LoraLinear
 from lora_conformance.engines.builtin.layers.lora import LoraBatch
 from lora_conformance.engines.builtin.layers.rmsnorm import RMSNorm
 from lora_conformance.engines.builtin.layers.rotary import RotaryEmbedding
@@ -31,20 +31,22 @@ class Attention(nn.Module):
         self.q_proj = LoraLinear(h, spec.num_heads * d, spec.qkv_bias, ctx)
         self.k_proj = LoraLinear(h, spec.num_kv_heads * d, spec.qkv_bias, ctx)
         self.v_proj = LoraLinear(h, spec.num_kv_heads * d, spec.qkv_bias, ctx)
+        self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
         self.o_proj = LoraLinear(spec.num_heads * d, h, spec.o_bias, ctx)
         self.q_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.scale = d**-0.5
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata):
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+    def add_to(self, residual, x, rope, kv_cache, meta: AttentionMetadata):
+        """residual += o_proj(attention(x)), in place."""
+        T, H = x.shape[0], self.num_heads
+        qkv = self.qkv(x)  # (T, (H + 2*KVH) * D)
+        qk = qkv[:, : (H + self.num_kv_heads) * self.head_dim].view(T, -1, self.head_dim)
+        src = qk
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+            src = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
+        RotaryEmbedding.apply(src, rope, out=qk)  # rotated in place: the cache write reads k from qkv
+        return self.o_proj.add_to(residual, paged_attention(qkv, kv_cache, meta, H, self.scale))
 
 
 class DenseMLP(nn.Module):
@@ -52,11 +54,19 @@ class DenseMLP(nn.Module):
         super().__init__()
         self.gate_proj = LoraLinear(hidden, inter, False, ctx)
         self.up_proj = LoraLinear(hidden, inter, False, ctx)
+        self.gate_up = LinearGroup([self.gate_proj, self.up_proj])
         self.down_proj = LoraLinear(inter, hidden, False, ctx)
-        self.act = ACTIVATIONS[act]
+        self.act, self.inter = ACTIVATIONS[act], inter
+
+    def _inner(self, x):
+        gu = self.gate_up(x)
+        return self.act(gu[..., : self.inter]) * gu[..., self.inter:]
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self._inner(x))
+
+    def add_to(self, residual, x):
+        return self.down_proj.add_to(residual, self._inner(x))
 
 
 class DecoderLayer(nn.Module):
@@ -72,9 +82,13 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act, ctx)
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope, kv_cache, meta):
+        """Updates the residual stream x in place (the output projections accumulate into it)."""
+        self.self_attn.add_to(x, self.input_layernorm(x), rope, kv_cache, meta)
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, DenseMLP):
+            return self.mlp.add_to(x, h)
+        return x.add_(self.mlp(h))
 
 
 class DecoderBody(nn.Module):
@@ -95,16 +109,18 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(spec, self.lora_ctx, faults)
         self.lm_head = LoraLinear(spec.hidden_size, spec.vocab_size, False, self.lora_ctx)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, device, dtype)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[torch.Tensor] = []  # per layer (num_blocks, block_size, 2, KVH, D)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, lora: Optional[LoraBatch],
-                logit_rows: torch.Tensor, lora_logits: Optional[LoraBatch]) -> torch.Tensor:
+                logit_rows: Optional[torch.Tensor], lora_logits: Optional[LoraBatch]) -> torch.Tensor:
+        """logit_rows None: logits for every row."""
         self.lora_ctx.batch = lora
         try:
             x = self.model.embed_tokens(input_ids)
-            for layer, (kc, vc) in zip(self.model.layers, self.kv_caches):
-                x = layer(x, positions, self.rotary, kc, vc, meta)
-            x = self.model.norm(x[logit_rows])
+            rope = self.rotary.lookup(positions)
+            for layer, kv in zip(self.model.layers, self.kv_caches):
+                x = layer(x, rope, kv, meta)
+            x = self.model.norm(x if logit_rows is None else x[logit_rows])
             self.lora_ctx.batch = lora_logits
             return self.lm_head(x).float()
         finally:

@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from lora_conformance import devices
 from lora_conformance.engines.base import EngineFailure
+from lora_conformance.engines.builtin.layers.linear import fuse_linear_groups
 from lora_conformance.engines.builtin.models.config import ModelSpec
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -113,5 +115,7 @@ def build_model(model_dir: Path, spec: ModelSpec, faults, max_len: int, device: 
         tensors = normalise_decoder_names(raw)
     model.to(device)
     load_weights(model, tensors, spec, dtype)
+    # q/k/v and gate/up: one weight each, the modules' weights views of it; (in, out) storage on cpu
+    fuse_linear_groups(model, transposed=devices.device_type(device) == "cpu")
     model.eval()
     return model
