@@ -20,7 +20,7 @@ NO_TESTS_COLLECTED = 5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", required=True, help="device under test (cpu, cuda, xpu, ..., auto)")
-    parser.add_argument("--engine", required=True, help="engine under test (registered name or module:Class)")
+    parser.add_argument("--engine", default="builtin", help="engine under test (registered name or module:Class; default: builtin)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="engine argument (repeatable)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,

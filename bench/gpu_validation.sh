@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# What we run on a lent GPU machine (no network there): install carried wheels, then
+#   part "bench":  the throughput benchmark (GPU workload) and its per-step op counts;
+#   part "suites": certify the built-in engine (bfloat16, graphs on) into $OUT/report-graphs,
+#                  then graphs off, then the GPU-only fault detection (graph replay, overlap loading).
+# Usage: bash bench/gpu_validation.sh bench|suites   (OUT is the folder whose files come back)
+set -uo pipefail
+part=${1:?bench or suites}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed; using PYTHONPATH"
+export OMP_NUM_THREADS=2 PYTHONUNBUFFERED=1
+nvidia-smi -L
+case "$part" in
+  bench)
+    python3 bench/engine_throughput.py --config gpu --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"
+    python3 bench/engine_throughput.py --config gpu --count-ops 2>&1 | tail -8 | tee -a "$OUT/bench_gpu.log"
+    ;;
+  suites)
+    cache=/tmp/lora-cache
+    python3 -m lora_conformance.cli certify --device cuda --engine-arg graphs=1 --report "$OUT/report-graphs" \
+      -- -n 8 -p no:cacheprovider --lora-cache "$cache" -q -rfE 2>&1 | tail -40 | tee "$OUT/suites_graphs.log"
+    python3 -m pytest suites --device=cuda --engine-arg graphs=0 -n 8 -p no:cacheprovider --lora-cache "$cache" -q -rfE \
+      2>&1 | tail -25 | tee "$OUT/suites_eager.log"
+    python3 -m pytest tests/test_detection_power.py --device=cuda --lora-cache "$cache" -p no:cacheprovider -q -rfE \
+      -k "graph_stale or overlap_no_wait" 2>&1 | tail -25 | tee "$OUT/detection_gpu.log"
+    ;;
+esac

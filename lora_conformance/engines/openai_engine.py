@@ -1,0 +1,370 @@
+"""The ``openai`` engine: any OpenAI-compatible completions server that serves LoRA adapters.
+
+Attach to a running server (``url=http://127.0.0.1:PORT``) or let the engine start one
+from a command template (``server_cmd``), which it stops (whole process group) at close().
+Servers are bound to the loopback interface only: a ``url`` naming another host, or a
+command without ``--host {host}`` / ``--host 127.0.0.1``, is refused.
+
+Template placeholders: ``{model}`` (the model dir), ``{port}`` (a free port unless the
+``port`` arg is given), ``{host}`` (127.0.0.1), ``{max_rank}``, ``{max_loras}``,
+``{lora_modules}`` (``name=path`` items from the ``lora_modules`` arg; when empty, a
+preceding ``--lora-modules`` flag is dropped too). Example::
+
+    --engine-arg server_cmd=".venv-vllm/bin/vllm serve {model} --enable-lora --max-lora-rank {max_rank}
+        --max-loras {max_loras} --lora-modules {lora_modules} --host {host} --port {port}"
+
+Requests: ``POST /v1/completions`` with ``model`` = the adapter name (vLLM) or
+``"<base>:<adapter>"`` (SGLang; ``adapter_model_format``), ``temperature=0``,
+``logprobs=k``, ``echo`` for prompt logprobs, ``ignore_eos``. All requests of a batch are
+sent concurrently so the server can batch them; whether it does is the server's business.
+
+Token ids: the completions API returns token *strings*. With vLLM, ``return_tokens_as_token_ids``
+makes them ``"token_id:N"`` (arg ``tokens_as_ids``, default on for api_flavor=vllm).
+Otherwise strings are mapped back with the model dir's tokenizer (vocab entry, else the
+string a lone id decodes to); this is exact for word-level vocabularies like the synthetic
+one, but ambiguous where several ids decode to the same string (byte-level BPE pieces):
+such strings raise EngineFailure rather than guess.
+
+Adapters load at run time through ``/v1/load_lora_adapter`` (vLLM; the engine sets
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for servers it starts) or ``/load_lora_adapter``
+(SGLang), per ``api_flavor``. Only the standard library is used (urllib), and every HTTP
+request has a timeout (``request_timeout``, default 120 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from lora_conformance.engines._hf_common import arg_bool, arg_float, arg_int, check_known_args
+from lora_conformance.engines.base import (
+    AdapterIncompatibleError,
+    AdapterNotLoadedError,
+    Capability,
+    Engine,
+    EngineError,
+    EngineFailure,
+    Limits,
+    UnsupportedFeatureError,
+)
+from lora_conformance.types import GenerationRequest, GenerationResult, TopK
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
+FLAVORS = ("vllm", "sglang")
+_CAPS = {
+    "vllm": {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.RANK_PATTERN,
+             Capability.EMBED_TOKENS, Capability.LM_HEAD, Capability.PROMPT_LOGPROBS},
+    "sglang": {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.PINNING,
+               Capability.MAX_LOADED},
+}
+
+
+class OpenAIEngine(Engine):
+    name = "openai"
+    KNOWN_ARGS = ("url", "server_cmd", "port", "lora_modules", "api_flavor", "adapter_model_format",
+                  "served_model_name", "request_timeout", "startup_timeout", "tokens_as_ids", "max_loras",
+                  "max_loaded_loras", "max_rank", "capabilities", "concurrency")
+
+    def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
+        super().__init__(model_dir, device, dtype, args)
+        check_known_args(self.name, self.args, self.KNOWN_ARGS)
+        a, n = self.args, self.name
+        self.flavor = a.get("api_flavor", "vllm")
+        if self.flavor not in FLAVORS:
+            raise EngineError(f"engine 'openai': api_flavor={self.flavor!r}; expected one of {', '.join(FLAVORS)}")
+        self.timeout = arg_float(n, a, "request_timeout", 120.0)
+        self.model_format = a.get("adapter_model_format") or ("{base}:{adapter}" if self.flavor == "sglang" else "{adapter}")
+        self.tokens_as_ids = arg_bool(n, a, "tokens_as_ids", self.flavor == "vllm")
+        self.concurrency = arg_int(n, a, "concurrency", 16)
+        max_loras = arg_int(n, a, "max_loras", 8)
+        self.limits = Limits(max_loras, arg_int(n, a, "max_loaded_loras", max(max_loras, 16)), arg_int(n, a, "max_rank", 64))
+        self.capabilities = frozenset(
+            Capability.parse(c) for c in a["capabilities"].replace(",", " ").split()
+        ) if a.get("capabilities") else frozenset(_CAPS[self.flavor])
+        self._proc: Optional[subprocess.Popen] = None
+        self._log_path: Optional[Path] = None
+        self._adapters: dict[str, str] = dict(_parse_lora_modules(a.get("lora_modules", "")))
+        self._tokenizer = None
+        self._reverse_vocab: Optional[dict[str, int]] = None
+        if a.get("url") and a.get("server_cmd"):
+            raise EngineError("engine 'openai': give either url (attach) or server_cmd (start), not both")
+        if a.get("url"):
+            self.base_url = _loopback_url(a["url"])
+        elif a.get("server_cmd"):
+            self.base_url = self._start_server(a["server_cmd"], arg_int(n, a, "port", None),
+                                               arg_float(n, a, "startup_timeout", 600.0))
+        else:
+            raise EngineError("engine 'openai' needs url=http://127.0.0.1:PORT or server_cmd=... (see its docstring)")
+        self.served_model = a.get("served_model_name") or self._discover_model()
+
+    # ---- server lifetime ------------------------------------------------------------
+
+    def _start_server(self, template: str, port: Optional[int], startup_timeout: float) -> str:
+        port = port or _free_port()
+        modules = " ".join(f"{k}={v}" for k, v in self._adapters.items())
+        words = shlex.split(template)
+        if "--lora-modules" in words and not modules:
+            i = words.index("--lora-modules")
+            if i + 1 < len(words) and words[i + 1] == "{lora_modules}":
+                del words[i: i + 2]
+        values = dict(model=str(self.model_dir), port=port, host="127.0.0.1", lora_modules=modules,
+                      max_rank=self.limits.max_rank, max_loras=self.limits.max_loras_per_batch)
+        argv: list[str] = []
+        for w in words:
+            try:
+                w = w.format(**values)
+            except (KeyError, IndexError) as exc:
+                raise EngineError(f"engine 'openai': server_cmd placeholder {exc} is unknown; "
+                                  f"known: {', '.join('{' + k + '}' for k in values)}") from None
+            argv.extend(w.split() if w == modules and modules else [w])
+        host_at = argv.index("--host") + 1 if "--host" in argv else len(argv)
+        if host_at >= len(argv) or argv[host_at] not in LOOPBACK:
+            raise EngineError("engine 'openai': server_cmd must bind the loopback interface: "
+                              "add `--host {host}` (127.0.0.1)")
+        env = dict(os.environ)
+        if self.flavor == "vllm":
+            env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+        log = tempfile.NamedTemporaryFile("wb", prefix="lora-conformance-server-", suffix=".log", delete=False)
+        self._log_path = Path(log.name)
+        try:
+            self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            raise EngineFailure(f"engine 'openai': cannot start {argv[0]!r}: {exc}") from exc
+        finally:
+            log.close()
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise EngineFailure(f"server exited with code {self._proc.returncode} during start-up; "
+                                    f"log {self._log_path}:\n{self._log_tail()}")
+            try:
+                self._http("GET", url + "/v1/models", timeout=5)
+                return url
+            except (EngineError, OSError):
+                time.sleep(1.0)
+        self.close()
+        raise EngineFailure(f"server not ready on {url}/v1/models after {startup_timeout:.0f} s; "
+                            f"log {self._log_path}:\n{self._log_tail()}")
+
+    def _log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-n:])
+        except (OSError, AttributeError):
+            return "(no log)"
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # our own session: the server and its workers
+            proc.wait(timeout=30)
+        except (ProcessLookupError, PermissionError):
+            pass
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+    # ---- HTTP -------------------------------------------------------------------------
+
+    def _http(self, method: str, url: str, body: Any = None, timeout: Optional[float] = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as exc:
+            raise self._http_error(exc.code, exc.read(), url) from None
+        except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as exc:
+            raise EngineFailure(f"{method} {url}: {getattr(exc, 'reason', exc)}") from None
+        text = raw.decode("utf-8", errors="replace")
+        try:
+            return json.loads(text) if text.strip() else None
+        except ValueError:
+            return text  # SGLang answers some calls in plain text
+
+    @staticmethod
+    def _http_error(status: int, raw: bytes, url: str) -> EngineError:
+        text = raw.decode("utf-8", errors="replace")
+        message = text
+        try:
+            body = json.loads(text)
+            err = body.get("error", body) if isinstance(body, dict) else body
+            message = (err.get("message") or err.get("detail") or text) if isinstance(err, dict) else str(err)
+        except ValueError:
+            pass
+        full = f"server answered {status} for {url}: {message}"
+        low = message.lower()
+        if status == 404 or "does not exist" in low or "never been loaded" in low or "not found" in low:
+            err: EngineError = EngineFailure(full)
+            err.not_found = True  # type: ignore[attr-defined]  # _one turns it into AdapterNotLoadedError
+            return err
+        if "dora" in low or "modules_to_save" in low or "not support" in low:
+            return UnsupportedFeatureError(full)
+        if status in (400, 422) and ("lora" in low or "adapter" in low or "rank" in low or "incompatible" in low):
+            return AdapterIncompatibleError(full)
+        return EngineFailure(full)
+
+    def _discover_model(self) -> str:
+        body = self._http("GET", self.base_url + "/v1/models")
+        models = [m for m in (body or {}).get("data", []) if isinstance(m, dict)]
+        bases = [m["id"] for m in models if not m.get("parent") and m.get("id") not in self._adapters]
+        if not bases:
+            raise EngineFailure(f"{self.base_url}/v1/models lists no base model: {body!r}")
+        return bases[0]
+
+    # ---- adapters ---------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
+        if name in self._adapters:
+            self.unload_adapter(name)  # servers refuse a loaded name; a reload must be fresh
+        if self.flavor == "vllm":
+            self._http("POST", self.base_url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        else:
+            self._http("POST", self.base_url + "/load_lora_adapter",
+                       {"lora_name": name, "lora_path": str(path), "pinned": bool(pinned)})
+        self._adapters[name] = str(path)
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise AdapterNotLoadedError(name, self.list_adapters())
+        route = "/v1/unload_lora_adapter" if self.flavor == "vllm" else "/unload_lora_adapter"
+        self._http("POST", self.base_url + route, {"lora_name": name})
+        del self._adapters[name]
+
+    def list_adapters(self) -> list[str]:
+        return sorted(self._adapters)
+
+    # ---- generation -------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        for r in requests:
+            if r.adapter is not None and r.adapter not in self._adapters:
+                raise AdapterNotLoadedError(r.adapter, self.list_adapters())
+        if not requests:
+            return []
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(requests)))) as pool:
+            return list(pool.map(self._one, requests))
+
+    def _model_for(self, adapter: Optional[str]) -> str:
+        if adapter is None:
+            return self.served_model
+        return self.model_format.format(base=self.served_model, adapter=adapter)
+
+    def _one(self, req: GenerationRequest) -> GenerationResult:
+        body: dict[str, Any] = {
+            "model": self._model_for(req.adapter), "prompt": req.prompt, "max_tokens": req.max_new_tokens,
+            "temperature": 0, "logprobs": req.top_k, "echo": bool(req.prompt_logprobs),
+            "ignore_eos": req.ignore_eos,
+        }
+        if self.tokens_as_ids:
+            body["return_tokens_as_token_ids"] = True
+        try:
+            resp = self._http("POST", self.base_url + "/v1/completions", body)
+        except EngineFailure as exc:
+            if getattr(exc, "not_found", False) and req.adapter is not None:
+                raise AdapterNotLoadedError(req.adapter, self.list_adapters()) from exc
+            raise
+        try:
+            return self._parse(req, resp)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EngineFailure(f"unexpected completions response ({type(exc).__name__}: {exc}): "
+                                f"{json.dumps(resp)[:500]}") from None
+
+    def _parse(self, req: GenerationRequest, resp: dict) -> GenerationResult:
+        choice = resp["choices"][0]
+        lp = choice.get("logprobs") or {}
+        tokens = [self._token_id(t) for t in lp.get("tokens") or []]
+        tops = [None if t is None else self._top(t, req.top_k) for t in lp.get("top_logprobs") or []]
+        text = choice.get("text", "")
+        if req.prompt_logprobs:
+            n_prompt = int((resp.get("usage") or {}).get("prompt_tokens") or len(self._prompt_ids(req.prompt)))
+            prompt_ids, tokens = tokens[:n_prompt], tokens[n_prompt:]
+            prompt_tops, tops = tops[1:n_prompt], tops[n_prompt:]  # [0] is None: nothing predicts BOS
+            if text.startswith(req.prompt):
+                text = text[len(req.prompt):]
+        else:
+            prompt_ids, prompt_tops = self._prompt_ids(req.prompt), None
+        return GenerationResult(token_ids=tokens, text=text, logprobs=[t or {} for t in tops],
+                                prompt_token_ids=prompt_ids,
+                                prompt_logprobs=None if prompt_tops is None else [t or {} for t in prompt_tops])
+
+    def _top(self, entries: Mapping[str, float], k: int) -> TopK:
+        pairs = sorted(((self._token_id(s), float(v)) for s, v in entries.items()), key=lambda p: (-p[1], p[0]))
+        return dict(pairs[:k])
+
+    # ---- token strings -> ids ---------------------------------------------------------
+
+    def _tok(self):
+        if self._tokenizer is None:
+            from lora_conformance.engines._hf_common import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_dir)
+        return self._tokenizer
+
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        return list(self._tok()(prompt)["input_ids"])
+
+    def _token_id(self, s: str) -> int:
+        if s.startswith("token_id:"):
+            return int(s[len("token_id:"):])
+        if self._reverse_vocab is None:
+            tok = self._tok()
+            reverse: dict[str, int] = {}
+            for piece, i in tok.get_vocab().items():
+                for key in {piece, tok.decode([i])}:
+                    reverse[key] = -1 if key in reverse and reverse[key] != i else i
+            self._reverse_vocab = reverse
+        i = self._reverse_vocab.get(s, self._reverse_vocab.get(s.strip()))
+        if i is None or i < 0:
+            raise EngineFailure(f"token string {s!r} maps to {'no' if i is None else 'more than one'} id of "
+                                f"{self.model_dir}'s tokenizer; use a server that returns token ids "
+                                "(vLLM: tokens_as_ids=true)")
+        return i
+
+    def version(self) -> str:
+        try:
+            v = self._http("GET", self.base_url + "/version", timeout=5)
+            return f"{self.flavor} server {v.get('version', v) if isinstance(v, dict) else v} at {self.base_url}"
+        except EngineError:
+            return f"{self.flavor} server at {self.base_url}"
+
+
+def _parse_lora_modules(raw: str) -> list[tuple[str, str]]:
+    out = []
+    for item in raw.replace(",", " ").split():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise EngineError(f"engine 'openai': lora_modules item {item!r} is not name=path")
+        out.append((name, path))
+    return out
+
+
+def _loopback_url(url: str) -> str:
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme != "http" or parsed.hostname not in LOOPBACK or not parsed.port:
+        raise EngineError(f"engine 'openai': url={url!r} must be http://127.0.0.1:PORT (loopback only)")
+    return f"http://{parsed.netloc}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,129 @@
+"""Offline base models: ``synthetic:llama|moe|encoder`` built on demand and cached, or a local directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Union
+
+from lora_conformance.settings import fixtures_dir
+
+SYNTHETIC_KINDS = ("llama", "moe", "encoder")
+HASH_FILE = ".content_hash"
+_HASHED = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def _recipe(kind: str, seed: int = 0) -> dict:
+    from lora_conformance.models import synthetic
+
+    return synthetic.recipe_for(kind, seed)
+
+
+def build_synthetic(kind: str, out: Path, seed: int = 0) -> Path:
+    """Build ``synthetic:<kind>`` into ``out`` (no caching)."""
+    from lora_conformance.models import synthetic
+
+    if kind not in SYNTHETIC_KINDS:
+        raise ValueError(f"model kind: expected one of {', '.join(SYNTHETIC_KINDS)}, got {kind!r}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    synthetic.build(kind, out, seed)
+    return out
+
+
+def resolve_base_model(spec: str, cache_dir: Union[str, Path], seed: int = 0) -> Path:
+    """A checkpoint directory for ``spec``: ``synthetic:<kind>`` (built once, cached) or a local path."""
+    if spec.startswith("synthetic:"):
+        kind = spec.split(":", 1)[1]
+        if kind not in SYNTHETIC_KINDS:
+            raise ValueError(_accepted(spec))
+        return _cached_build(kind, Path(cache_dir), seed)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"base model directory {path} has no config.json")
+        return path
+    raise ValueError(_accepted(spec))
+
+
+def _accepted(spec: str) -> str:
+    kinds = ", ".join(f"synthetic:{k}" for k in SYNTHETIC_KINDS)
+    return f"unknown base model {spec!r}; expected one of {kinds}, or an existing local checkpoint directory"
+
+
+def _cached_build(kind: str, cache_dir: Path, seed: int) -> Path:
+    from filelock import FileLock
+
+    key = hashlib.sha256(json.dumps(_recipe(kind, seed), sort_keys=True).encode()).hexdigest()[:16]
+    root = cache_dir / "models"
+    final = root / f"synthetic-{kind}-{key}"
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f".{final.name}.lock")):
+        if (final / "config.json").is_file():  # another process won the race
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+        try:
+            build_synthetic(kind, tmp, seed)
+            content_hash(tmp)
+            os.replace(tmp, final)  # atomic: readers see nothing or the whole directory
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def model_kind(model_dir: Union[str, Path]) -> str:
+    """"decoder", "moe" or "encoder", from config.json."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    archs = " ".join(cfg.get("architectures") or [])
+    if cfg.get("num_local_experts") or cfg.get("num_experts"):
+        return "moe"
+    if cfg.get("is_decoder") is False or "Bert" in archs or cfg.get("model_type") == "bert":
+        return "encoder"
+    return "decoder"
+
+
+def content_hash(model_dir: Union[str, Path]) -> str:
+    """sha256 over config, weights and tokenizer files; cached in ``.content_hash``."""
+    model_dir = Path(model_dir)
+    files = sorted(
+        p for p in model_dir.iterdir() if p.name in _HASHED or p.suffix == ".safetensors" or p.name.endswith(".bin")
+    )
+    stamp = ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    cached = model_dir / HASH_FILE
+    if cached.is_file():
+        saved_stamp, _, digest = cached.read_text().partition("\n")
+        if saved_stamp == stamp:
+            return digest.strip()
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0")
+        with p.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    digest = h.hexdigest()
+    try:
+        cached.write_text(f"{stamp}\n{digest}")
+    except OSError:
+        pass  # read-only checkouts still get the hash
+    return digest
+
+
+def default_prompts() -> list[str]:
+    return list(json.loads((fixtures_dir() / "prompts.json").read_text()))
+
+
+def load_model(model_dir: Union[str, Path], dtype=None):
+    """The HF model for a checkpoint dir (causal LM for decoders, AutoModel for encoders)."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    if model_kind(model_dir) == "encoder":
+        return AutoModel.from_pretrained(str(model_dir), dtype=dtype, add_pooling_layer=False).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()

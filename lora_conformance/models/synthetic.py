@@ -1,0 +1,294 @@
+"""Offline synthetic base models: small, deterministic, and calibrated for greedy stability.
+
+Why not a random init: with std-0.02 Gaussian weights the next-token logits are a
+Gaussian cloud, the top-1/top-2 logprob gap is 0.005-0.11 at the first step, and bf16
+diverges from fp32 within 16 tokens on 5 of the 16 default prompts. Conformance needs
+greedy outputs that only change when the *adapter* changes, not when rounding does.
+
+Design (``design.py`` has the layout): the vocabulary is a 32 x 32 grid and the logits
+factor as ``class score + member score``. Each score is a sum of discrete terms — the
+successor of the current token (a single 31-/32-cycle, so no short loops) plus a vote
+from the previous token carried by sharp previous-token heads in layer 0 (RoPE-only
+q/k, so attention does not depend on content). Vote strengths come from {0.5, 1.5}
+against 1.0 for the successor, so every base-model decision has a gap of >= 0.5 "units"
+(``logit_scale`` nats per unit before the final norm's shrink). Layers 1..n and all
+MLPs are random with small outputs: they are LoRA targets and add realism, but cannot
+move a decision by more than a few percent of a unit. The gains sit downstream of
+q_proj/v_proj (in k_proj and o_proj), so a rank-8 LoRA with B std ~0.03 on q/v moves
+the votes and attention by a sizeable fraction of a unit: adapters do change outputs.
+
+Measured (``python bench/model_margins.py``), 16 default prompts x 16 greedy steps:
+base model fp32 top-1/top-2 margin min 1.45, p1 2.57, median 4.48 nats; bf16 and fp16
+give the fp32 tokens on all 16 prompts; 16 distinct continuations. bf16 moves a gap by
+<= 0.06 nats (the logits are shifted so the likely winners sit near 0, where bf16 is
+finer). With q/v adapters the votes move continuously, so near-ties come back: see
+lora_conformance.adapters for the adapter numbers and how the default seeds were chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from lora_conformance.models import design
+from lora_conformance.models.tokenizer import build_tokenizer, load_words
+
+# Bump when the generated weights change for the same recipe: it is part of the cache key.
+CODE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DecoderRecipe:
+    seed: int = 0
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    intermediate: int = 512
+    max_positions: int = 512
+    rope_theta: float = 10000.0
+    # embedding component norms (|E| = sqrt(hidden), so RMSNorm is the identity at layer 0)
+    bias_norm: float = 6.0
+    class_norm: float = 8.0
+    member_norm: float = 8.0
+    logit_scale: float = 12.0  # nats per unit gap, before the final norm
+    logit_shift: float = 2.0  # units subtracted from every logit (see decoder_state)
+    vote_weak: float = 0.5
+    vote_strong: float = 1.5
+    value_scale: float = 0.35  # previous-token value entries; gain is in o_proj
+    q_scale: float = 1.0  # |q| of previous-token heads; gain is in k_proj
+    attn_peak: float = 48.0  # peak previous-token score (nats); gap = 17% of it
+    rotary_pairs: int = 6
+    noise_out: float = 0.02  # residual output std of random layers / MLPs, per unit
+    init_std: float = 0.02
+    experts: int = 0  # > 0: Mixtral-style MoE, top-2
+    expert_intermediate: int = 256
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gen(seed: int, stream: int) -> torch.Generator:
+    # Independent, stable streams per purpose, so changing one part leaves the rest alone.
+    return torch.Generator().manual_seed(seed * 1000003 + stream)
+
+
+def decoder_state(r: DecoderRecipe, vocab_size: int) -> dict[str, torch.Tensor]:
+    """The full state dict (HF Llama / Mixtral names, fused MoE experts)."""
+    G, H, hd = design.GRID, r.hidden, r.head_dim
+    assert vocab_size == G * G, f"vocab must be {G * G} (grid), got {vocab_size}"
+    basis = design.hadamard_basis(H, _gen(r.seed, 1))
+    d = basis[:, 0]
+    X, Y, Z, W = (basis[:, 1 + i * G : 1 + (i + 1) * G] for i in range(4))
+    rest = basis[:, 1 + 4 * G :]
+    ids = torch.arange(vocab_size)
+    cls, mem = ids // G, ids % G
+
+    # Embeddings: same norm for every token; filler fills the remaining norm.
+    filler = rest @ torch.randn(rest.shape[1], vocab_size, generator=_gen(r.seed, 2), dtype=torch.float64)
+    filler = filler / filler.norm(dim=0, keepdim=True)
+    f_norm = math.sqrt(H - r.bias_norm**2 - r.class_norm**2 - r.member_norm**2)
+    emb = (r.bias_norm * d[:, None] + r.class_norm * X[:, cls] + r.member_norm * Y[:, mem] + f_norm * filler).T
+
+    # Successor maps (class 0 holds the specials and is never predicted) and vote tables.
+    g = _gen(r.seed, 3)
+    succ_c = design.single_cycle(G - 1, g, offset=1)
+    succ_m = design.single_cycle(G, g)
+    vote_c = torch.randint(1, G, (G,), generator=g)  # previous class -> voted class
+    vote_m = torch.randint(0, G, (G,), generator=g)
+    strong = lambda: torch.where(torch.rand(G, generator=g) < 0.5, r.vote_strong, r.vote_weak)  # noqa: E731
+    kappa_c, kappa_m = strong().double(), strong().double()
+
+    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": emb}
+    rnd = _gen(r.seed, 4)
+
+    def randn(*shape, std=r.init_std):
+        return torch.randn(*shape, generator=rnd, dtype=torch.float64) * std
+
+    # One "unit" of residual signal along a code direction is class_norm (= member_norm).
+    unit = r.class_norm
+    for layer in range(r.layers):
+        p = f"model.layers.{layer}."
+        q, k = randn(r.heads * hd, H), randn(r.kv_heads * hd, H)
+        v, o = randn(r.kv_heads * hd, H), randn(H, r.heads * hd)
+        # Random o_proj: scale so its residual output has std noise_out * unit per code direction.
+        o = o / (o.std() * math.sqrt(r.heads * hd) * 0.32) * r.noise_out * unit
+        if layer == 0:
+            qv, kv = design.previous_token_rotary(hd, r.rope_theta, r.rotary_pairs, r.attn_peak)
+            qv, kv = qv * r.q_scale / qv.norm(), kv * (r.attn_peak * math.sqrt(hd) / (r.q_scale * kv.norm()))
+            # kv head 0 -> heads 0, 1 carry the previous class; kv head 1 -> heads 2, 3 the member.
+            for kvh, (code, ncode, votes, kappa, target) in enumerate(
+                [(X, r.class_norm, vote_c, kappa_c, Z), (Y, r.member_norm, vote_m, kappa_m, W)]
+            ):
+                k[kvh * hd : (kvh + 1) * hd] = torch.outer(kv, d) / r.bias_norm
+                v[kvh * hd : kvh * hd + G] = code.T * (r.value_scale / ncode)
+                v[kvh * hd + G : (kvh + 1) * hd] *= 0.1
+                # Only the first head of each group votes (two voting heads could split a vote into
+                # ties); the other heads keep q/v and a small random o_proj, like layers 1..n.
+                group = r.heads // r.kv_heads
+                for j in range(group):
+                    h = kvh * group + j
+                    q[h * hd : (h + 1) * hd] = torch.outer(qv, d) / r.bias_norm
+                h = kvh * group
+                o[:, h * hd : (h + 1) * hd] = 0
+                o[:, h * hd : h * hd + G] = target[:, votes] * (kappa * unit / r.value_scale)
+        sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"] = q, k
+        sd[p + "self_attn.v_proj.weight"], sd[p + "self_attn.o_proj.weight"] = v, o
+        sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.float64)
+        sd[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.float64)
+        _mlp(sd, p, r, randn, unit)
+
+    sd["model.norm.weight"] = torch.ones(H, dtype=torch.float64)
+    # lm_head: successor terms read X/Y, vote terms read Z/W; class 0 is pushed far down via d.
+    inv_c = torch.argsort(succ_c)
+    inv_m = torch.argsort(succ_m)
+    head = (X[:, inv_c[cls]] + Z[:, cls]) + (Y[:, inv_m[mem]] + W[:, mem])
+    head = head.T * (r.logit_scale / unit)
+    # Centre the likely winners near 0: bf16 logits are rounded to 2^-8 of their magnitude.
+    head -= d * (r.logit_shift * r.logit_scale / r.bias_norm)
+    head[cls == 0] -= d * (4 * r.logit_scale * (r.vote_strong + 1) * unit / r.bias_norm)
+    sd["lm_head.weight"] = head
+    return {k: v.float().contiguous() for k, v in sd.items()}
+
+
+def _mlp(sd, p, r: DecoderRecipe, randn, unit) -> None:
+    # Random gated MLPs whose outputs are small next to one unit (see module docstring).
+    def down_scale(x, fan):
+        return x / (x.std() * math.sqrt(fan)) * r.noise_out * unit * 20
+
+    if r.experts:
+        E, I = r.experts, r.expert_intermediate
+        sd[p + "mlp.gate.weight"] = randn(E, r.hidden, std=0.2)
+        sd[p + "mlp.experts.gate_up_proj"] = randn(E, 2 * I, r.hidden)
+        sd[p + "mlp.experts.down_proj"] = down_scale(randn(E, r.hidden, I), I)
+    else:
+        I = r.intermediate
+        sd[p + "mlp.gate_proj.weight"] = randn(I, r.hidden)
+        sd[p + "mlp.up_proj.weight"] = randn(I, r.hidden)
+        sd[p + "mlp.down_proj.weight"] = down_scale(randn(r.hidden, I), I)
+
+
+def decoder_config(r: DecoderRecipe, vocab_size: int):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=r.hidden,
+        num_hidden_layers=r.layers,
+        num_attention_heads=r.heads,
+        num_key_value_heads=r.kv_heads,
+        head_dim=r.head_dim,
+        max_position_embeddings=r.max_positions,
+        rms_norm_eps=1e-6,
+        rope_theta=r.rope_theta,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        hidden_act="silu",
+        torch_dtype="float32",
+    )
+    if r.experts:
+        from transformers import MixtralConfig
+
+        return MixtralConfig(
+            intermediate_size=r.expert_intermediate,
+            num_local_experts=r.experts,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            **common,
+        )
+    from transformers import LlamaConfig
+
+    return LlamaConfig(intermediate_size=r.intermediate, attention_bias=False, mlp_bias=False, **common)
+
+
+def build_decoder(r: DecoderRecipe, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    words = load_words()
+    vocab_size = len(words) + 4
+    config = decoder_config(r, vocab_size)
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(decoder_state(r, vocab_size), strict=True)
+    model.generation_config.do_sample = False
+    model.save_pretrained(out)
+    save_tokenizer(words, "decoder", out)
+    (out / "synthetic.json").write_text(json.dumps({"recipe": r.to_dict(), "code_version": CODE_VERSION}, indent=2))
+
+
+def save_tokenizer(words: list[str], kind: str, out: Path) -> None:
+    tok = build_tokenizer(words, kind)
+    tok.save_pretrained(out)
+    # Name the class every transformers version knows, and write the legacy specials map.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    specials = {k: cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token", "cls_token", "sep_token") if k in cfg}
+    (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+
+
+def encoder_recipe(seed: int) -> dict:
+    return {"seed": seed, "hidden": 256, "layers": 4, "heads": 4, "intermediate": 512, "pooling": "mean"}
+
+
+def recipe_for(kind: str, seed: int = 0) -> dict:
+    if kind == "encoder":
+        r = encoder_recipe(seed)
+    else:
+        r = (DecoderRecipe(seed=seed) if kind == "llama" else DecoderRecipe(seed=seed, experts=4)).to_dict()
+    from lora_conformance.settings import fixtures_dir
+
+    words = fixtures_dir() / "words.txt"
+    return {"kind": kind, "recipe": r, "code_version": CODE_VERSION, "words": _sha(words.read_bytes())}
+
+
+def _sha(b: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(b).hexdigest()[:16]
+
+
+def build(kind: str, out: Path, seed: int = 0) -> None:
+    torch.manual_seed(seed)  # from_config's random init is overwritten, but keep it reproducible
+    if kind == "encoder":
+        build_encoder(seed, out)
+    else:
+        build_decoder(DecoderRecipe(seed=seed, experts=4 if kind == "moe" else 0), out)
+
+
+def build_encoder(seed: int, out: Path) -> None:
+    """A BERT encoder for embeddings: random init (embeddings compare by cosine, no greedy steps)."""
+    from transformers import BertConfig, BertModel
+
+    r = encoder_recipe(seed)
+    words = load_words()
+    config = BertConfig(
+        vocab_size=len(words) + 4,
+        hidden_size=r["hidden"],
+        num_hidden_layers=r["layers"],
+        num_attention_heads=r["heads"],
+        intermediate_size=r["intermediate"],
+        max_position_embeddings=512,
+        type_vocab_size=2,
+        pad_token_id=0,
+    )
+    model = BertModel(config, add_pooling_layer=False)
+    g = _gen(seed, 7)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.fill_(1.0)
+    model.save_pretrained(out)
+    save_tokenizer(words, "encoder", out)
+    pooling = {"pooling": "mean", "normalize": True, "doc": "mean over non-padding tokens of last_hidden_state"}
+    (out / "pooling.json").write_text(json.dumps(pooling, indent=2))
+    (out / "synthetic.json").write_text(json.dumps({"recipe": r, "code_version": CODE_VERSION}, indent=2))

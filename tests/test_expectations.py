@@ -1,0 +1,207 @@
+"""Expectation files: parsing, validation messages, prefix matching, and the pytest plugin
+run through pytester (registered from a conftest, and through --expectations)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from lora_conformance.expectations import (
+    PACKAGED_DIR,
+    Expectation,
+    ExpectationsPlugin,
+    default_expectations_path,
+    load_expectations,
+)
+
+TESTS = """
+    def test_alpha(): assert False
+    def test_alpha_other(): assert True
+    import pytest
+    @pytest.mark.parametrize("x", ["cpu-a", "cpu-b", "gpu"])
+    def test_param(x): assert not x.startswith("cpu")
+    def test_fixed(): assert True
+    def test_skipme(): raise SystemExit("must not run")
+"""
+
+ENTRIES = """
+    # ---- engine bug class: routing ----
+    [[expect]]
+    id = "test_sample.py::test_alpha"
+    status = "xfail"
+    reason = "routes base rows to slot 0"
+    link = "https://github.com/example/engine/issues/1"
+
+    [[expect]]
+    id = "test_sample.py::test_param[cpu"
+    status = "xfail"
+    reason = "cpu params broken"
+    link = ""
+
+    [[expect]]
+    id = "test_sample.py::test_skipme"
+    status = "skip"
+    reason = "crashes the engine"
+    link = ""
+
+    [[expect]]
+    id = "test_sample.py::test_gone"
+    status = "xfail"
+    reason = "stale entry"
+    link = ""
+"""
+
+
+def write(tmp_path, body, name="exp.toml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body))
+    return p
+
+
+def test_parses_entries_in_order(tmp_path):
+    entries = load_expectations(write(tmp_path, ENTRIES))
+    assert [e.id for e in entries][:2] == ["test_sample.py::test_alpha", "test_sample.py::test_param[cpu"]
+    assert entries[0].describe() == "expected: routes base rows to slot 0 (https://github.com/example/engine/issues/1)"
+    assert entries[2].status == "skip" and entries[2].index == 3
+    assert load_expectations(write(tmp_path, "# header comments only\n")) == []
+
+
+@pytest.mark.parametrize("body, expected", [
+    ('[[expect]]\nid = "a"\nstatus = "fail"\nreason = "r"\nlink = ""\n',
+     r"entry 1: field 'status' is 'fail'; expected one of xfail, skip"),
+    ('[[expect]]\nid = "a"\nstatus = "skip"\nlink = ""\n', r"entry 1: field 'reason' is missing"),
+    ('[[expect]]\nid = "a"\nstatus = "skip"\nreason = "r"\nlink = ""\n[[expect]]\nid = ""\nstatus = "skip"\nreason = "r"\n',
+     r"entry 2: field 'id' is ''; expected a non-empty string"),
+    ('[[expect]]\nid = "a"\nstatus = "skip"\nreason = "r"\nlink = "issue 5"\n',
+     r"entry 1: field 'link' is 'issue 5'; expected an http\(s\) URL or an empty string"),
+    ('[[expect]]\nid = "a"\nstatus = "skip"\nreason = "r"\nowner = "me"\n', r"entry 1: unknown field\(s\) owner"),
+    ('[[expect]]\nid = "a"\nstatus = "skip"\nreason = "r"\n[[expect]]\nid = "a"\nstatus = "xfail"\nreason = "r"\n',
+     r"entry 2: field 'id': 'a' repeats entry 1"),
+    ('[skip]\nid = "a"\n', r"top level: unknown key\(s\) skip"),
+    ('expect = "x"\n', r"'expect' must be an array of tables"),
+    ('[[expect]\nid = "a"\n', r"not valid TOML"),
+])
+def test_bad_files_name_file_entry_field_and_expected_values(tmp_path, body, expected):
+    path = write(tmp_path, body)
+    with pytest.raises(pytest.UsageError, match=expected) as info:
+        load_expectations(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file_is_a_usage_error(tmp_path):
+    with pytest.raises(pytest.UsageError, match="cannot be read"):
+        load_expectations(tmp_path / "nope.toml")
+
+
+def test_prefix_matching_stops_at_boundaries():
+    e = Expectation("suite.py::test_x", "xfail", "r", "", 1)
+    assert e.matches("suite.py::test_x") and e.matches("suite.py::test_x[cpu-float32]")
+    assert not e.matches("suite.py::test_x_other") and not e.matches("suite.py::test_")
+    assert Expectation("suite.py::test_x[cpu", "xfail", "r", "", 1).matches("suite.py::test_x[cpu-float32]")
+    assert not Expectation("suite.py::test_x[cp", "xfail", "r", "", 1).matches("suite.py::test_x[cpu-float32]")
+    assert Expectation("suites/", "skip", "r", "", 1).matches("suites/test_a.py::t")
+    assert Expectation("suites/test_a.py", "skip", "r", "", 1).matches("suites/test_a.py::t")
+
+
+def test_longest_matching_id_wins(tmp_path):
+    plugin = ExpectationsPlugin(write(tmp_path, """
+        [[expect]]
+        id = "s.py"
+        status = "skip"
+        reason = "whole file"
+        [[expect]]
+        id = "s.py::test_a[x"
+        status = "xfail"
+        reason = "just x"
+    """))
+    assert plugin.lookup("s.py::test_a[x-1]").reason == "just x"
+    assert plugin.lookup("s.py::test_b").reason == "whole file"
+    assert plugin.lookup("t.py::test_a") is None
+
+
+def test_default_lookup_precedence(tmp_path, monkeypatch):
+    monkeypatch.setattr("lora_conformance.expectations.PACKAGED_DIR", tmp_path)
+    assert default_expectations_path("eng", "cpu") is None
+    (tmp_path / "eng.toml").write_text("")
+    assert default_expectations_path("eng", "cpu") == tmp_path / "eng.toml"
+    (tmp_path / "eng-cpu.toml").write_text("")
+    assert default_expectations_path("eng", "cpu") == tmp_path / "eng-cpu.toml"  # more specific wins
+    assert default_expectations_path("eng", "xpu") == tmp_path / "eng.toml"
+    assert default_expectations_path("my_pkg.mod:Engine", "cpu") is None
+
+
+def test_packaged_files_are_valid():
+    files = sorted(PACKAGED_DIR.glob("*.toml"))
+    assert {f.name for f in files} >= {"peft.toml", "vllm-cpu.toml", "sglang.toml", "openai.toml"}
+    for f in files:
+        load_expectations(f)  # header comments only, for now: must still parse
+
+
+def run_with_conftest(pytester, entries=ENTRIES, *args):
+    pytester.makepyfile(test_sample=textwrap.dedent(TESTS))
+    path = pytester.path / "exp.toml"
+    path.write_text(textwrap.dedent(entries))
+    pytester.makeconftest(f"""
+        from lora_conformance.expectations import ExpectationsPlugin
+        def pytest_configure(config):
+            config.pluginmanager.register(ExpectationsPlugin({str(path)!r}), "exp-under-test")
+    """)
+    return pytester.runpytest("-p", "no:lora_conformance", "-rxXs", *args)
+
+
+def test_plugin_marks_items_and_reports_unmatched(pytester):
+    result = run_with_conftest(pytester)
+    # test_alpha xfails (strict), test_alpha_other is untouched, two cpu params xfail,
+    # gpu passes, test_skipme is skipped without running.
+    result.assert_outcomes(passed=3, xfailed=3, skipped=1)
+    result.stdout.fnmatch_lines([  # in report order
+        "*UnmatchedExpectationWarning*entry 4*test_sample.py::test_gone*matches no collected test*",
+        "lora-conformance expectations *exp.toml: 4 entries, 3 tests marked xfail, 1 skipped, 1 unmatched",
+        "  unmatched entry 4: test_sample.py::test_gone",
+        "XFAIL test_sample.py::test_alpha - expected: routes base rows to slot 0 (https://github.com/example/engine/issues/1)",
+        "*SKIPPED*expected: crashes the engine*",
+    ])
+    assert "must not run" not in result.stdout.str()
+
+
+def test_strict_xfail_turns_an_unexpected_pass_into_a_failure(pytester):
+    result = run_with_conftest(pytester, """
+        [[expect]]
+        id = "test_sample.py::test_fixed"
+        status = "xfail"
+        reason = "fixed upstream since"
+        link = ""
+    """, "test_sample.py::test_fixed")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*XPASS(strict)*expected: fixed upstream since*"])
+
+
+def test_entries_for_files_outside_the_run_are_not_reported(pytester):
+    pytester.makepyfile(test_other="def test_o(): pass")
+    result = run_with_conftest(pytester, ENTRIES, "test_other.py")
+    result.assert_outcomes(passed=1)
+    assert "UnmatchedExpectationWarning" not in result.stdout.str()
+    result.stdout.fnmatch_lines(["*4 entries, 0 tests marked xfail, 0 skipped, 0 unmatched*"])
+
+
+def test_deselection_does_not_make_entries_stale(pytester):
+    result = run_with_conftest(pytester, ENTRIES, "-k", "fixed")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*4 entries, 3 tests marked xfail, 1 skipped, 1 unmatched*"])
+
+
+def test_bad_file_stops_the_run_with_a_usage_error(pytester):
+    result = run_with_conftest(pytester, '[[expect]]\nid = "x"\nstatus = "maybe"\nreason = "r"\n')
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*exp.toml: entry 1: field 'status' is 'maybe'; expected one of xfail, skip*"])
+
+
+def test_through_the_lora_conformance_plugin(pytester):
+    """--expectations is read by the lead's plugin, which registers ExpectationsPlugin."""
+    pytester.makepyfile(test_sample=textwrap.dedent(TESTS))
+    path = pytester.path / "exp.toml"
+    path.write_text(textwrap.dedent(ENTRIES))
+    result = pytester.runpytest(f"--expectations={path}", "-rxXs", "--engine=builtin", "--device=cpu")
+    result.assert_outcomes(passed=3, xfailed=3, skipped=1)
+    result.stdout.fnmatch_lines([f"*expectations {path} (4 entries)*"])

@@ -1,0 +1,145 @@
+"""Synthetic base models: layout, tokenizer, caching, and greedy stability across dtypes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_conformance.models import (
+    SYNTHETIC_KINDS,
+    content_hash,
+    default_prompts,
+    load_model,
+    model_kind,
+    resolve_base_model,
+)
+from lora_conformance.models.calibration import diverged, greedy, peft_with_adapter
+
+BASE_MIN_MARGIN = 1.0  # nats; measured 1.45 (bench/model_margins.py), bf16 moves gaps by < 0.1
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lc-cache")
+
+
+@pytest.fixture(scope="session")
+def llama(cache) -> Path:
+    return resolve_base_model("synthetic:llama", cache)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(llama):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(llama))
+
+
+def test_default_prompts_are_words_of_the_vocabulary(tokenizer):
+    prompts = default_prompts()
+    assert len(prompts) == 16
+    lengths = [len(p.split()) for p in prompts]
+    assert min(lengths) >= 3 and max(lengths) <= 24, lengths
+    for p in prompts:
+        ids = tokenizer(p).input_ids
+        assert tokenizer.unk_token_id not in ids, p
+        assert ids[0] == tokenizer.bos_token_id
+        assert tokenizer.decode(ids, skip_special_tokens=True) == p  # words round-trip
+
+
+@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+def test_synthetic_models_load_as_standard_checkpoints(cache, kind):
+    from transformers import AutoTokenizer
+
+    d = resolve_base_model(f"synthetic:{kind}", cache)
+    assert model_kind(d) == {"llama": "decoder", "moe": "moe", "encoder": "encoder"}[kind]
+    tok = AutoTokenizer.from_pretrained(str(d))
+    assert type(tok).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    model = load_model(d)
+    ids = tok(["water and fire", "the old man"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model(**ids)
+    if kind == "encoder":
+        assert out.last_hidden_state.shape[-1] == 256
+        assert json.loads((d / "pooling.json").read_text())["pooling"] == "mean"
+    else:
+        assert out.logits.shape[-1] == model.config.vocab_size == len(tok)
+
+
+def test_moe_keeps_fused_experts_in_memory(cache):
+    model = load_model(resolve_base_model("synthetic:moe", cache))
+    experts = model.model.layers[0].mlp.experts
+    cfg = model.config
+    assert experts.gate_up_proj.shape == (cfg.num_local_experts, 2 * cfg.intermediate_size, cfg.hidden_size)
+    assert experts.down_proj.shape == (cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size)
+
+
+def test_llama_shape_fits_vllm(llama):
+    cfg = json.loads((llama / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["head_dim"] >= 32 and cfg["tie_word_embeddings"] is False
+    assert cfg["num_attention_heads"] % cfg["num_key_value_heads"] == 0
+
+
+def test_cache_is_content_addressed_and_reused(cache, llama):
+    again = resolve_base_model("synthetic:llama", cache)
+    assert again == llama
+    h = content_hash(llama)
+    assert len(h) == 64 and h == content_hash(again)
+    other = resolve_base_model("synthetic:llama", cache, seed=1)
+    assert other != llama and content_hash(other) != h
+
+
+def _build(args):
+    kind, cache = args
+    return str(resolve_base_model(f"synthetic:{kind}", Path(cache)))
+
+
+def test_concurrent_builds_agree(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        a, b = pool.map(_build, [("encoder", str(tmp_path))] * 2)
+    assert a == b
+    assert [p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith(".")] == [Path(a).name]
+
+
+def test_deterministic_weights(tmp_path, llama):
+    rebuilt = resolve_base_model("synthetic:llama", tmp_path)
+    assert (rebuilt / "model.safetensors").read_bytes() == (llama / "model.safetensors").read_bytes()
+
+
+def test_unknown_specs_are_refused_clearly(tmp_path):
+    with pytest.raises(ValueError, match="synthetic:llama, synthetic:moe, synthetic:encoder"):
+        resolve_base_model("synthetic:gpt", tmp_path)
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_base_model(str(tmp_path), tmp_path)
+
+
+def test_base_greedy_is_dtype_stable_and_context_dependent(llama, tokenizer):
+    model = load_model(llama)
+    prompts = default_prompts()
+    f32 = greedy(model, tokenizer, prompts)
+    assert float(f32.margins.min()) >= BASE_MIN_MARGIN, f32.margins.min()
+    for dtype in (torch.bfloat16, torch.float16):
+        other = greedy(model, tokenizer, prompts, dtype=dtype)
+        assert diverged(f32.tokens, other.tokens) == [], dtype
+    # Different prompts continue differently and no continuation is a one-word loop.
+    assert len({tuple(t) for t in f32.tokens.tolist()}) == len(prompts)
+    assert all(len(set(t)) > 4 for t in f32.tokens.tolist())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["A", "B", "C", "D"])
+def test_default_adapter_greedy_is_dtype_stable(cache, llama, tokenizer, name):
+    from lora_conformance.adapters import DEFAULT_ADAPTERS, MIN_MARGIN, synthesize_cached
+
+    model = peft_with_adapter(llama, synthesize_cached(llama, DEFAULT_ADAPTERS[name], cache))
+    prompts = default_prompts()
+    f32 = greedy(model, tokenizer, prompts)
+    assert float(f32.margins.min()) >= MIN_MARGIN, f32.margins.min()
+    for dtype in (torch.bfloat16, torch.float16):
+        assert diverged(f32.tokens, greedy(model, tokenizer, prompts, dtype=dtype).tokens) == [], dtype
