@@ -3,6 +3,7 @@
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
+from lora_conformance.engines import UnsupportedFeatureError
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
 
 register_cpu_ci(est_time=15, suite="per-commit")
@@ -37,4 +38,8 @@ def test_expert_lora_mixed_batch(lora, device, dtype):
     for name, spec in EXPERTS.items():
         lora.load(engine, name, spec)
     reqs = lora.requests(["M1", None, "M2", "M1", None, "M2"])
-    lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, EXPERTS), reqs, label="experts mixed")
+    try:
+        outs = engine.generate(reqs)
+    except UnsupportedFeatureError as exc:  # e.g. PEFT: no adapter_names with target_parameters
+        pytest.skip(f"not certified: engine does not declare mixed batches of MoE expert adapters ({exc})")
+    lora.assert_matches_reference(outs, lora.reference(reqs, EXPERTS), reqs, label="experts mixed")

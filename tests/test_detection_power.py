@@ -58,4 +58,6 @@ def test_suites_catch_the_fault(pytester, fault, lora_settings):
     reports = [r for r in result.reprec.getreports("pytest_runtest_logreport") if r.when == "call"]
     failed = {r.nodeid.split("[")[0].split("/")[-1] for r in reports if r.failed}
     missed = [c for c in CATCHERS[fault] if c not in failed]
+    errors = [r.nodeid for r in result.reprec.getreports("pytest_runtest_logreport") if r.failed and r.when != "call"]
+    assert not errors, f"fault {fault!r}: suite errors (not failures) in {errors}\n" + "\n".join(result.outlines[-60:])
     assert not missed, f"fault {fault!r} not caught by: {missed}\n" + "\n".join(result.outlines[-30:])

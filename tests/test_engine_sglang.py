@@ -108,10 +108,10 @@ def test_server_args(fake_sglang, model_dir):
                                                     "lora_eviction_policy": "fifo", "lora_target_modules": "q_proj,v_proj"})
     kw = FakeEngine.instances[0].kwargs
     assert kw["model_path"] == str(model_dir) and kw["enable_lora"] is True
-    assert (kw["max_loras_per_batch"], kw["max_loaded_loras"], kw["max_lora_rank"]) == (4, 16, 64)
+    assert (kw["max_loras_per_batch"], kw["max_loaded_loras"], kw["max_lora_rank"]) == (5, 16, 64)
     assert (kw["lora_backend"], kw["lora_eviction_policy"], kw["device"], kw["dtype"]) == ("triton", "fifo", "cpu", "bfloat16")
     assert kw["lora_target_modules"] == ["q_proj", "v_proj"]
-    assert e.limits.max_loras_per_batch == 3  # SGLang counts the base as one slot
+    assert e.limits.max_loras_per_batch == 4  # SGLang counts the base as one slot: it was given 5
     assert Capability.EVICTION_FIFO in e.capabilities and Capability.EVICTION_LRU not in e.capabilities
     assert e.version() == "sglang 0.0-standin"
     e.close()
@@ -155,7 +155,7 @@ def test_generate_mapping(fake_sglang, model_dir):
 
 
 def test_adapter_lifecycle_and_errors(fake_sglang, model_dir):
-    e = SGLangEngine(model_dir, "cpu", "float32", {"max_loras_per_batch": "3"})
+    e = SGLangEngine(model_dir, "cpu", "float32", {"max_loras_per_batch": "2"})
     fake = FakeEngine.instances[0]
     e.load_adapter("a1", Path("/adapters/a1"), pinned=True)
     e.load_adapter("a1", Path("/adapters/a1-v2"))  # reload: unload first, SGLang refuses a loaded name

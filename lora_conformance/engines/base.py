@@ -12,7 +12,7 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from lora_conformance.types import GenerationRequest, GenerationResult
 
@@ -92,6 +92,38 @@ class UnsupportedFeatureError(EngineError, NotImplementedError):
 
 class EngineFailure(EngineError, RuntimeError):
     """The engine broke (crashed worker, server error, timeout)."""
+
+
+# ---- standard engine args -------------------------------------------------------------
+
+# Suites ask for engine configurations in these words; each plugin maps them onto its own.
+STANDARD_ARGS = ("max_loras_per_batch", "max_loaded_loras", "max_rank", "eviction", "prefix_cache",
+                 "overlap_loading", "graphs")
+
+
+def translate_standard_args(engine: str, args: Mapping[str, str],
+                            mapping: Mapping[str, Callable[[str], dict[str, str]]]) -> dict[str, str]:
+    """Replace standard keys by the engine's own (an engine-specific key given explicitly wins).
+
+    A mapping function raises UnsupportedFeatureError for a value the engine cannot honour.
+    """
+    out = {k: v for k, v in args.items() if k not in mapping}
+    for key, translate in mapping.items():
+        if key in args:
+            for own_key, own_value in translate(str(args[key])).items():
+                out.setdefault(own_key, own_value)
+    return out
+
+
+def only(engine: str, key: str, supported: str) -> Callable[[str], dict[str, str]]:
+    """A standard arg the engine has no knob for: accept only the value it always behaves as."""
+
+    def check(value: str) -> dict[str, str]:
+        if value != supported:
+            raise UnsupportedFeatureError(f"engine {engine!r} cannot run with {key}={value} (only {key}={supported})")
+        return {}
+
+    return check
 
 
 # ---- the interface ------------------------------------------------------------------

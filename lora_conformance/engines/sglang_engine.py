@@ -17,8 +17,8 @@ Mapping:
   (nothing predicts the first token) -- it is dropped, so entry i predicts token i+1;
 - token ids from ``output_ids`` (or the ids inside ``output_token_logprobs``).
 
-Limits: SGLang's ``max_loras_per_batch`` counts the base model as one slot, so the
-contract's adapters-per-batch is one less.
+Limits: SGLang's ``max_loras_per_batch`` counts the base model as one slot; the engine arg
+of that name means adapters per batch (as for every engine here) and is passed on + 1.
 
 Engine args: max_loras_per_batch, max_loaded_loras, max_lora_rank, lora_target_modules,
 lora_backend, lora_eviction_policy, enable_lora_overlap_loading, attention_backend,
@@ -51,6 +51,7 @@ from lora_conformance.engines.base import (
     EngineFailure,
     Limits,
     UnsupportedFeatureError,
+    translate_standard_args,
 )
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
@@ -62,11 +63,21 @@ class SGLangEngine(Engine):
     KNOWN_ARGS = (
         "max_loras_per_batch", "max_loaded_loras", "max_lora_rank", "lora_target_modules", "lora_backend",
         "lora_eviction_policy", "enable_lora_overlap_loading", "attention_backend", "mem_fraction_static",
-        "context_length", "disable_cuda_graph", "random_seed", "capabilities",
+        "context_length", "disable_cuda_graph", "disable_radix_cache", "random_seed", "capabilities",
     )
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
+        # Standard (suite) args in SGLang's words. max_loras_per_batch means adapters per batch
+        # here as everywhere in this project; SGLang counts the base model as a slot, hence + 1.
+        self.args = translate_standard_args(self.name, self.args, {
+            "max_loras_per_batch": lambda v: {"max_loras_per_batch": str(int(v) + 1)},
+            "max_rank": lambda v: {"max_lora_rank": v},
+            "eviction": lambda v: {"lora_eviction_policy": v},
+            "overlap_loading": lambda v: {"enable_lora_overlap_loading": v},
+            "graphs": lambda v: {"disable_cuda_graph": "0" if v == "1" else "1"},
+            "prefix_cache": lambda v: {"disable_radix_cache": "0" if v == "1" else "1"},
+        })
         check_known_args(self.name, self.args, self.KNOWN_ARGS)
         a, n = self.args, self.name
         per_batch = arg_int(n, a, "max_loras_per_batch", 8)
@@ -97,6 +108,8 @@ class SGLangEngine(Engine):
             kwargs["is_embedding"] = True
         if overlap:
             kwargs["enable_lora_overlap_loading"] = True
+        if arg_bool(n, a, "disable_radix_cache", False):
+            kwargs["disable_radix_cache"] = True
         for key, parse in (("lora_backend", str), ("attention_backend", str)):
             if a.get(key):
                 kwargs[key] = parse(a[key])

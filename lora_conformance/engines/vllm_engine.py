@@ -47,6 +47,8 @@ from lora_conformance.engines.base import (
     EngineFailure,
     Limits,
     UnsupportedFeatureError,
+    only,
+    translate_standard_args,
 )
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
@@ -74,6 +76,15 @@ class VllmEngine(Engine):
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
+        self.args = translate_standard_args(self.name, self.args, {
+            "max_loras_per_batch": lambda v: {"max_loras": v},
+            "max_loaded_loras": lambda v: {"max_cpu_loras": v},
+            "max_rank": lambda v: {"max_lora_rank": v},
+            "eviction": only(self.name, "eviction", "lru"),
+            "prefix_cache": lambda v: {"prefix_cache": v},
+            "overlap_loading": only(self.name, "overlap_loading", "0"),
+            "graphs": lambda v: {"enforce_eager": "0" if v == "1" else "1"},
+        })
         check_known_args(self.name, self.args, self.KNOWN_ARGS)
         a, n = self.args, self.name
         self.max_loras = arg_int(n, a, "max_loras", 4)
