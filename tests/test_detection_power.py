@@ -48,12 +48,12 @@ def _selection(catchers):
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_suites_catch_the_fault(pytester, fault, lora_settings):
+def test_suites_catch_the_fault(suite_runner, fault, lora_settings):
     needs = DEVICE_ONLY_FAULTS.get(fault)
     if needs and lora_settings.device_type == "cpu":
         pytest.skip(f"not applicable on cpu: fault {fault!r} needs {needs}")
     files, names = _selection(CATCHERS[fault])
-    result = pytester.runpytest(*files, "-k", names, f"--device={lora_settings.device}",
+    result = suite_runner.runpytest(*files, "-k", names, f"--device={lora_settings.device}",
                                 f"--lora-cache={lora_settings.cache_dir}", "--engine=builtin", "--engine-arg", f"fault={fault}", "-p", "no:cacheprovider", "-q")
     reports = [r for r in result.reprec.getreports("pytest_runtest_logreport") if r.when == "call"]
     failed = {r.nodeid.split("[")[0].split("/")[-1] for r in reports if r.failed}

@@ -21,8 +21,8 @@ def _run(pytester, lora_settings, engine, *extra):
     return passed, skipped
 
 
-def test_builtin_engine_passes_every_suite(pytester, lora_settings):
-    passed, skipped = _run(pytester, lora_settings, "builtin")
+def test_builtin_engine_passes_every_suite(suite_runner, lora_settings):
+    passed, skipped = _run(suite_runner, lora_settings, "builtin")
     assert len(passed) >= 60, f"only {len(passed)} suite tests passed"
     reasons = {str(r.longrepr[2]) for r in skipped}
     # On cpu the built-in engine declares everything but graphs; nothing else may be skipped.
@@ -30,6 +30,6 @@ def test_builtin_engine_passes_every_suite(pytester, lora_settings):
     assert all(any(a in reason for a in allowed) for reason in reasons), reasons
 
 
-def test_peft_engine_passes_what_it_declares(pytester, lora_settings):
-    passed, skipped = _run(pytester, lora_settings, "peft")
+def test_peft_engine_passes_what_it_declares(suite_runner, lora_settings):
+    passed, skipped = _run(suite_runner, lora_settings, "peft")
     assert len(passed) >= 30, f"only {len(passed)} suite tests passed on PEFT"

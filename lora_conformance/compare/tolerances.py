@@ -1,9 +1,16 @@
 """One tolerance table, per dtype of the engine under test. Nothing else holds a tolerance.
 
 The reference is HF transformers + PEFT in float32 (by default). Each row was measured on
-correct engines (the built-in engine and PEFT) against that reference, then checked to
-catch every injected fault of the built-in engine; ``bench/calibrate_tolerances.py``
-prints the measured worst cases next to these values.
+correct engines against that reference, then checked to catch every injected fault of the
+built-in engine (tests/test_detection_power.py); ``bench/calibrate_tolerances.py`` prints
+the measured worst cases next to these values.
+
+Measured worst cases (all suites, default prompts, 16 new tokens):
+- float32: built-in engine and PEFT on cpu, built-in on an H200: logprob drift <= 1e-4
+  (the table allows 2e-3; the fault ``lora_fp16`` drifts further and is caught).
+- bfloat16: built-in engine on an H200 (graphs on and off): decode 0.53 (MoE, step 15),
+  prefill 0.26; on cpu below 0.25. Drift grows with the step: bf16 rounding compounds.
+- float16: built-in engine on cpu and on an H200 within 0.08.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ class Tolerance:
 TOLERANCES: dict[str, Tolerance] = {
     "float32": Tolerance("float32", prefill_atol=2e-3, decode_atol=2e-3, tie_margin=2e-3,
                          rouge_l_min=1.0, embedding_cos_min=0.999),
-    "bfloat16": Tolerance("bfloat16", prefill_atol=0.25, decode_atol=0.25, tie_margin=0.25,
+    "bfloat16": Tolerance("bfloat16", prefill_atol=0.4, decode_atol=0.75, tie_margin=0.75,
                           rouge_l_min=0.9, embedding_cos_min=0.99),
     "float16": Tolerance("float16", prefill_atol=0.08, decode_atol=0.08, tie_margin=0.08,
                          rouge_l_min=0.9, embedding_cos_min=0.995),

@@ -67,7 +67,12 @@ class DecodeGraphs:
         key = (B, W, r.layout_version, r.lora_signature)
         entry = self.graphs.get(key)
         if entry is None:
-            self.graphs = {k: v for k, v in self.graphs.items() if k[2:] == key[2:]}  # drop stale layouts
+            kept = {k: v for k, v in self.graphs.items() if k[2:] == key[2:]}  # drop stale layouts
+            if len(kept) < len(self.graphs):
+                # A pool is released with the last graph captured into it: never capture into a
+                # handle whose graphs were all dropped (the allocator asserts on the double release).
+                self.pool = devices.graph_pool_handle(self.device)
+            self.graphs = kept
             entry = self.graphs[key] = {"bufs": self._buffers(B, W), "graph": None}
         pad = B - n
         slot_row = slots + [-1] * pad
