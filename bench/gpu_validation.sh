@@ -3,7 +3,7 @@
 #   part "bench":  the throughput benchmark (GPU workload) and its per-step op counts;
 #   part "suites": certify the built-in engine (bfloat16, graphs on) into $OUT/report-graphs,
 #                  then graphs off, then the GPU-only fault detection (graph replay, overlap loading).
-# Usage: bash bench/gpu_validation.sh bench|suites   (OUT is the folder whose files come back)
+# Usage: bash bench/gpu_validation.sh bench|suites|detect   (OUT is the folder whose files come back)
 set -uo pipefail
 part=${1:?bench or suites}
 OUT=${OUT:-/tmp/out}
@@ -17,6 +17,10 @@ case "$part" in
   bench)
     python3 bench/engine_throughput.py --config gpu --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"
     python3 bench/engine_throughput.py --config gpu --count-ops 2>&1 | tail -8 | tee -a "$OUT/bench_gpu.log"
+    ;;
+  detect)
+    python3 -m pytest tests/test_detection_power.py --device=cuda --lora-cache /tmp/lora-cache -p no:cacheprovider -q -rfE \
+      -k "graph_stale or overlap_no_wait" > "$OUT/detection_gpu.log" 2>&1; tail -40 "$OUT/detection_gpu.log"
     ;;
   suites)
     cache=/tmp/lora-cache
