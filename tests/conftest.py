@@ -1,23 +1,23 @@
-"""Fixtures for the project's own tests."""
+"""Fixtures for the project's own tests.
 
+The heavy libraries are imported here, at collection, on purpose: an in-process pytester
+run restores ``sys.modules`` afterwards, and a lazily imported transformers submodule
+dropped that way breaks the next run ("Could not import module 'AutoModel'"). Modules
+imported before the first run stay in the snapshot.
+"""
+
+import peft  # noqa: F401
 import pytest
+import transformers  # noqa: F401
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+import lora_conformance.engines.builtin  # noqa: F401
+import lora_conformance.engines.peft_engine  # noqa: F401
+import lora_conformance.harness  # noqa: F401
+import lora_conformance.reference  # noqa: F401
 
 
 @pytest.fixture
 def suite_runner(pytester):
-    """pytester, with the heavy libraries imported in this process first.
-
-    An in-process pytester run restores ``sys.modules`` afterwards; a lazily imported
-    transformers submodule dropped that way breaks the next run ("Could not import module
-    'AutoTokenizer'"). Importing them before the first run keeps them in the snapshot.
-    """
-    import peft  # noqa: F401
-    import transformers  # noqa: F401
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-
-    import lora_conformance.engines.builtin  # noqa: F401
-    import lora_conformance.engines.peft_engine  # noqa: F401
-    import lora_conformance.harness  # noqa: F401
-    import lora_conformance.reference  # noqa: F401
-
+    """pytester for running the conformance suites in this process (see the module doc)."""
     return pytester
