@@ -122,6 +122,16 @@ class Harness:
             return [f"{', '.join(needed)} (engine refused the model: {exc})"]
         return [c for c in needed if Capability.parse(c) not in engine.capabilities]
 
+    def discard_engines(self) -> None:
+        """Close every shared engine: after an EngineFailure one may be dead, and a dead engine
+        must fail only the test that broke it, not every test after it."""
+        while self._engines:
+            _, engine = self._engines.popitem()
+            try:
+                engine.close()
+            except Exception:
+                pass  # closing a dead engine may fail too; it is dropped either way
+
     def close(self) -> None:
         while self._engines:
             _, engine = self._engines.popitem()

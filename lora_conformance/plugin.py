@@ -249,8 +249,11 @@ def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if call.excinfo is not None:
         from lora_conformance.compare.errors import ConformanceAssertionError
+        from lora_conformance.engines.base import EngineFailure
 
         exc = call.excinfo.value
         if isinstance(exc, ConformanceAssertionError):
             item.user_properties.append(("lora_evidence", json.dumps(exc.evidence, default=str)))
+        if isinstance(exc, EngineFailure) and HARNESS_KEY in item.config.stash:
+            item.config.stash[HARNESS_KEY].discard_engines()
     yield
