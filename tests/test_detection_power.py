@@ -42,6 +42,13 @@ CATCHERS: dict[str, list[str]] = {
 EXTRA_ARGS: dict[str, list[str]] = {"graph_stale_indices": ["--engine-arg", "graphs=1"]}
 
 
+# Known gaps in detection power, measured, with the reason (the test still runs up to here).
+UNCAUGHT: dict[str, str] = {
+    "overlap_no_wait": "not caught on an H200: the side-stream copy of a small adapter completes before "
+                       "the compute stream reads the slot, so the missing event wait never shows",
+}
+
+
 def test_every_fault_has_catchers():
     assert set(CATCHERS) == set(FAULTS), "each catalogued fault needs the suite tests that catch it"
 
@@ -66,4 +73,7 @@ def test_suites_catch_the_fault(suite_runner, fault, lora_settings):
     missed = [c for c in CATCHERS[fault] if c not in failed]
     errors = [r.nodeid for r in result.reprec.getreports("pytest_runtest_logreport") if r.failed and r.when != "call"]
     assert not errors, f"fault {fault!r}: suite errors (not failures) in {errors}\n" + "\n".join(result.outlines[-60:])
+    if fault in UNCAUGHT:
+        assert missed, f"fault {fault!r} is caught now: remove it from UNCAUGHT and from the README"
+        pytest.xfail(UNCAUGHT[fault])
     assert not missed, f"fault {fault!r} not caught by: {missed}\n" + "\n".join(result.outlines[-30:])

@@ -24,3 +24,14 @@ def test_ci_runs_exactly_the_readme_test_command():
     test_command = next(c.strip() for c in commands if "pytest" in c and "certify" not in c)
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test_command in [line.strip() for line in ci], f".ci/run does not run {test_command!r}"
+
+
+def test_readme_fault_table_is_the_detection_test_data():
+    from test_detection_power import CATCHERS
+
+    from lora_conformance.engines.builtin.faults import DEVICE_ONLY_FAULTS, FAULTS
+
+    for fault in FAULTS:
+        catch = ", ".join(f"`{c.replace('test_', '', 1).replace('.py::test_', '::')}`" for c in CATCHERS[fault])
+        where = f"GPU ({DEVICE_ONLY_FAULTS[fault]})" if fault in DEVICE_ONLY_FAULTS else "cpu"
+        assert f"| `{fault}` | {FAULTS[fault]} | {catch} | {where} |" in README, f"README row for {fault}"
