@@ -1,0 +1,82 @@
+"""The reference runner: greedy generation with top-k logprobs, and its content-addressed cache."""
+
+import json
+
+import pytest
+
+from lora_conformance.adapters import AdapterSpec, synthesize_cached
+from lora_conformance.models import resolve_base_model
+from lora_conformance.reference import ReferenceCache, ReferenceRunner
+from lora_conformance.types import GenerationRequest
+
+PROMPTS = ["the old man", "once upon a time there was a dragon who"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, lora_settings):
+    model = resolve_base_model("synthetic:llama", lora_settings.cache_dir / "models")
+    adapter = synthesize_cached(model, AdapterSpec(seed=9), lora_settings.cache_dir / "adapters")
+    return model, adapter
+
+
+def _requests():
+    return [GenerationRequest(p, adapter=a, max_new_tokens=6, prompt_logprobs=True)
+            for p in PROMPTS for a in (None, "A")]
+
+
+def test_identical_second_run_makes_no_forward_pass(world, tmp_path):
+    model, adapter = world
+    first_runner = ReferenceRunner(model, cache=ReferenceCache(tmp_path))
+    first = first_runner.generate(_requests(), {"A": adapter})
+    assert first_runner.forward_passes > 0 and first_runner.cache.misses == len(_requests())
+    second_runner = ReferenceRunner(model, cache=ReferenceCache(tmp_path))
+    second = second_runner.generate(_requests(), {"A": adapter})
+    assert second_runner.forward_passes == 0 and second_runner.cache.hits == len(_requests())
+    assert [r.to_dict() for r in second] == [r.to_dict() for r in first]
+
+
+def test_refresh_and_corrupt_entries_are_recomputed(world, tmp_path):
+    model, adapter = world
+    ReferenceRunner(model, cache=ReferenceCache(tmp_path)).generate(_requests()[:1], {"A": adapter})
+    refreshed = ReferenceRunner(model, cache=ReferenceCache(tmp_path, refresh=True))
+    refreshed.generate(_requests()[:1], {"A": adapter})
+    assert refreshed.forward_passes > 0
+    for entry in tmp_path.rglob("*.json"):
+        entry.write_text("{not json")
+    again = ReferenceRunner(model, cache=ReferenceCache(tmp_path))
+    out = again.generate(_requests()[:1], {"A": adapter})
+    assert again.forward_passes > 0 and len(out[0].token_ids) == 6
+    json.loads(next(tmp_path.rglob("*.json")).read_text())  # rewritten whole
+
+
+def test_outputs_are_greedy_and_consistent_with_hf_generate(world):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, adapter = world
+    runner = ReferenceRunner(model)
+    out = runner.generate([GenerationRequest(PROMPTS[1], adapter="A", max_new_tokens=8, prompt_logprobs=True)],
+                          {"A": adapter})[0]
+    tok = AutoTokenizer.from_pretrained(model)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), str(adapter)).eval()
+    ids = tok(PROMPTS[1], return_tensors="pt").input_ids
+    with torch.inference_mode():
+        gen = peft_model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert out.token_ids == gen[0, ids.shape[1]:].tolist()
+    assert out.prompt_token_ids == ids[0].tolist()
+    assert len(out.prompt_logprobs) == ids.shape[1] - 1 and len(out.logprobs) == 8
+    for step, topk in zip(out.token_ids, out.logprobs):
+        assert max(topk, key=topk.get) == step  # the chosen token is the top-1
+        assert all(v <= 0 for v in topk.values())
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_cache_key_depends_on_adapter_content(world, tmp_path, lora_settings):
+    model, adapter = world
+    other = synthesize_cached(model, AdapterSpec(seed=19), lora_settings.cache_dir / "adapters")
+    runner = ReferenceRunner(model, cache=ReferenceCache(tmp_path))
+    a = runner.generate([GenerationRequest(PROMPTS[0], "X", max_new_tokens=6)], {"X": adapter})[0]
+    b = runner.generate([GenerationRequest(PROMPTS[0], "X", max_new_tokens=6)], {"X": other})[0]
+    assert runner.cache.misses == 2  # same name, other weights: never a stale hit
+    assert a.logprobs != b.logprobs
