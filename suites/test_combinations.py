@@ -23,8 +23,10 @@ def test_prefix_cache_with_routing(lora, device, dtype):
     engine.generate([GenerationRequest(prompt=prompt, adapter="A", max_new_tokens=4)])
     labels = ["B", None, "A", "C", None, "B"]
     outs = engine.generate([GenerationRequest(prompt=prompt, adapter=l, max_new_tokens=16) for l in labels])
+    reqs = [GenerationRequest(prompt=prompt, adapter=l, max_new_tokens=16) for l in labels]
     refs = lora.reference([GenerationRequest(prompt=prompt, adapter=l, max_new_tokens=16) for l in ("A", "B", "C", None)])
     assert_nearest_reference_routing(outs, labels, dict(zip(["A", "B", "C", "__base__"], refs)), decode=lora.decode)
+    lora.assert_matches_reference(outs, lora.reference(reqs), reqs, label="after a cache warmed by A")
 
 
 @pytest.mark.requires("overlap_loading", "max_loaded")
@@ -39,11 +41,21 @@ def test_overlap_loading_with_eviction(lora, device, dtype):
 
 
 @pytest.mark.requires("pinning", "max_loaded")
-def test_pinning_with_eviction(lora, device, dtype):
-    """A pinned adapter stays loaded and right while others churn through the remaining slot."""
+def test_pinning_with_eviction(lora, device, dtype, tmp_path):
+    """A pinned adapter stays loaded and right while others churn through the remaining slot.
+
+    Its directory is overwritten with another adapter's files once it is pinned: an engine
+    that (wrongly) evicts a pinned adapter and reads it again on demand serves other weights.
+    """
+    import shutil
+
     engine = lora.fresh_engine(max_loras_per_batch=2, max_loaded_loras=3)
     specs = {f"P{i}": AdapterSpec(seed=700 + i) for i in range(5)}
-    lora.load(engine, "P0", specs["P0"], pinned=True)
+    pinned_dir = tmp_path / "P0"
+    shutil.copytree(lora.adapter_path(specs["P0"]), pinned_dir)
+    lora.load(engine, "P0", pinned_dir, pinned=True)
+    shutil.rmtree(pinned_dir)
+    shutil.copytree(lora.adapter_path(AdapterSpec(seed=799)), pinned_dir)
     with pytest.raises(CapacityError):
         lora.load(engine, "P1", specs["P1"], pinned=True)
     for name in ("P1", "P2", "P3", "P4"):
@@ -60,8 +72,9 @@ def test_dynamic_loading_with_prefix_cache(lora, device, dtype):
     engine = lora.fresh_engine(prefix_cache=1)
     prompt = " ".join(lora.prompts[6:9])
     req = [GenerationRequest(prompt=prompt, adapter="X", max_new_tokens=12)]
-    for weights in ("A", "B", "A"):
-        lora.load(engine, "X", weights)
+    for step, weights in enumerate(("A", "B", "A", "B")):
+        lora.load(engine, "X", weights)  # odd steps load over the loaded name, even steps after an unload
         lora.assert_matches_reference(engine.generate(req), lora.reference(req, {"X": weights}), req,
                                       label=f"X = {weights}")
-        engine.unload_adapter("X")
+        if step % 2 == 1:
+            engine.unload_adapter("X")

@@ -46,11 +46,13 @@ def test_unknown_adapter_gives_a_clear_error(lora, device, dtype):
         engine.unload_adapter("never-loaded")
 
 
-def test_reloading_a_name_with_new_weights(lora, device, dtype):
+@pytest.mark.parametrize("how", ["unload-then-load", "load-over"])
+def test_reloading_a_name_with_new_weights(lora, device, dtype, how):
     engine = lora.fresh_engine()
     lora.load(engine, "X", "A")
     _run(lora, engine, "X")  # serve once with A's weights, so any cache is warm
-    engine.unload_adapter("X")
+    if how == "unload-then-load":
+        engine.unload_adapter("X")
     lora.load(engine, "X", "B")
     reqs, outs = _run(lora, engine, "X")
     lora.assert_matches_reference(outs, lora.reference(reqs, {"X": "B"}), reqs, label="X reloaded with B")
