@@ -17,6 +17,24 @@ import lora_conformance.harness  # noqa: F401
 import lora_conformance.reference  # noqa: F401
 
 
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory):
+    """A fresh model/adapter cache for tests that check building and caching themselves."""
+    return tmp_path_factory.mktemp("lc-cache")
+
+
+@pytest.fixture(scope="session")
+def llama(cache):
+    from lora_conformance.models import resolve_base_model
+
+    return resolve_base_model("synthetic:llama", cache)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(llama):
+    return AutoTokenizer.from_pretrained(str(llama))
+
+
 @pytest.fixture
 def suite_runner(pytester):
     """pytester for running the conformance suites in this process (see the module doc)."""

@@ -23,21 +23,6 @@ from lora_conformance.models.calibration import first_change, greedy, peft_with_
 LAYERS = 4
 
 
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("lc-adapters")
-
-
-@pytest.fixture(scope="session")
-def llama(cache) -> Path:
-    return resolve_base_model("synthetic:llama", cache)
-
-
-@pytest.fixture(scope="session")
-def tokenizer(llama):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(llama))
 
 
 def keys(path: Path) -> list[str]:

@@ -22,21 +22,6 @@ from lora_conformance.models.calibration import diverged, greedy, peft_with_adap
 BASE_MIN_MARGIN = 1.0  # nats; measured 1.45 (bench/model_margins.py), bf16 moves gaps by < 0.1
 
 
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("lc-cache")
-
-
-@pytest.fixture(scope="session")
-def llama(cache) -> Path:
-    return resolve_base_model("synthetic:llama", cache)
-
-
-@pytest.fixture(scope="session")
-def tokenizer(llama):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(llama))
 
 
 def test_default_prompts_are_words_of_the_vocabulary(tokenizer):
