@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 from lora_conformance.adapters import DEFAULT_ADAPTERS, synthesize_cached

@@ -14,8 +14,8 @@ import pytest
 
 @dataclass
 class Settings:
-    device: str  # resolved, e.g. "cpu", "cuda:0"
-    device_spec: str  # as given, e.g. "cuda", "auto"
+    device: str  # resolved: the type with its index where it has one
+    device_spec: str  # as given on the command line (may be a bare type or auto)
     engine: str
     engine_args: dict[str, str]
     base_model: str

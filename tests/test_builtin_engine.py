@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _builtin_models import ALL_LINEAR, build_adapter, build_bert, build_decoder
+from _builtin_models import build_adapter, build_bert, build_decoder
 from _builtin_reference import (LOGPROB_ATOL, max_topk_error, peft_model, reference_generate,
                                 reference_prompt_logprobs)
 from lora_conformance.engines.base import Capability

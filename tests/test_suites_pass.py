@@ -4,7 +4,6 @@ This is the other half of detection power: a suite that fails a correct engine i
 useless as one that passes a broken one. Run in-process through pytester.
 """
 
-import pytest
 
 from lora_conformance.settings import suites_dir
 

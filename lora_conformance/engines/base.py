@@ -169,6 +169,13 @@ class Engine(ABC):
         """The engine's own version string, for the report."""
         return "unknown"
 
+    def require_loaded(self, requests: Sequence[GenerationRequest]) -> None:
+        """Raise AdapterNotLoadedError for the first request naming an adapter that is not loaded."""
+        loaded = set(self.list_adapters())
+        for r in requests:
+            if r.adapter is not None and r.adapter not in loaded:
+                raise AdapterNotLoadedError(r.adapter, sorted(loaded))
+
     def supports(self, cap: "Capability | str") -> bool:
         return Capability.parse(cap) in self.capabilities
 

@@ -269,9 +269,7 @@ class OpenAIEngine(Engine):
     # ---- generation -------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        for r in requests:
-            if r.adapter is not None and r.adapter not in self._adapters:
-                raise AdapterNotLoadedError(r.adapter, self.list_adapters())
+        self.require_loaded(requests)
         if not requests:
             return []
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(requests)))) as pool:

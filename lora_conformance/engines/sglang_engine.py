@@ -183,9 +183,7 @@ class SGLangEngine(Engine):
     # ---- generation -----------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        for r in requests:
-            if r.adapter is not None and r.adapter not in self._adapters:
-                raise AdapterNotLoadedError(r.adapter, self.list_adapters())
+        self.require_loaded(requests)
         if not requests:
             return []
         outs = self._call(

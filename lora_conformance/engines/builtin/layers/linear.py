@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lora_conformance.engines.builtin.layers.lora import LoraBatch
