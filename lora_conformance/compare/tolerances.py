@@ -10,7 +10,10 @@ Measured worst cases (all suites, default prompts, 16 new tokens):
   (the table allows 2e-3; the fault ``lora_fp16`` drifts further and is caught).
 - bfloat16: built-in engine on an H200 (graphs on and off): decode 0.53 (MoE, step 15),
   prefill 0.26; on cpu below 0.25. Drift grows with the step: bf16 rounding compounds.
-- float16: built-in engine on cpu and on an H200 within 0.08.
+- float16: decode within 0.046 (built-in and PEFT on cpu; the H200 runs stayed inside 0.08);
+  prefill up to 0.116 (PEFT on cpu, 0.089 built-in), so prefill gets its own, wider bound.
+`python bench/calibrate_tolerances.py` on cpu (2026-11-30), worst over base + 4 default adapters x
+16 prompts: float32 prefill 5.0e-5 / decode 1.1e-4; bfloat16 0.26 / 0.31; float16 0.116 / 0.046.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ TOLERANCES: dict[str, Tolerance] = {
                          rouge_l_min=1.0, embedding_cos_min=0.999),
     "bfloat16": Tolerance("bfloat16", prefill_atol=0.4, decode_atol=0.75, tie_margin=0.75,
                           rouge_l_min=0.9, embedding_cos_min=0.99),
-    "float16": Tolerance("float16", prefill_atol=0.08, decode_atol=0.08, tie_margin=0.08,
+    "float16": Tolerance("float16", prefill_atol=0.2, decode_atol=0.08, tie_margin=0.08,
                          rouge_l_min=0.9, embedding_cos_min=0.995),
 }
 
