@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 import pytest
@@ -240,6 +241,27 @@ def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
     missing = harness.missing_capabilities(request, needed)
     if missing:
         pytest.skip(f"{NOT_CERTIFIED} {', '.join(missing)}")
+
+
+# ---- environment facts from pytest-xdist workers ------------------------------------------
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # Workers create the engines; what only a live engine knows travels to the controller here.
+    config = session.config
+    if hasattr(config, "workeroutput") and HARNESS_KEY in config.stash:
+        config.workeroutput["lora_environment"] = json.dumps(config.stash[HARNESS_KEY].environment, default=str)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    raw = getattr(node, "workeroutput", {}).get("lora_environment")
+    if raw:
+        from lora_conformance.report.recorder import ENV_KEY
+
+        environment = node.config.stash.setdefault(ENV_KEY, {})
+        for key, value in json.loads(raw).items():
+            environment.setdefault(key, value)
 
 
 # ---- evidence for the report -----------------------------------------------------------
