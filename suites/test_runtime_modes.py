@@ -21,11 +21,15 @@ def _serve(lora, engine, specs, batches):
 
 @pytest.mark.requires("overlap_loading")
 def test_overlap_loading_equals_synchronous(lora, device, dtype):
-    """Adapters are loaded and used immediately, in batches that keep swapping slots."""
-    specs = {n: AdapterSpec(seed=300 + i, rank=16) for i, n in enumerate("ABC")}
-    batches = [LABELS, LABELS[::-1], ["C", "B", "A"]]
-    sync = _serve(lora, lora.fresh_engine(overlap_loading=0, max_loras_per_batch=2), specs, batches)
-    overlap = _serve(lora, lora.fresh_engine(overlap_loading=1, max_loras_per_batch=2), specs, batches)
+    """Adapters are loaded and used immediately, in batches that keep swapping slots.
+
+    Large adapters (all-linear, rank 64, in a rank-256 pool) make each slot copy take long
+    enough that a compute stream which does not wait for it reads half-copied weights.
+    """
+    specs = {n: AdapterSpec(seed=300 + i, rank=64, alpha=64, targets="all-linear") for i, n in enumerate("ABC")}
+    batches = [LABELS, LABELS[::-1], ["C", "B", "A"], ["A", "C"], ["B", None, "A"]]
+    sync = _serve(lora, lora.fresh_engine(overlap_loading=0, max_loras_per_batch=2, max_rank=256), specs, batches)
+    overlap = _serve(lora, lora.fresh_engine(overlap_loading=1, max_loras_per_batch=2, max_rank=256), specs, batches)
     for b, (o_batch, s_batch) in enumerate(zip(overlap, sync)):
         for i, (o, s) in enumerate(zip(o_batch, s_batch)):
             assert_logprobs_close(o, s, lora.tolerance, label=f"batch {b} row {i}: overlap vs sync", decode=lora.decode)
