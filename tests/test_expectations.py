@@ -177,6 +177,25 @@ def test_strict_xfail_turns_an_unexpected_pass_into_a_failure(pytester):
     result.stdout.fnmatch_lines(["*XPASS(strict)*expected: fixed upstream since*"])
 
 
+def test_non_strict_xfail_reports_an_unexpected_pass_without_failing(pytester):
+    result = run_with_conftest(pytester, """
+        [[expect]]
+        id = "test_sample.py::test_fixed"
+        status = "xfail"
+        reason = "depends on engine state"
+        link = ""
+        strict = false
+    """, "test_sample.py::test_fixed")
+    result.assert_outcomes(xpassed=1)
+
+
+def test_strict_false_is_only_for_xfail(tmp_path):
+    path = tmp_path / "exp.toml"
+    path.write_text('[[expect]]\nid = "a"\nstatus = "skip"\nreason = "r"\nstrict = false\n')
+    with pytest.raises(pytest.UsageError, match="entry 1: field 'strict'"):
+        load_expectations(path)
+
+
 def test_entries_for_files_outside_the_run_are_not_reported(pytester):
     pytester.makepyfile(test_other="def test_o(): pass")
     result = run_with_conftest(pytester, ENTRIES, "test_other.py")
