@@ -51,7 +51,7 @@ def _check_engine(name: str) -> str:
 
 
 def _check_base_model(spec: str) -> str:
-    kinds = ("llama", "moe", "encoder")
+    from lora_conformance.models import SYNTHETIC_KINDS as kinds  # stdlib-only module: no torch here
     if spec.startswith("synthetic:"):
         if spec.split(":", 1)[1] not in kinds:
             raise ValueError(f"expected synthetic:{', synthetic:'.join(kinds)}, or a local HF checkpoint directory")

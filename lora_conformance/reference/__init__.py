@@ -1,6 +1,6 @@
 """The HF transformers + PEFT reference and its content-addressed cache."""
 
-from lora_conformance.reference.cache import ReferenceCache, hash_files
+from lora_conformance.reference.cache import ReferenceCache
 from lora_conformance.reference.runner import ReferenceRunner
 
-__all__ = ["ReferenceCache", "ReferenceRunner", "hash_files"]
+__all__ = ["ReferenceCache", "ReferenceRunner"]

@@ -1,6 +1,7 @@
 """Content-addressed disk cache for reference outputs.
 
-Key = sha256 over everything that determines an output: model and adapter content hashes,
+Key = sha256 over everything that determines an output: model and adapter content hashes
+(``models.content_hash``, ``adapters.adapter_hash``),
 the request, the reference dtype and device type, and library versions. Writes are atomic
 (temp file + rename) and guarded by a file lock per key, so pytest-xdist workers that race
 on one key compute it once and never read half a file.
@@ -17,20 +18,6 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 
-def hash_files(root: Path, names: Optional[list[str]] = None) -> str:
-    """sha256 over (relative name, bytes) of the files in ``root`` (all regular files when names is None)."""
-    root = Path(root)
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if names is None else [root / n for n in names]
-    h = hashlib.sha256()
-    for p in files:
-        if not p.exists() or p.name.startswith(".") or p.suffix == ".lock":
-            continue
-        h.update(str(p.relative_to(root)).encode())
-        h.update(b"\0")
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def key_of(parts: dict[str, Any]) -> str:

@@ -12,10 +12,10 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from lora_conformance.reference.cache import ReferenceCache, hash_files, key_of
+from lora_conformance.reference.cache import ReferenceCache, key_of
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
-RUNNER_VERSION = 2
+RUNNER_VERSION = 3  # 3: keys use models.content_hash / adapters.adapter_hash
 
 
 def _versions() -> dict[str, str]:
@@ -66,13 +66,17 @@ class ReferenceRunner:
     @property
     def model_hash(self) -> str:
         if self._model_hash is None:
-            self._model_hash = hash_files(self.model_dir)
+            from lora_conformance.models import content_hash
+
+            self._model_hash = content_hash(self.model_dir)
         return self._model_hash
 
     def adapter_hash(self, path: Path) -> str:
         path = Path(path)
         if path not in self._adapter_hashes:
-            self._adapter_hashes[path] = hash_files(path)
+            from lora_conformance.adapters import adapter_hash
+
+            self._adapter_hashes[path] = adapter_hash(path)
         return self._adapter_hashes[path]
 
     @property
