@@ -263,6 +263,44 @@ def pin_memory_supported(device: str) -> bool:
     return device_type(device) != "cpu"
 
 
+# ---- stream tracing (what the race detector listens to) -------------------------------
+
+_STREAM_HANDLES = {"cuda": "cuda_stream", "xpu": "sycl_queue"}
+_TRACE_ACTIVATORS = {"cuda": "_activate_gpu_trace", "xpu": "_activate_xpu_trace"}
+
+
+@dataclass(frozen=True)
+class StreamTrace:
+    """A device type's stream/event/memory trace hooks (``torch.<type>._gpu_trace``).
+
+    ``module`` has the ``register_callback_for_*`` functions; ``stream_id()`` is the current
+    stream's handle as the trace reports it; ``capturing()`` says whether graph capture is on
+    (kernels recorded into a graph do not run when they are launched).
+    """
+
+    device_type: str
+    module: Any
+    activate: Any
+    stream_id: Any
+    capturing: Any
+
+
+def stream_trace(device: str) -> Optional[StreamTrace]:
+    """The trace hooks of ``device``'s type, or None where torch has none (cpu, most backends)."""
+    t = device_type(device)
+    handle = _STREAM_HANDLES.get(t)
+    activate = getattr(_torch()._C, _TRACE_ACTIVATORS.get(t, ""), None) if handle else None
+    if not supports_streams(device) or activate is None:
+        return None
+    try:
+        module = importlib.import_module(device_module(device).__name__ + "._gpu_trace")
+    except ImportError:
+        return None
+    mod = device_module(device)
+    capturing = getattr(mod, "is_current_stream_capturing", lambda: False)
+    return StreamTrace(t, module, activate, lambda: int(getattr(current_stream(device), handle)), capturing)
+
+
 # ---- graphs -------------------------------------------------------------------------
 
 _GRAPH_CLASSES = {"cuda": "CUDAGraph", "xpu": "XPUGraph"}

@@ -1,10 +1,15 @@
-"""Runtime modes must not change answers: overlap loading vs synchronous, graphs vs eager, and determinism."""
+"""Runtime modes must not change answers: overlap loading vs synchronous, graphs vs eager, and determinism.
+
+Overlap loading is also checked for what outputs cannot show: that every read of a freshly
+loaded slot is ordered after its copy (lora_conformance.races watches the device streams).
+"""
 
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close, assert_same_output
+from lora_conformance.races import RaceDetector
 
 register_cpu_ci(est_time=15, suite="per-commit")
 register_cuda_ci(est_time=30, suite="per-commit")
@@ -35,6 +40,34 @@ def test_overlap_loading_equals_synchronous(lora, device, dtype):
             assert_logprobs_close(o, s, lora.tolerance, label=f"batch {b} row {i}: overlap vs sync", decode=lora.decode)
     reqs = lora.requests(batches[0])
     lora.assert_matches_reference(overlap[0], lora.reference(reqs, specs), reqs, label="overlap loading")
+
+
+@pytest.mark.requires("overlap_loading")
+def test_overlap_loading_is_stream_ordered(lora, device, dtype):
+    """No kernel touches a slot while its side-stream copy may still be running.
+
+    A compute stream that does not wait for the copy gives right answers whenever the copy
+    happens to land first -- on a fast accelerator, nearly always -- so the outputs above
+    cannot be trusted to show it. Here a race detector records every kernel's reads and
+    writes and every stream ordering (events, waits, synchronisations) while adapters are
+    loaded and used at once, in batches that keep swapping slots, and fails on any pair of
+    conflicting accesses that nothing orders.
+    """
+    detector = RaceDetector.for_device(device)
+    if detector is None:
+        pytest.skip(f"no stream race detector on {device}: torch has no stream trace hooks for it "
+                    "(cpu runs every operation in order)")
+    specs = {n: AdapterSpec(seed=300 + i, rank=16, targets="all-linear") for i, n in enumerate("ABC")}
+    batches = [LABELS, ["C", "B", "A"], ["A", "C"], ["B", None, "A"]]
+    engine = lora.fresh_engine(overlap_loading=1, max_loras_per_batch=2)
+    with detector.watching():
+        outputs = _serve(lora, engine, specs, batches)
+    if detector.launches == 0:
+        pytest.skip("the engine ran no device kernel in this process (a server or worker processes): "
+                    "the race detector cannot observe it")
+    assert detector.race_count == 0, f"overlap loading: {detector.describe()}"
+    reqs = lora.requests(batches[0])
+    lora.assert_matches_reference(outputs[0], lora.reference(reqs, specs), reqs, label="overlap loading (watched)")
 
 
 @pytest.mark.requires("graphs")

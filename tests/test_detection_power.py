@@ -30,7 +30,7 @@ CATCHERS: dict[str, list[str]] = {
     "evict_pinned": ["test_combinations.py::test_pinning_with_eviction"],
     "lora_fp16": ["test_accuracy.py::test_single_adapter_matches_reference"],
     "graph_stale_indices": ["test_runtime_modes.py::test_graphs_equal_eager"],
-    "overlap_no_wait": ["test_runtime_modes.py::test_overlap_loading_equals_synchronous"],
+    "overlap_no_wait": ["test_runtime_modes.py::test_overlap_loading_is_stream_ordered"],
     "moe_expert_mismatch": ["test_moe.py::test_expert_lora_matches_reference"],
     "delta_twice": ["test_accuracy.py::test_single_adapter_matches_reference",
                     "test_mixed_batch.py::test_composition_matches_isolated_references"],
@@ -43,10 +43,7 @@ EXTRA_ARGS: dict[str, list[str]] = {"graph_stale_indices": ["--engine-arg", "gra
 
 
 # Known gaps in detection power, measured, with the reason (the test still runs up to here).
-UNCAUGHT: dict[str, str] = {
-    "overlap_no_wait": "not caught on an H200, even with all-linear rank-64 adapters in a rank-256 pool: "
-                       "the side-stream copy completes before the compute stream reads the slot",
-}
+UNCAUGHT: dict[str, str] = {}
 
 
 def test_every_fault_has_catchers():
