@@ -1,6 +1,8 @@
 """Decode under captured device graphs, through the device layer.
 
-One graph per (padded batch size, padded block-table width, LoRA layout). Inputs live in
+One graph per (padded batch size, padded block-table width, LoRA layout, top-k). The graph
+runs the sampler too (greedy token and top-k logprobs), so a step is one replay and one
+device->host copy, with no eager launches around it. Inputs live in
 static buffers that every replay overwrites -- including the per-row adapter slot indices,
 which is exactly what fault ``graph_stale_indices`` forgets to do. Padding rows write
 their KV into scratch block 0 and use slot -1 (base).
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from lora_conformance import devices
+from lora_conformance.engines.builtin.layers.sampler import greedy_with_topk
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -44,11 +47,17 @@ class DecodeGraphs:
         return {"flat": flat, "ids": cols[0], "pos": cols[1], "smap": cols[2], "ctx": cols[3], "slots": cols[4],
                 "tables": flat[5 * B:].view(B, W)}
 
-    def _capture(self, bufs: dict):
+    def _capture(self, bufs: dict, k: int):
         """Capture with the current batch already in the buffers (the warm-up step writes the
         same KV values the replay will write)."""
         r, dev = self.runner, self.device
-        fn = lambda: r.decode_forward(bufs["ids"], bufs["pos"], bufs["smap"], bufs["tables"], bufs["ctx"], bufs["slots"])  # noqa: E731
+
+        def fn():
+            logits = r.decode_forward(bufs["ids"], bufs["pos"], bufs["smap"], bufs["tables"], bufs["ctx"],
+                                      bufs["slots"])
+            _, top_ids, top_lp = greedy_with_topk(logits, k)
+            return top_ids, top_lp
+
         side = devices.new_stream(dev)
         side.wait_stream(devices.current_stream(dev))
         with devices.stream_context(dev, side):
@@ -59,15 +68,16 @@ class DecodeGraphs:
             out = fn()
         return graph, out
 
-    def run(self, seqs, ids, pos, smap, ctx, slots) -> torch.Tensor:
+    def run(self, seqs, ids, pos, smap, ctx, slots, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k ids, top-k logprobs) of this decode step, (len(seqs), k) each, on the device."""
         r = self.runner
         n = len(seqs)
         B = _bucket(n, BATCH_BUCKETS)
         W = _bucket(max(len(s.block_table) for s in seqs), self._widths())
-        key = (B, W, r.layout_version, r.lora_signature)
+        key = (B, W, r.layout_version, r.lora_signature, k)
         entry = self.graphs.get(key)
         if entry is None:
-            kept = {k: v for k, v in self.graphs.items() if k[2:] == key[2:]}  # drop stale layouts
+            kept = {g: v for g, v in self.graphs.items() if g[2:4] == key[2:4]}  # drop stale layouts
             if len(kept) < len(self.graphs):
                 # A pool is released with the last graph captured into it: never capture into a
                 # handle whose graphs were all dropped (the allocator asserts on the double release).
@@ -78,17 +88,23 @@ class DecodeGraphs:
         slot_row = slots + [-1] * pad
         if r.faults.on("graph_stale_indices") and entry["graph"] is not None:
             slot_row = entry["captured_slots"]  # the bug: indices frozen at capture time
-        host = ids + [0] * pad
-        host += pos + [0] * pad
-        host += smap + [0] * pad
-        host += ctx + [1] * pad
+        zeros = [0] * pad
+        host = ids + zeros
+        host += pos
+        host += zeros
+        host += smap
+        host += zeros
+        host += ctx
+        host += [1] * pad
         host += slot_row
         for s in seqs:
-            host += s.block_table + [0] * (W - len(s.block_table))
+            host += s.block_table
+            host += [0] * (W - len(s.block_table))
         host += [0] * (W * pad)
         entry["bufs"]["flat"].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         if entry["graph"] is None:
-            entry["graph"], entry["out"] = self._capture(entry["bufs"])
+            entry["graph"], entry["out"] = self._capture(entry["bufs"], k)
             entry["captured_slots"] = slot_row
         entry["graph"].replay()
-        return entry["out"][:n]
+        top_ids, top_lp = entry["out"]
+        return top_ids[:n], top_lp[:n]

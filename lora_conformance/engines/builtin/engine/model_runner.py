@@ -14,8 +14,8 @@ import torch
 from lora_conformance import devices
 from lora_conformance.engines.builtin.engine.adapter import HostAdapter, model_lora_modules
 from lora_conformance.engines.builtin.engine.sequence import Sequence
-from lora_conformance.engines.builtin.layers.attention import AttentionMetadata, additive_mask, build_mask
-from lora_conformance.engines.builtin.layers.lora import LoraBatch, segments_of
+from lora_conformance.engines.builtin.layers.attention import AttentionMetadata, additive_mask, build_mask, decode_mask
+from lora_conformance.engines.builtin.layers.lora import LoraBatch, column_slots, segments_of
 from lora_conformance.engines.builtin.layers.sampler import greedy_with_topk
 
 StepOutput = tuple[int, list[tuple[int, float]], Optional[list[list[tuple[int, float]]]]]
@@ -28,6 +28,8 @@ class ModelRunner:
         self.num_slots, self.rank = args.max_loras_per_batch, args.max_rank
         self.block_size = args.kv_block_size
         self.lora_modules = model_lora_modules(model)
+        # The widest pool layout is q/k/v's three parts; every LoRA mask is a prefix of its columns.
+        self.col_slots = column_slots(self.num_slots, self.rank, 3, device)
         self.layout_version = 0  # bumped when a module's pool is allocated: graphs must be recaptured
         self.lora_signature: tuple = ()
         self.load_stream = devices.new_stream(device) if args.overlap_loading else None
@@ -115,7 +117,8 @@ class ModelRunner:
 
     def lora_batch(self, token_slots: torch.Tensor, segments) -> LoraBatch:
         return LoraBatch.build(token_slots, self.num_slots, self.dtype, segments,
-                               fp16=self.faults.on("lora_fp16"), times=2 if self.faults.on("delta_twice") else 1)
+                               fp16=self.faults.on("lora_fp16"), times=2 if self.faults.on("delta_twice") else 1,
+                               col_slots=self.col_slots, col_rank=self.rank)
 
     def _t(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -174,34 +177,45 @@ class ModelRunner:
     # ---- decode ------------------------------------------------------------------------
     def decode_inputs(self, seqs: list[Sequence]):
         bs = self.block_size
-        ids = [s.tokens[-1] for s in seqs]
-        pos = [len(s) - 1 for s in seqs]
-        smap = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
-        ctx = [len(s) for s in seqs]
+        ids, pos, smap, ctx = [], [], [], []
+        for s in seqs:
+            n = len(s)
+            p = n - 1  # the new token's position: its KV goes to this cache slot
+            ids.append(s.last_token)
+            pos.append(p)
+            smap.append(s.block_table[p // bs] * bs + p % bs)
+            ctx.append(n)
         return ids, pos, smap, ctx, self.row_slots(seqs)
 
     def decode_forward(self, ids, pos, smap, tables, ctx_lens, slots) -> torch.Tensor:
         """Tensor-only decode step (what graphs capture): one query per sequence."""
-        W = tables.shape[1]
-        mask = build_mask(ctx_lens, torch.ones_like(ctx_lens), 1, W * self.block_size)
-        meta = AttentionMetadata(smap, tables, None, None, additive_mask(mask, self.dtype))
+        mask = decode_mask(ctx_lens, tables.shape[1] * self.block_size, self.dtype)
+        meta = AttentionMetadata(smap, tables, None, None, mask)
         lora = self.lora_batch(slots, None)
         return self.model(ids, pos, meta, lora, None, lora)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> dict[int, StepOutput]:
         ids, pos, smap, ctx, slots = self.decode_inputs(seqs)
-        if self.graphs is not None:
-            logits = self.graphs.run(seqs, ids, pos, smap, ctx, slots)
-        else:
-            W = max(len(s.block_table) for s in seqs)
-            tables = self._t([s.block_table + [0] * (W - len(s.block_table)) for s in seqs])
-            logits = self.decode_forward(self._t(ids), self._t(pos), self._t(smap), tables, self._t(ctx), self._t(slots))
         k = max(max(s.top_k for s in seqs), 1)
-        _, top_ids, top_lp = greedy_with_topk(logits, k)
+        if self.graphs is not None:
+            top_ids, top_lp = self.graphs.run(seqs, ids, pos, smap, ctx, slots, k)
+        else:
+            B, W = len(seqs), max(len(s.block_table) for s in seqs)
+            host = ids + pos + smap + ctx + slots
+            for s in seqs:
+                host += s.block_table
+                host += [0] * (W - len(s.block_table))
+            flat = self._t(host)  # one host->device copy for every input
+            cols = flat[: 5 * B].view(5, B)
+            logits = self.decode_forward(cols[0], cols[1], cols[2], flat[5 * B:].view(B, W), cols[3], cols[4])
+            _, top_ids, top_lp = greedy_with_topk(logits, k)
         top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
-        return {s.seq_id: (top_ids[i][0], list(zip(top_ids[i][: s.top_k], top_lp[i][: s.top_k])), None)
-                for i, s in enumerate(seqs)}
+        out: dict[int, StepOutput] = {}
+        for s, i_row, lp_row in zip(seqs, top_ids, top_lp):
+            kk = s.top_k
+            out[s.seq_id] = (i_row[0], list(zip(i_row[:kk], lp_row[:kk])), None)
+        return out
 
 
 class _null:

@@ -27,6 +27,10 @@ from torch import nn
 from lora_conformance.engines.builtin.layers.lora import LoraBatch
 
 
+# Fused groups mask their whole GEMM output (vectorised) up to this many rows: decode batches.
+FULL_MASK_MAX_ROWS = 256
+
+
 class LoraContext:
     """The routing of the current forward, set by the model runner and read by every LoRA layer."""
 
@@ -139,6 +143,13 @@ class LinearGroup:
         b = None if self.b_all is None else self.b_all[: self.N]
         return self.wt[:, : self.N], b
 
+    def _used_slots(self) -> int:
+        """1 + the last slot that any part holds an adapter in (pool rows past it are all zero)."""
+        for s in range(self.S - 1, -1, -1):
+            if any(p.slot_rank[s] for p in self.parts):
+                return s + 1
+        return 0
+
     def _batch(self) -> Optional[LoraBatch]:
         batch = self.ctx.batch
         if self.A is None or batch is None or not any(any(p.slot_rank) for p in self.parts):
@@ -153,6 +164,15 @@ class LinearGroup:
         if batch is not None and self.fused and batch.segments is None and not batch.fp16:
             out = _mm(x, self.wt, self.b_all)  # [base | shrink against every slot]
             y = out[:, : self.N]
+            if not self.transposed:  # accelerators: one GEMM for the whole expand
+                if x.shape[0] <= FULL_MASK_MAX_ROWS:
+                    # Launch-bound (decode): mask all of out, base columns times 1 (exact), in one
+                    # contiguous, vectorised multiply instead of a strided one over the shrink columns.
+                    out.mul_(batch.mask(self.R, len(self.parts), lead=self.N))
+                else:  # many rows (prefill): bytes matter, touch the shrink columns only
+                    out[:, self.N:].mul_(batch.mask(self.R, len(self.parts)))
+                y.addmm_(out[:, self.N:], self.Bt, alpha=batch.times)
+                return y
             self._add_delta(y, x, batch, h=out[:, self.N:])
             return y
         y = _mm(x, *self._base())
@@ -177,13 +197,20 @@ class LinearGroup:
         S, R, t = self.S, self.R, batch.times
         if batch.segments is None:
             mask = batch.mask(R, len(self.parts))
-            if batch.fp16 or not self.transposed or len(self.parts) == 1:
+            if batch.fp16 or not self.transposed:
                 _delta_into(out, x, self.A, self.Bt, mask, batch, h)
+                return
+            # cpu layout (eager only, never graph-captured): bytes, not launches, bound the masked
+            # path there, so trailing slots that no part holds (all-zero pool rows) are not read.
+            n = self._used_slots() * R
+            if len(self.parts) == 1:
+                _delta_into(out, x, self.A[:n], self.Bt[:n], mask[:, :n], batch, None if h is None else h[:, :n])
                 return
             h = torch.mm(x, self.A.t()) if h is None else h
             h.mul_(mask)
             for rows, cols in self.blocks:
-                out[:, cols].addmm_(h[:, rows], self.Bt[rows, cols], alpha=t)
+                r = slice(rows.start, rows.start + n)
+                out[:, cols].addmm_(h[:, r], self.Bt[r, cols], alpha=t)
             return
         for slot, start, end in batch.segments:
             if not 0 <= slot < S:

@@ -25,33 +25,65 @@ class LoraBatch:
     """Routing of one forward's rows to pool slots, shared by every LoRA layer."""
 
     token_slots: torch.Tensor  # (T,) int64, -1 = base
-    onehot: torch.Tensor  # (T, S) in the compute dtype: row t uses slot s
+    num_slots: int
+    dtype: torch.dtype  # of the masks: the compute dtype
     segments: Optional[list[tuple[int, int, int]]] = None  # (slot, start, end); None -> BGMV path
     fp16: bool = False  # fault lora_fp16
     times: int = 1  # fault delta_twice -> 2
+    col_slots: Optional[torch.Tensor] = None  # slot of each column of a part-major layout (column_slots)
+    col_rank: int = 0  # the pool rank col_slots was made for
     _masks: dict = field(default_factory=dict)
 
     @classmethod
-    def build(cls, token_slots: torch.Tensor, num_slots: int, dtype, segments=None, fp16=False, times=1):
-        # Rows with slot -1 (base) or an out-of-range slot get an all-zero one-hot row.
-        ar = torch.arange(num_slots, device=token_slots.device)
-        onehot = (token_slots.unsqueeze(1) == ar.unsqueeze(0)).to(dtype)
-        return cls(token_slots, onehot, segments, fp16, times)
+    def build(cls, token_slots: torch.Tensor, num_slots: int, dtype, segments=None, fp16=False, times=1,
+              col_slots: Optional[torch.Tensor] = None, col_rank: int = 0):
+        return cls(token_slots, num_slots, dtype, segments, fp16, times, col_slots, col_rank)
 
-    def mask(self, rank: int, parts: int = 1) -> torch.Tensor:
-        """(T, parts*S*rank) 0/1 mask selecting each row's own slot columns in a part-major
-        (part, slot, rank) layout; cached per shape, so every layer of a forward shares it."""
-        m = self._masks.get((rank, parts))
+    @property
+    def onehot(self) -> torch.Tensor:
+        """(T, S) in the compute dtype: row t uses slot s. Rows with slot -1 (base) or an
+        out-of-range slot get an all-zero row. Made on first use (the masks rarely need it)."""
+        m = self._masks.get("onehot")
         if m is None:
+            ar = torch.arange(self.num_slots, device=self.token_slots.device)
+            m = self._masks["onehot"] = (self.token_slots.unsqueeze(1) == ar.unsqueeze(0)).to(self.dtype)
+        return m
+
+    def mask(self, rank: int, parts: int = 1, lead: int = 0) -> torch.Tensor:
+        """(T, lead + parts*S*rank) mask: ``lead`` columns of ones, then 0/1 selecting each row's
+        own slot columns in a part-major (part, slot, rank) layout. Contiguous (elementwise kernels
+        run vectorised) and cached per shape, so every layer of a forward shares it.
+
+        The ones let a fused group mask its whole GEMM output [base | shrink] in one contiguous
+        multiply (x * 1 is exact) instead of a strided one over the shrink columns."""
+        m = self._masks.get((rank, parts, lead))
+        if m is not None:
+            return m
+        S = self.num_slots
+        if lead:
+            core = self.mask(rank, parts)
+            m = torch.cat([core.new_ones(core.shape[0], lead), core], dim=1)
+        elif self.col_slots is not None and self.col_rank == rank and len(self.col_slots) >= parts * S * rank:
+            cols = self.col_slots[: parts * S * rank]  # one compare, no repeats
+            m = (self.token_slots.unsqueeze(1) == cols.unsqueeze(0)).to(self.dtype)
+        else:
             m = self.onehot.repeat_interleave(rank, dim=1)
             if parts > 1:
                 m = m.repeat(1, parts)
-            self._masks[(rank, parts)] = m
+        self._masks[(rank, parts, lead)] = m
         return m
 
     def rows(self, index: torch.Tensor, segments=None) -> "LoraBatch":
         """The routing of a subset of rows (e.g. the positions whose logits are needed)."""
-        return LoraBatch(self.token_slots[index], self.onehot[index], segments, self.fp16, self.times)
+        return LoraBatch(self.token_slots[index], self.num_slots, self.dtype, segments, self.fp16, self.times,
+                         self.col_slots, self.col_rank)
+
+
+def column_slots(num_slots: int, rank: int, parts: int, device) -> torch.Tensor:
+    """Slot index of each column of a part-major (part, slot, rank) layout, for up to ``parts``
+    parts (fewer parts: a prefix). A constant per pool shape, made once, so a forward builds each
+    LoRA mask with one compare."""
+    return (torch.arange(parts * num_slots * rank, device=device) // rank) % num_slots
 
 
 def segments_of(slots: list[int]) -> list[tuple[int, int, int]]:
