@@ -10,6 +10,10 @@ Runs (same requests, greedy, fixed length, no early stop):
 Self-contained: builds a random Qwen2-shaped checkpoint, a word-level tokenizer and rank-16
 all-linear PEFT adapters in a temp dir (no network).
 
+Each run is warmed up once, then timed ``--repeat`` times on the same requests; the table shows
+the median (the JSON keeps every timing). On a shared machine one timing of a sub-second run
+says more about the neighbours than about the engine.
+
   python bench/engine_throughput.py --config cpu --json out.json
   python bench/engine_throughput.py --config gpu --device cuda --json out.json
   python bench/engine_throughput.py --config cpu --count-ops   # aten ops per decode step instead
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -85,17 +90,21 @@ def routing(c: dict) -> list:
     return [None if i % 4 == 3 else n for i, n in enumerate(names)]
 
 
-def timed(fn, device: str) -> float:
+def timed(fn, device: str, repeat: int = 1) -> list[tuple[float, float]]:
+    """(wall seconds, this process's cpu seconds) of each of ``repeat`` calls."""
     from lora_conformance import devices
 
-    devices.synchronize(device)
-    t = time.perf_counter()
-    fn()
-    devices.synchronize(device)
-    return time.perf_counter() - t
+    out = []
+    for _ in range(repeat):
+        devices.synchronize(device)
+        t, p = time.perf_counter(), time.process_time()
+        fn()
+        devices.synchronize(device)
+        out.append((time.perf_counter() - t, time.process_time() - p))
+    return out
 
 
-def bench_builtin(base, adapters, c, device, names, graphs: bool) -> float:
+def bench_builtin(base, adapters, c, device, names, graphs: bool, repeat: int = 1) -> list[tuple[float, float]]:
     from lora_conformance.engines.builtin import BuiltinEngine
     from lora_conformance.types import GenerationRequest
 
@@ -113,7 +122,7 @@ def bench_builtin(base, adapters, c, device, names, graphs: bool) -> float:
         assert all(len(r.token_ids) == c["new"] for r in res)
 
     run(1)  # warm-up: slot loads, graph capture, allocator
-    secs = timed(lambda: run(2), device)
+    secs = timed(lambda: run(2), device, repeat)
     eng.close()
     return secs
 
@@ -175,7 +184,7 @@ def count_decode_ops(base, adapters, c, device, names) -> dict:
             "per_layer_kernels": round((total - views) / c["layers"], 1), "top": kernels}
 
 
-def bench_hf(base, adapters, c, device, mode: str) -> float:
+def bench_hf(base, adapters, c, device, mode: str, repeat: int = 1) -> list[tuple[float, float]]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -200,7 +209,7 @@ def bench_hf(base, adapters, c, device, mode: str) -> float:
         assert out.shape[1] - enc["input_ids"].shape[1] == c["new"]
 
     run(1)
-    secs = timed(lambda: run(2), device)
+    secs = timed(lambda: run(2), device, repeat)
     del model
     return secs
 
@@ -215,6 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--count-ops", action="store_true",
                     help="print aten ops per decode step for builtin-mixed and builtin-base, then exit")
     ap.add_argument("--skip", default="", help="comma-separated runs to skip (e.g. peft-single)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per engine after the warm-up (median shown)")
     a = ap.parse_args(argv)
     from lora_conformance import devices
 
@@ -246,18 +256,26 @@ def main(argv=None) -> int:
                 a.json.write_text(json.dumps({"config": a.config, "count_ops": results}, indent=2))
             return 0
         runs = {
-            "builtin-mixed": lambda: bench_builtin(base, adapters, c, device, routing(c), graphs),
-            "builtin-base": lambda: bench_builtin(base, adapters, c, device, [None] * c["batch"], graphs),
-            "peft-mixed": lambda: bench_hf(base, adapters, c, device, "mixed"),
-            "peft-single": lambda: bench_hf(base, adapters, c, device, "single"),
-            "hf-base": lambda: bench_hf(base, adapters, c, device, "base"),
+            "builtin-mixed": lambda: bench_builtin(base, adapters, c, device, routing(c), graphs, rep),
+            "builtin-base": lambda: bench_builtin(base, adapters, c, device, [None] * c["batch"], graphs, rep),
+            "peft-mixed": lambda: bench_hf(base, adapters, c, device, "mixed", rep),
+            "peft-single": lambda: bench_hf(base, adapters, c, device, "single", rep),
+            "hf-base": lambda: bench_hf(base, adapters, c, device, "base", rep),
         }
+        rep = max(a.repeat, 1)
         for name, fn in runs.items():
             if name in skip:
                 continue
-            secs = fn()
-            results[name] = {"seconds": round(secs, 4), "tokens": tokens, "tok_per_s": round(tokens / secs, 1)}
-            print(f"{name:14s} {tokens / secs:10.1f} tok/s  ({secs:.3f} s)", file=sys.stderr, flush=True)
+            timings = fn()
+            all_secs = [w for w, _ in timings]
+            secs = statistics.median(all_secs)
+            # cpu seconds of this process: on a shared cpu, time the neighbours took is not in it
+            results[name] = {"seconds": round(secs, 4), "tokens": tokens, "tok_per_s": round(tokens / secs, 1),
+                             "all_seconds": [round(x, 4) for x in all_secs],
+                             "cpu_seconds": round(statistics.median(p for _, p in timings), 4)}
+            runs_s = ", ".join(f"{x:.3f}" for x in all_secs)
+            print(f"{name:14s} {tokens / secs:10.1f} tok/s  (median {secs:.3f} s of {runs_s})",
+                  file=sys.stderr, flush=True)
     tps = {k: v["tok_per_s"] for k, v in results.items()}
     ratios = {}
     if "builtin-mixed" in tps and "peft-mixed" in tps:
@@ -269,10 +287,11 @@ def main(argv=None) -> int:
     report = {"config": a.config, "device": device, "device_name": devices.device_name(device), "graphs": graphs,
               "workload": c, "torch": torch.__version__, "results": results, "ratios": ratios}
     print(f"\nconfig={a.config} device={device} ({report['device_name']}) dtype={c['dtype']} graphs={graphs} "
-          f"batch={c['batch']} prompt={c['prompt']} new={c['new']} adapters={c['adapters']} r={c['rank']}")
-    print(f"{'run':16s}{'tok/s':>12s}{'seconds':>10s}")
+          f"batch={c['batch']} prompt={c['prompt']} new={c['new']} adapters={c['adapters']} r={c['rank']} "
+          f"repeat={a.repeat} (median)")
+    print(f"{'run':16s}{'tok/s':>12s}{'seconds':>10s}{'cpu s':>10s}")
     for k, v in results.items():
-        print(f"{k:16s}{v['tok_per_s']:12.1f}{v['seconds']:10.3f}")
+        print(f"{k:16s}{v['tok_per_s']:12.1f}{v['seconds']:10.3f}{v['cpu_seconds']:10.3f}")
     for k, v in ratios.items():
         print(f"{k}: {v}")
     if a.json:
