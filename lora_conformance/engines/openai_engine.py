@@ -6,7 +6,8 @@ Servers are bound to the loopback interface only: a ``url`` naming another host,
 command without ``--host {host}`` / ``--host 127.0.0.1``, is refused.
 
 Template placeholders: ``{model}`` (the model dir), ``{port}`` (a free port unless the
-``port`` arg is given), ``{host}`` (127.0.0.1), ``{max_rank}``, ``{max_loras}``,
+``port`` arg is given), ``{host}`` (127.0.0.1), ``{dtype}`` (the run's ``--dtype``; ``auto``
+when none is set), ``{max_rank}``, ``{max_loras}``,
 ``{lora_modules}`` (``name=path`` items from the ``lora_modules`` arg; when empty, a
 preceding ``--lora-modules`` flag is dropped too). Example::
 
@@ -45,6 +46,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -111,6 +113,7 @@ class OpenAIEngine(Engine):
         self._log_path: Optional[Path] = None
         self._adapters: dict[str, str] = dict(_parse_lora_modules(a.get("lora_modules", "")))
         self._tokenizer = None
+        self._tok_lock = threading.Lock()
         self._reverse_vocab: Optional[dict[str, int]] = None
         if a.get("url") and a.get("server_cmd"):
             raise EngineError("engine 'openai': give either url (attach) or server_cmd (start), not both")
@@ -134,6 +137,7 @@ class OpenAIEngine(Engine):
             if i + 1 < len(words) and words[i + 1] == "{lora_modules}":
                 del words[i: i + 2]
         values = dict(model=str(self.model_dir), port=port, host="127.0.0.1", lora_modules=modules,
+                      dtype=self.dtype if self.dtype not in (None, "") else "auto",
                       max_rank=self.limits.max_rank, max_loras=self.limits.max_loras_per_batch)
         argv: list[str] = []
         for w in words:
@@ -234,6 +238,8 @@ class OpenAIEngine(Engine):
             return UnsupportedFeatureError(full)
         if status in (400, 422) and ("lora" in low or "adapter" in low or "rank" in low or "incompatible" in low):
             return AdapterIncompatibleError(full)
+        if "greater than max_lora_rank" in low:  # vLLM answers this refusal with a 500
+            return AdapterIncompatibleError(full)
         return EngineFailure(full)
 
     def _discover_model(self) -> str:
@@ -325,10 +331,13 @@ class OpenAIEngine(Engine):
     # ---- token strings -> ids ---------------------------------------------------------
 
     def _tok(self):
-        if self._tokenizer is None:
-            from lora_conformance.engines._hf_common import load_tokenizer
+        # generate() calls this from its worker threads; transformers' lazy imports are not
+        # thread-safe ("cannot import name 'AutoTokenizer'" when two threads race), so load once.
+        with self._tok_lock:
+            if self._tokenizer is None:
+                from lora_conformance.engines._hf_common import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.model_dir)
+                self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
 
     def _prompt_ids(self, prompt: str) -> list[int]:
@@ -338,7 +347,7 @@ class OpenAIEngine(Engine):
         if s.startswith("token_id:"):
             return int(s[len("token_id:"):])
         if self._reverse_vocab is None:
-            tok = self._tok()
+            tok = self._tok()  # (two threads may both build the same map: harmless)
             reverse: dict[str, int] = {}
             for piece, i in tok.get_vocab().items():
                 for key in {piece, tok.decode([i])}:
