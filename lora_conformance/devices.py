@@ -266,7 +266,8 @@ def pin_memory_supported(device: str) -> bool:
 # ---- stream tracing (what the race detector listens to) -------------------------------
 
 _STREAM_HANDLES = {"cuda": "cuda_stream", "xpu": "sycl_queue"}
-_TRACE_ACTIVATORS = {"cuda": "_activate_gpu_trace", "xpu": "_activate_xpu_trace"}
+# torch routes the trace of every GPU-like backend through one activator to torch.<type>._gpu_trace.
+_TRACE_ACTIVATOR = "_activate_gpu_trace"
 
 
 @dataclass(frozen=True)
@@ -289,7 +290,7 @@ def stream_trace(device: str) -> Optional[StreamTrace]:
     """The trace hooks of ``device``'s type, or None where torch has none (cpu, most backends)."""
     t = device_type(device)
     handle = _STREAM_HANDLES.get(t)
-    activate = getattr(_torch()._C, _TRACE_ACTIVATORS.get(t, ""), None) if handle else None
+    activate = getattr(_torch()._C, _TRACE_ACTIVATOR, None) if handle else None
     if not supports_streams(device) or activate is None:
         return None
     try:
