@@ -16,7 +16,7 @@ nvidia-smi -L
 case "$part" in
   bench)
     python3 bench/engine_throughput.py --config gpu --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"
-    python3 bench/engine_throughput.py --config gpu --count-ops 2>&1 | tail -8 | tee -a "$OUT/bench_gpu.log"
+    python3 bench/engine_throughput.py --config gpu --count-ops --json "$OUT/ops_gpu.json" 2>&1 | grep -E "kernel ops|^ +[0-9]+ +aten" | tee -a "$OUT/bench_gpu.log"
     ;;
   detect)
     python3 -m pytest tests/test_detection_power.py tests/test_races.py --device=cuda --lora-cache /tmp/lora-cache \
