@@ -1,6 +1,7 @@
 """The built-in engine's throughput shortcuts compute exactly what the plain formulation does:
 LoRA masks from a column->slot map, the decode attention mask, the accelerator weight layout
-(fused masked expand) run on cpu, and decode inputs built in one host->device copy."""
+(fused masked expand; o_proj / down_proj expand inside the base GEMM) run on cpu, and decode
+inputs built in one host->device copy."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from lora_conformance.engines.builtin import BuiltinEngine
+from lora_conformance.engines.builtin.layers import attention
 from lora_conformance.engines.builtin.layers.attention import additive_mask, build_mask, decode_mask
-from lora_conformance.engines.builtin.layers.linear import LinearGroup, LoraLinear
+from lora_conformance.engines.builtin.layers.linear import CAT_MAX_ROWS, LinearGroup, LoraContext, LoraLinear
 from lora_conformance.engines.builtin.layers.lora import LoraBatch, column_slots
 from lora_conformance.types import GenerationRequest
 
@@ -51,20 +53,132 @@ def _accelerator_layout(eng):
     eng.runner.segmented_prefill = False
 
 
+def _count_cat_calls(monkeypatch) -> dict:
+    """Counts LinearGroup.add_cat_to calls (the expand inside the base GEMM) per module width."""
+    calls: dict = {}
+    real = LinearGroup.add_cat_to
+
+    def spy(self, out, buf, batch):
+        calls[self.in_features] = calls.get(self.in_features, 0) + 1
+        return real(self, out, buf, batch)
+
+    monkeypatch.setattr(LinearGroup, "add_cat_to", spy)
+    return calls
+
+
+@pytest.mark.parametrize("attn_into_buffer", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_accelerator_layout_mixed_batch_matches_peft(llama, dtype):  # noqa: F811
+def test_accelerator_layout_mixed_batch_matches_peft(llama, dtype, attn_into_buffer, monkeypatch):  # noqa: F811
+    """attn_into_buffer: decode attention writes into o_proj's [x | shrink] buffer, as it does where
+    the SDPA output needs a copy to be (T, H*D) (cuda's efficient attention); cpu's is a free view."""
+    monkeypatch.setattr(attention, "DECODE_OUT_ALWAYS", attn_into_buffer)
+    calls = _count_cat_calls(monkeypatch)
     base, ads = llama
     with BuiltinEngine(base, "cpu", dtype, {}) as eng:
         _accelerator_layout(eng)
         for n, p in ads.items():
             eng.load_adapter(n, p)
         check_against_reference(eng, base, ads, ["a1", None, "a2", "a1", None], dtype)
+        layer = eng.model.model.layers[0]
+        o, d = layer.self_attn.o_proj.group, layer.mlp.down_proj.group
+        assert o.cat and d.cat  # Bt rides under the base weight: the parts' weights and pools are views of wt
+        for g in (o, d):
+            assert g.wt.shape == (g.in_features + g.S * g.R, g.N)
+            assert g.parts[0].weight.data_ptr() == g.wt.data_ptr()
+            assert g.parts[0].lora_Bt.data_ptr() == g.wt[g.in_features:].data_ptr()
+    n_in_o, n_in_d = o.in_features, d.in_features
+    assert calls.get(n_in_d, 0) > 0  # down_proj took the cat path in decode
+    assert (calls.get(n_in_o, 0) > 0) == attn_into_buffer
+
+
+def _cat_group(bias: bool, S=3, R=4, n_in=24, n_out=16, dtype=torch.float32):
+    torch.manual_seed(0)
+    ctx = LoraContext()
+    m = LoraLinear(n_in, n_out, bias, ctx)
+    m.weight.data = torch.randn(n_out, n_in, dtype=dtype)
+    if bias:
+        m.bias.data = torch.randn(n_out, dtype=dtype)
+    g = m.group
+    g.cat_input = True
+    g.fuse(transposed=False)
+    W = m.weight.data.clone()
+    g.alloc_pool(S, R)
+    A, Bt = torch.randn(S, R, n_in, dtype=dtype), torch.randn(S, R, n_out, dtype=dtype) * 0.1
+    for s in range(S):  # as model_runner.load_slots writes a slot
+        m.lora_A[s].copy_(A[s])
+        m.lora_Bt[s].copy_(Bt[s])
+        m.slot_rank[s] = R
+    return ctx, m, g, W, A, Bt
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_cat_layout_expand_in_the_base_gemm(bias):
+    """o_proj / down_proj on the accelerator layout: [x | masked shrink] @ [W^T ; Bt] in one GEMM
+    equals the plain formula, base rows (slot -1) get the base output alone, delta_twice doubles
+    the delta, and the slot views written by load_slots are the storage the GEMM reads."""
+    S, R, n_in, n_out = 3, 4, 24, 16
+    ctx, m, g, W, A, Bt = _cat_group(bias, S, R, n_in, n_out)
+    assert g.cat and g.wt.shape == (n_in + S * R, n_out)
+    assert torch.equal(m.weight, W) and torch.equal(g.wt[:n_in], W.t())
+    assert torch.equal(g.wt[n_in:].reshape(S, R, n_out), Bt)  # lora_Bt views wrote into wt
+    slots = torch.tensor([0, -1, 2, 1, -1, 5])  # 5: out of range (fault adapter_index_off_by_one): base
+    T = len(slots)
+    x, res = torch.randn(T, n_in), torch.randn(T, n_out)
+    b = m.bias.data if bias else torch.zeros(n_out)
+    base = res + x.double() @ W.double().t() + b
+    for times in (1, 2):
+        ctx.batch = LoraBatch.build(slots, S, torch.float32, times=times,
+                                    col_slots=column_slots(S, R, 3, "cpu"), col_rank=R)
+        batch = g.cat_batch(T)
+        assert batch is ctx.batch
+        buf = g.cat_buffer(T)
+        assert buf.shape == (T, n_in + S * R)
+        g.cat_input_view(buf).copy_(x)
+        got = g.add_cat_to(res.clone(), buf, batch)
+        ref = base.clone()
+        for i, s in enumerate(slots.tolist()):
+            if 0 <= s < S:
+                ref[i] += times * (x[i].double() @ A[s].double().t()) @ Bt[s].double()
+        assert torch.allclose(got.double(), ref, atol=1e-4, rtol=1e-5)
+        base_rows = (slots < 0) | (slots >= S)
+        assert torch.allclose(got[base_rows].double(), base[base_rows], atol=1e-4, rtol=1e-5)
+        assert torch.equal(buf[base_rows, n_in:], torch.zeros(int(base_rows.sum()), S * R))  # no delta at all
+        old = m.add_to(res.clone(), x)  # the two-GEMM path (prefill, lora_fp16) on the same layout
+        assert torch.allclose(old.double(), ref, atol=1e-4, rtol=1e-5)
+    # lora_fp16, segmented prefill and many rows keep the old path
+    ctx.batch = LoraBatch.build(slots, S, torch.float32, fp16=True)
+    assert g.cat_batch(T) is None
+    ctx.batch = LoraBatch.build(slots, S, torch.float32, segments=[(0, 0, T)])
+    assert g.cat_batch(T) is None
+    ctx.batch = LoraBatch.build(slots, S, torch.float32)
+    assert g.cat_batch(CAT_MAX_ROWS + 1) is None
+    for s in range(S):
+        m.slot_rank[s] = 0
+    assert g.cat_batch(T) is None  # no adapter here: the base path
+
+
+def test_cat_layout_only_for_marked_groups_on_accelerators():
+    """lm_head (unmarked) and the cpu layout keep their layouts."""
+    ctx = LoraContext()
+    m = LoraLinear(8, 6, False, ctx)
+    m.weight.data = torch.randn(6, 8)
+    m.group.fuse(transposed=False)
+    m.group.alloc_pool(2, 2)
+    assert not m.group.cat and m.group.wt is None and m.group.Bt.is_contiguous()
+    c = LoraLinear(8, 6, False, ctx)
+    c.weight.data = torch.randn(6, 8)
+    c.group.cat_input = True
+    c.group.fuse(transposed=True)
+    c.group.alloc_pool(2, 2)
+    assert not c.group.cat and c.group.Bt.is_contiguous()
 
 
 @pytest.mark.parametrize("fault", ["delta_twice", "adapter_index_off_by_one", "base_gets_last_adapter",
                                    "lora_fp16"])
-def test_accelerator_layout_keeps_routing_faults(llama, fault):  # noqa: F811
-    """The fused masked expand still carries the routing and delta faults it must carry."""
+def test_accelerator_layout_keeps_routing_faults(llama, fault, monkeypatch):  # noqa: F811
+    """The fused masked expand (and the expand in the o_proj / down_proj base GEMM) still carries
+    the routing and delta faults it must carry."""
+    monkeypatch.setattr(attention, "DECODE_OUT_ALWAYS", True)
     base, ads = llama
     reqs = [GenerationRequest(p, n, max_new_tokens=4, top_k=3) for p, n in zip(PROMPTS, ["a1", None, "a2", "a1"])]
     out = {}

@@ -53,10 +53,17 @@ def additive_mask(allowed: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
+# Decode with ``out``: copy the attention output into ``out`` even where (T, H*D) is a free view
+# of it (tests set this to run the o_proj cat path on backends whose output needs no copy).
+DECODE_OUT_ALWAYS = False
+
+
 def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """qkv (T, (H + 2*KVH)*D): rotated q and k, then v; cache (num_blocks, block_size, 2, KVH, D).
-    Returns (T, H*D)."""
+    Returns (T, H*D). Decode with ``out`` (a (T, H*D) view, rows may be strided): where the SDPA
+    output is laid out so that (T, H*D) needs a copy anyway, that copy writes into ``out`` and
+    ``out`` is returned; else the free view is returned and ``out`` is left untouched."""
     kvh, D = kv_cache.shape[-2], kv_cache.shape[-1]
     H, T = num_heads, qkv.shape[0]
     kv_cache.view(-1, 2 * kvh * D).index_copy_(0, meta.slot_mapping, qkv[:, H * D:(H + 2 * kvh) * D])
@@ -66,9 +73,14 @@ def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     keys, vals = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)  # (B, KVH, L, D)
     q = qkv[:, : H * D]
     if meta.q_index is None:  # decode: row b is sequence b; head h = kv head h // G, so group g rides in Lq
-        out = F.scaled_dot_product_attention(q.view(B, kvh, H // kvh, D), keys, vals, attn_mask=meta.mask,
-                                             scale=scale)  # (B, KVH, G, D)
-        return out.reshape(B, H * D)
+        dest = out
+        o = F.scaled_dot_product_attention(q.view(B, kvh, H // kvh, D), keys, vals, attn_mask=meta.mask,
+                                           scale=scale)  # (B, KVH, G, D)
+        flat = _free_view(o, (B, H * D))
+        if dest is None or (flat is not None and not DECODE_OUT_ALWAYS):
+            return o.reshape(B, H * D) if flat is None else flat
+        dest.view(B, kvh, H // kvh, D).copy_(o)  # the copy reshape would make, into the caller's buffer
+        return dest
     q = q.view(T, H, D)
     qp = torch.cat([q, q.new_zeros(1, H, D)], dim=0)[meta.q_index]  # (B, Lq, H, D)
     out = F.scaled_dot_product_attention(
@@ -77,3 +89,11 @@ def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     )  # (B, H, Lq, D)
     out = out.transpose(1, 2).reshape(-1, H * D)
     return out[meta.out_index]
+
+
+def _free_view(t: torch.Tensor, shape) -> Optional[torch.Tensor]:
+    """t.view(shape) where that needs no copy, else None."""
+    try:
+        return t.view(shape)
+    except RuntimeError:
+        return None

@@ -15,6 +15,12 @@ path: fixed shapes, no host sync, graph-capturable) or, when rows come grouped i
 per-slot segments, through one shrink/expand per segment (segmented path: no wasted FLOPs).
 The masked expand is one GEMM over the whole block-diagonal ``Bt`` on accelerators (fewer
 launches) and one GEMM per diagonal block on cpu (fewer bytes read).
+
+A single-part group whose input's producer can write into a buffer (``cat_input``: o_proj,
+down_proj) stores, on accelerators, ``Bt`` as extra K rows under its base weight:
+``wt`` = [W^T ; Bt] (in + S*R, out). The producer writes the input into the first ``in``
+columns of a (T, in + S*R) buffer, the masked shrink goes into the rest, and one GEMM over the
+whole buffer adds base + expand (``add_cat_to``): one launch fewer than base GEMM + expand GEMM.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from lora_conformance.engines.builtin.layers.lora import LoraBatch
 
 # Fused groups mask their whole GEMM output (vectorised) up to this many rows: decode batches.
 FULL_MASK_MAX_ROWS = 256
+# o_proj / down_proj add their expand inside the base GEMM (cat layout) up to this many rows: decode.
+CAT_MAX_ROWS = 256
 
 
 class LoraContext:
@@ -79,6 +87,8 @@ class LinearGroup:
         self.in_features = self.parts[0].in_features
         self.N = sum(p.out_features for p in self.parts)
         self.fused = len(self.parts) > 1
+        self.cat_input = False  # set by the model: the input's producer can write into cat_buffer()
+        self.cat = False  # wt = [W^T ; Bt]: the expand rides in the base GEMM (add_cat_to)
         self.transposed = False  # wt stored (in, out) contiguous
         self.wt: Optional[torch.Tensor] = None  # set by fuse(); None: read the single part's weight live
         self.b_all: Optional[torch.Tensor] = None
@@ -124,7 +134,18 @@ class LinearGroup:
             self.A = self.wt[:, self.N:].t()
         else:
             self.A = torch.zeros(rows, n_in, **kw)
-        self.Bt = torch.zeros(rows, self.N, **kw)
+        if self.cat_input and not self.fused and not self.transposed:
+            # Bt rides under the base weight along K: (out, in + rows) row-major, read transposed as
+            # the base GEMM reads (out, in). The part's weight and lora_Bt are views of it.
+            p = self.parts[0]
+            w_all = torch.zeros(self.N, n_in + rows, **kw)
+            w_all[:, :n_in] = p.weight.data
+            self.wt = w_all.t()  # (in + rows, N)
+            p.weight.data = w_all[:, :n_in]
+            self.Bt = self.wt[n_in:]  # (rows, N), a strided view
+            self.cat = True
+        else:
+            self.Bt = torch.zeros(rows, self.N, **kw)
         self.S, self.R, SR = num_slots, rank, num_slots * rank
         off, self.blocks = 0, []
         for k, p in enumerate(self.parts):
@@ -137,7 +158,7 @@ class LinearGroup:
 
     def _base(self):
         """(in, N) weight and bias of the base model alone."""
-        if self.wt is None:  # read live: lm_head may be tied to the embedding after loading
+        if self.wt is None or self.cat:  # read live: lm_head may be tied to the embedding after loading
             p = self.parts[0]
             return p.weight.t(), p.bias
         b = None if self.b_all is None else self.b_all[: self.N]
@@ -190,6 +211,47 @@ class LinearGroup:
         batch = self._batch()
         if batch is not None:
             self._add_delta(out2, x2, batch)
+        return out
+
+    # ---- expand in the base GEMM (cat layout) ---------------------------------------
+    def cat_batch(self, rows: int) -> Optional[LoraBatch]:
+        """The routing if this forward takes the cat path (``add_cat_to``), else None: masked
+        (decode-sized, unsegmented) batches on the accelerator layout, not the lora_fp16 fault."""
+        if not self.cat or rows > CAT_MAX_ROWS:
+            return None
+        batch = self._batch()
+        if batch is None or batch.segments is not None or batch.fp16:
+            return None
+        return batch
+
+    def cat_buffer(self, rows: int) -> torch.Tensor:
+        """(rows, in + S*R): the producer writes the input into [:, :in] (``cat_input_view``).
+        One per shape and forward, shared by every layer (each layer's GEMM reads it before the
+        next layer's producer writes it: one stream), cached beside the forward's masks."""
+        batch = self.ctx.batch
+        key = ("cat_buffer", rows, self.wt.shape[0], self.wt.dtype, self.wt.device)
+        buf = batch._masks.get(key)
+        if buf is None:
+            buf = batch._masks[key] = self.wt.new_empty(rows, self.wt.shape[0])
+        return buf
+
+    def cat_input_view(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:, : self.in_features]
+
+    def add_cat_to(self, out: torch.Tensor, buf: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        """out += self(buf[:, :in]), in place: shrink, mask into buf[:, in:], then ONE GEMM
+        [x | masked shrink] @ [W^T ; Bt] for base + expand."""
+        n_in = self.in_features
+        out2, x = out.view(-1, self.N), buf[:, :n_in]
+        h = torch.mm(x, self.A.t())
+        lo = buf[:, n_in:]
+        torch.mul(h, batch.mask(self.R, 1), out=lo)
+        if batch.times != 1:  # fault delta_twice: the expand counted times over
+            lo.mul_(batch.times)
+        out2.addmm_(buf, self.wt)
+        b = self.parts[0].bias
+        if b is not None:
+            out2.add_(b)
         return out
 
     def _add_delta(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch, h=None) -> None:

@@ -33,6 +33,7 @@ class Attention(nn.Module):
         self.v_proj = LoraLinear(h, spec.num_kv_heads * d, spec.qkv_bias, ctx)
         self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
         self.o_proj = LoraLinear(spec.num_heads * d, h, spec.o_bias, ctx)
+        self.o_proj.group.cat_input = True  # decode attention can write its output into o_proj's buffer
         self.q_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.scale = d**-0.5
@@ -46,6 +47,16 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             src = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         RotaryEmbedding.apply(src, rope, out=qk)  # rotated in place: the cache write reads k from qkv
+        o = self.o_proj.group
+        batch = o.cat_batch(T) if meta.q_index is None else None
+        if batch is not None:  # decode: the attention output lands in o_proj's [x | shrink] buffer
+            buf = o.cat_buffer(T)
+            x_in = o.cat_input_view(buf)
+            att = paged_attention(qkv, kv_cache, meta, H, self.scale, out=x_in)
+            if att is x_in:
+                return o.add_cat_to(residual, buf, batch)
+            # the attention output was a free view: copying it into buf would cost what the cat path saves
+            return self.o_proj.add_to(residual, att)
         return self.o_proj.add_to(residual, paged_attention(qkv, kv_cache, meta, H, self.scale))
 
 
@@ -56,6 +67,7 @@ class DenseMLP(nn.Module):
         self.up_proj = LoraLinear(hidden, inter, False, ctx)
         self.gate_up = LinearGroup([self.gate_proj, self.up_proj])
         self.down_proj = LoraLinear(inter, hidden, False, ctx)
+        self.down_proj.group.cat_input = True  # act(gate) * up can be written into down_proj's buffer
         self.act, self.inter = ACTIVATIONS[act], inter
 
     def _inner(self, x):
@@ -66,7 +78,14 @@ class DenseMLP(nn.Module):
         return self.down_proj(self._inner(x))
 
     def add_to(self, residual, x):
-        return self.down_proj.add_to(residual, self._inner(x))
+        d = self.down_proj.group
+        batch = d.cat_batch(x.shape[0]) if x.dim() == 2 else None
+        if batch is None:
+            return self.down_proj.add_to(residual, self._inner(x))
+        gu = self.gate_up(x)
+        buf = d.cat_buffer(x.shape[0])  # act(gate) * up lands in down_proj's [x | shrink] buffer
+        torch.mul(self.act(gu[:, : self.inter]), gu[:, self.inter:], out=d.cat_input_view(buf))
+        return d.add_cat_to(residual, buf, batch)
 
 
 class DecoderLayer(nn.Module):
