@@ -4,6 +4,7 @@
 #   part "suites": certify the built-in engine (bfloat16, graphs on) into $OUT/report-graphs,
 #                  then graphs off, then the GPU-only fault detection (graph replay, overlap loading).
 # Usage: bash bench/gpu_validation.sh bench|suites|detect   (OUT is the folder whose files come back)
+# The last step of suites/detect runs the overlap fault on purpose, only to print the race report.
 set -uo pipefail
 part=${1:?bench or suites}
 OUT=${OUT:-/tmp/out}
@@ -23,8 +24,8 @@ case "$part" in
       -p no:cacheprovider -q -rfE -k "graph_stale or overlap_no_wait or races" > "$OUT/detection_gpu.log" 2>&1
     tail -40 "$OUT/detection_gpu.log"
     # what the race detector says about the overlap fault (the detection test above only counts it)
-    python3 -m pytest suites/test_runtime_modes.py --device=cuda --lora-cache /tmp/lora-cache -p no:cacheprovider -q \
-      --engine-arg fault=overlap_no_wait -k stream_ordered 2>&1 | grep -m4 -A2 "unsynchronised" | tee -a "$OUT/detection_gpu.log"
+    (python3 -m pytest suites/test_runtime_modes.py --device=cuda --lora-cache /tmp/lora-cache -p no:cacheprovider -q \
+      --engine-arg fault=overlap_no_wait -k stream_ordered 2>&1 || true) | grep -m4 -A2 "unsynchronised" | tee -a "$OUT/detection_gpu.log"
     ;;
   suites)
     cache=/tmp/lora-cache
@@ -34,7 +35,7 @@ case "$part" in
       2>&1 | tail -25 | tee "$OUT/suites_eager.log"
     python3 -m pytest tests/test_detection_power.py --device=cuda --lora-cache "$cache" -p no:cacheprovider -q -rfE \
       -k "graph_stale or overlap_no_wait" 2>&1 | tail -25 | tee "$OUT/detection_gpu.log"
-    python3 -m pytest suites/test_runtime_modes.py --device=cuda --lora-cache "$cache" -p no:cacheprovider -q \
-      --engine-arg fault=overlap_no_wait -k stream_ordered 2>&1 | grep -m4 -A2 "unsynchronised" | tee -a "$OUT/detection_gpu.log"
+    (python3 -m pytest suites/test_runtime_modes.py --device=cuda --lora-cache "$cache" -p no:cacheprovider -q \
+      --engine-arg fault=overlap_no_wait -k stream_ordered 2>&1 || true) | grep -m4 -A2 "unsynchronised" | tee -a "$OUT/detection_gpu.log"
     ;;
 esac
