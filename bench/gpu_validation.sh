@@ -14,6 +14,11 @@ export PYTHONPATH=/tmp/site:$PWD
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed; using PYTHONPATH"
 export OMP_NUM_THREADS=2 PYTHONUNBUFFERED=1
 nvidia-smi -L
+# The race detector's report on the overlap fault (the detection test only counts that it fails).
+race_report() {
+  (python3 -m pytest suites/test_runtime_modes.py --device=cuda --lora-cache "$1" -p no:cacheprovider -q \
+    --engine-arg fault=overlap_no_wait -k stream_ordered 2>&1 || true) | grep -m4 -A2 "unsynchronised" | tee -a "$OUT/detection_gpu.log"
+}
 case "$part" in
   bench)
     python3 bench/engine_throughput.py --config gpu --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"
@@ -23,9 +28,7 @@ case "$part" in
     python3 -m pytest tests/test_detection_power.py tests/test_races.py --device=cuda --lora-cache /tmp/lora-cache \
       -p no:cacheprovider -q -rfE -k "graph_stale or overlap_no_wait or races" > "$OUT/detection_gpu.log" 2>&1
     tail -40 "$OUT/detection_gpu.log"
-    # what the race detector says about the overlap fault (the detection test above only counts it)
-    (python3 -m pytest suites/test_runtime_modes.py --device=cuda --lora-cache /tmp/lora-cache -p no:cacheprovider -q \
-      --engine-arg fault=overlap_no_wait -k stream_ordered 2>&1 || true) | grep -m4 -A2 "unsynchronised" | tee -a "$OUT/detection_gpu.log"
+    race_report /tmp/lora-cache
     ;;
   suites)
     cache=/tmp/lora-cache
@@ -35,7 +38,6 @@ case "$part" in
       2>&1 | tail -25 | tee "$OUT/suites_eager.log"
     python3 -m pytest tests/test_detection_power.py --device=cuda --lora-cache "$cache" -p no:cacheprovider -q -rfE \
       -k "graph_stale or overlap_no_wait" 2>&1 | tail -25 | tee "$OUT/detection_gpu.log"
-    (python3 -m pytest suites/test_runtime_modes.py --device=cuda --lora-cache "$cache" -p no:cacheprovider -q \
-      --engine-arg fault=overlap_no_wait -k stream_ordered 2>&1 || true) | grep -m4 -A2 "unsynchronised" | tee -a "$OUT/detection_gpu.log"
+    race_report "$cache"
     ;;
 esac

@@ -293,13 +293,14 @@ def stream_trace(device: str) -> Optional[StreamTrace]:
     activate = getattr(_torch()._C, _TRACE_ACTIVATOR, None) if handle else None
     if not supports_streams(device) or activate is None:
         return None
+    mod, dev = device_module(device), _torch().device(device)
     try:
-        module = importlib.import_module(device_module(device).__name__ + "._gpu_trace")
+        module = importlib.import_module(mod.__name__ + "._gpu_trace")
     except ImportError:
         return None
-    mod = device_module(device)
     capturing = getattr(mod, "is_current_stream_capturing", lambda: False)
-    return StreamTrace(t, module, activate, lambda: int(getattr(current_stream(device), handle)), capturing)
+    # called for every kernel while a detector watches: resolve the module and device once
+    return StreamTrace(t, module, activate, lambda: int(getattr(mod.current_stream(dev), handle)), capturing)
 
 
 # ---- graphs -------------------------------------------------------------------------

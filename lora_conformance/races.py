@@ -213,7 +213,8 @@ class RaceDetector(HappensBefore):
 
 # ---- torch side ----------------------------------------------------------------------
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_SELF = os.path.abspath(__file__)
+_TORCH_DIR = f"{os.sep}torch{os.sep}"
 
 
 def _caller() -> str:
@@ -221,8 +222,9 @@ def _caller() -> str:
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if f"{os.sep}torch{os.sep}" not in name and not name.startswith(os.path.join(_HERE, "races")):
-            return f"{os.path.relpath(name) if name.startswith(os.getcwd()) else name}:{f.f_lineno} ({f.f_code.co_name})"
+        if _TORCH_DIR not in name and name != _SELF:
+            cwd = os.getcwd()
+            return f"{os.path.relpath(name) if name.startswith(cwd) else name}:{f.f_lineno} ({f.f_code.co_name})"
         f = f.f_back
     return "?"
 
@@ -266,10 +268,8 @@ def _dispatch_mode(detector: RaceDetector):
                     if r is not None:
                         (writes if alias is not None and alias.is_write else reads).append(r)
             for ret, value in zip(schema.returns, out if isinstance(out, tuple) else (out,)):
-                if ret.alias_info is not None and not ret.alias_info.is_write:
-                    continue
                 if ret.alias_info is not None:
-                    continue  # an in-place / out= return aliases an argument already counted
+                    continue  # a view, or an in-place / out= return: an argument already counted
                 for t in tensors(value):
                     r = _byte_range(t)
                     if r is not None:
