@@ -8,28 +8,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from _tiny_models import build_tokenizer as _word_tokenizer
+
 WORDS = (
     "the a cat dog sat on mat ran fast slow red blue green big small one two three four five six seven "
     "eight nine ten and or but if then when where who what why how is was are were be been have has had "
     "do does did go went come came see saw look took make made say said sun moon star tree sea sky"
 ).split()
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def build_tokenizer(out: Path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok.decoder = decoders.WordPiece(prefix="##")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", padding_side="left")
-    fast.save_pretrained(str(out))
-    return fast
+    """The plugin tests' word-level tokenizer over this file's words, padding on the left."""
+    return _word_tokenizer(out, WORDS, padding_side="left")
 
 
 def _common(vocab: int) -> dict:

@@ -18,18 +18,18 @@ WORDS = (
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 
-def build_tokenizer(out: Path):
+def build_tokenizer(out: Path, words=WORDS, **fast_kwargs):
     """A word-level fast tokenizer (BOS prepended, whitespace split) saved into ``out``."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, decoders
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + WORDS)}
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(words))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>", **fast_kwargs
     )
     fast.save_pretrained(str(out))
     return fast
