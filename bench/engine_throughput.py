@@ -104,21 +104,24 @@ def timed(fn, device: str, repeat: int = 1) -> list[tuple[float, float]]:
     return out
 
 
-def bench_builtin(base, adapters, c, device, names, graphs: bool, repeat: int = 1) -> list[tuple[float, float]]:
+def bench_builtin(base, adapters, c, device, names, graphs: bool, repeat: int = 1,
+                  extra: dict | None = None) -> list[tuple[float, float]]:
     from lora_conformance.engines.builtin import BuiltinEngine
     from lora_conformance.types import GenerationRequest
 
     args = {"max_loras_per_batch": str(c["adapters"]), "max_rank": str(c["rank"]), "graphs": "1" if graphs else "0",
             "max_batch_size": str(c["batch"]), "max_model_len": str(c["prompt"] + c["new"] + 16),
-            "prefix_cache": "0"}
+            "prefix_cache": "0", **(extra or {})}
     eng = BuiltinEngine(base, device, c["dtype"], args)
     for n, p in adapters.items():
         eng.load_adapter(n, p)
 
+    # the requests are the client's work, made before the clock starts (as the HF runs' prompt texts)
+    reqs = {seed: [GenerationRequest(p, a, max_new_tokens=c["new"], top_k=1, ignore_eos=True)
+                   for p, a in zip(prompts(c, seed), names)] for seed in (1, 2)}
+
     def run(seed):
-        reqs = [GenerationRequest(p, a, max_new_tokens=c["new"], top_k=1, ignore_eos=True)
-                for p, a in zip(prompts(c, seed), names)]
-        res = eng.generate(reqs)
+        res = eng.generate(reqs[seed])
         assert all(len(r.token_ids) == c["new"] for r in res)
 
     run(1)  # warm-up: slot loads, graph capture, allocator
@@ -201,8 +204,10 @@ def bench_hf(base, adapters, c, device, mode: str, repeat: int = 1) -> list[tupl
             kw["adapter_names"] = [n or "__base__" for n in routing(c)]
     model.generation_config.eos_token_id = None
 
+    texts = {seed: prompts(c, seed) for seed in (1, 2)}  # made before the clock starts; tokenising is timed
+
     def run(seed):
-        enc = tok(prompts(c, seed), return_tensors="pt", padding=True).to(device)
+        enc = tok(texts[seed], return_tensors="pt", padding=True).to(device)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=c["new"], min_new_tokens=c["new"], do_sample=False,
                                  pad_token_id=tok.pad_token_id, **kw)
@@ -224,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--count-ops", action="store_true",
                     help="print aten ops per decode step for builtin-mixed and builtin-base, then exit")
     ap.add_argument("--skip", default="", help="comma-separated runs to skip (e.g. peft-single)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra built-in engine arg for the builtin runs (e.g. kernels=torch), repeatable")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per engine after the warm-up (median shown)")
     a = ap.parse_args(argv)
     from lora_conformance import devices
@@ -235,6 +242,7 @@ def main(argv=None) -> int:
     graphs = devices.graphs_supported(device) if a.graphs == "auto" else a.graphs == "1"
     tokens = c["batch"] * c["new"]
     skip = set(filter(None, a.skip.split(",")))
+    extra = dict(kv.split("=", 1) for kv in a.engine_arg)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         base, adapters, _ = build_world(Path(tmp), c)
@@ -256,8 +264,8 @@ def main(argv=None) -> int:
                 a.json.write_text(json.dumps({"config": a.config, "count_ops": results}, indent=2))
             return 0
         runs = {
-            "builtin-mixed": lambda: bench_builtin(base, adapters, c, device, routing(c), graphs, rep),
-            "builtin-base": lambda: bench_builtin(base, adapters, c, device, [None] * c["batch"], graphs, rep),
+            "builtin-mixed": lambda: bench_builtin(base, adapters, c, device, routing(c), graphs, rep, extra),
+            "builtin-base": lambda: bench_builtin(base, adapters, c, device, [None] * c["batch"], graphs, rep, extra),
             "peft-mixed": lambda: bench_hf(base, adapters, c, device, "mixed", rep),
             "peft-single": lambda: bench_hf(base, adapters, c, device, "single", rep),
             "hf-base": lambda: bench_hf(base, adapters, c, device, "base", rep),
@@ -285,10 +293,10 @@ def main(argv=None) -> int:
     if "builtin-mixed" in tps and "hf-base" in tps:
         ratios["builtin_mixed_over_hf_base"] = round(tps["builtin-mixed"] / tps["hf-base"], 2)
     report = {"config": a.config, "device": device, "device_name": devices.device_name(device), "graphs": graphs,
-              "workload": c, "torch": torch.__version__, "results": results, "ratios": ratios}
+              "workload": c, "builtin_engine_args": extra, "torch": torch.__version__, "results": results, "ratios": ratios}
     print(f"\nconfig={a.config} device={device} ({report['device_name']}) dtype={c['dtype']} graphs={graphs} "
           f"batch={c['batch']} prompt={c['prompt']} new={c['new']} adapters={c['adapters']} r={c['rank']} "
-          f"repeat={a.repeat} (median)")
+          f"repeat={a.repeat} (median)" + (f" builtin args: {' '.join(a.engine_arg)}" if a.engine_arg else ""))
     print(f"{'run':16s}{'tok/s':>12s}{'seconds':>10s}{'cpu s':>10s}")
     for k, v in results.items():
         print(f"{k:16s}{v['tok_per_s']:12.1f}{v['seconds']:10.3f}{v['cpu_seconds']:10.3f}")

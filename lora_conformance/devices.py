@@ -316,6 +316,15 @@ def graphs_supported(device: str) -> bool:
     return cls_name is not None and hasattr(device_module(device), cls_name)
 
 
+# Device types Triton compiles kernels for (the nvidia/amd backends serve "cuda", intel's "xpu").
+_TRITON_TYPES = ("cuda", "xpu")
+
+
+def triton_backend(device: str) -> bool:
+    """Whether Triton has a compiler backend for this device (importability is checked by callers)."""
+    return device_type(device) in _TRITON_TYPES
+
+
 def new_graph(device: str):
     if not graphs_supported(device):
         raise DeviceError(f"graph capture is not supported on {device}")

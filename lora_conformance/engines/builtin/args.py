@@ -41,6 +41,7 @@ class EngineArgs:
     max_batch_size: int = 64
     max_model_len: int = 2048
     fault: Optional[str] = None
+    kernels: str = "auto"  # fused decode kernels: auto (triton on cuda/xpu), torch, triton
 
     @classmethod
     def parse(cls, args: Mapping[str, str]) -> "EngineArgs":
@@ -57,10 +58,16 @@ class EngineArgs:
                 if value not in ("lru", "fifo"):
                     raise ValueError(f"engine arg eviction={value!r}: expected lru or fifo")
                 out.eviction = value
+            elif key == "kernels":
+                from lora_conformance.engines.builtin.layers.kernels import MODES
+
+                if value not in MODES:
+                    raise ValueError(f"engine arg kernels={value!r}: expected one of {', '.join(MODES)}")
+                out.kernels = value
             elif key == "fault":
                 out.fault = Faults(value).name  # validates against the catalogue
             else:
-                known = sorted([*ints, *bools, "eviction", "fault"])
+                known = sorted([*ints, *bools, "eviction", "fault", "kernels"])
                 raise ValueError(f"unknown engine arg {key!r} for engine 'builtin'; known: {', '.join(known)}")
         if out.max_loaded_loras < out.max_loras_per_batch:
             raise ValueError(

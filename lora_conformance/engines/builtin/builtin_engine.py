@@ -43,6 +43,10 @@ class BuiltinEngine(Engine):
         self.spec = load_spec(self.model_dir)
         max_len = max(self.cfg.max_model_len, 16)
         self.model = build_model(self.model_dir, self.spec, self.faults, max_len, self.device, self.torch_dtype)
+        from lora_conformance.engines.builtin.layers import kernels
+
+        self.fused_kernels = kernels.select(devices.device_type(self.device), self.cfg.kernels)
+        kernels.attach(self.model, self.fused_kernels)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
@@ -128,7 +132,7 @@ class BuiltinEngine(Engine):
             v = version("lora-conformance")
         except PackageNotFoundError:
             v = "0+unknown"
-        return f"lora-conformance builtin {v}"
+        return f"lora-conformance builtin {v} (kernels: {'triton' if self.fused_kernels else 'torch'})"
 
     def close(self) -> None:
         self.model = None

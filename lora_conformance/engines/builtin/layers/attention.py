@@ -59,11 +59,12 @@ DECODE_OUT_ALWAYS = False
 
 
 def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-                    scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    scale: float, out: Optional[torch.Tensor] = None, copy_out: bool = False) -> torch.Tensor:
     """qkv (T, (H + 2*KVH)*D): rotated q and k, then v; cache (num_blocks, block_size, 2, KVH, D).
     Returns (T, H*D). Decode with ``out`` (a (T, H*D) view, rows may be strided): where the SDPA
     output is laid out so that (T, H*D) needs a copy anyway, that copy writes into ``out`` and
-    ``out`` is returned; else the free view is returned and ``out`` is left untouched."""
+    ``out`` is returned; else the free view is returned and ``out`` is left untouched, unless
+    ``copy_out`` (the caller's next step is cheaper from ``out`` than the copy costs)."""
     kvh, D = kv_cache.shape[-2], kv_cache.shape[-1]
     H, T = num_heads, qkv.shape[0]
     kv_cache.view(-1, 2 * kvh * D).index_copy_(0, meta.slot_mapping, qkv[:, H * D:(H + 2 * kvh) * D])
@@ -77,7 +78,7 @@ def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
         o = F.scaled_dot_product_attention(q.view(B, kvh, H // kvh, D), keys, vals, attn_mask=meta.mask,
                                            scale=scale)  # (B, KVH, G, D)
         flat = _free_view(o, (B, H * D))
-        if dest is None or (flat is not None and not DECODE_OUT_ALWAYS):
+        if dest is None or (flat is not None and not (DECODE_OUT_ALWAYS or copy_out)):
             return o.reshape(B, H * D) if flat is None else flat
         dest.view(B, kvh, H // kvh, D).copy_(o)  # the copy reshape would make, into the caller's buffer
         return dest

@@ -96,6 +96,7 @@ class LinearGroup:
         self.Bt: Optional[torch.Tensor] = None  # (P*S*R, N), block-diagonal
         self.S = self.R = 0
         self.blocks: list[tuple[slice, slice]] = []  # per part: (its rows of A/Bt, its output columns)
+        self.use_kernels = False  # decode LoRA through the fused kernels (layers/kernels.py)
 
     # ---- layout --------------------------------------------------------------------
     def fuse(self, transposed: bool) -> None:
@@ -186,6 +187,10 @@ class LinearGroup:
             out = _mm(x, self.wt, self.b_all)  # [base | shrink against every slot]
             y = out[:, : self.N]
             if not self.transposed:  # accelerators: one GEMM for the whole expand
+                if self.use_kernels and x.shape[0] <= FULL_MASK_MAX_ROWS and len(self.parts) <= 3 and y.stride(1) == 1:
+                    # one kernel: the own-slot mask made in registers from the slots, then the expand
+                    self._expand(y, out[:, self.N:], batch, batch.times)
+                    return y
                 if x.shape[0] <= FULL_MASK_MAX_ROWS:
                     # Launch-bound (decode): mask all of out, base columns times 1 (exact), in one
                     # contiguous, vectorised multiply instead of a strided one over the shrink columns.
@@ -212,6 +217,13 @@ class LinearGroup:
         if batch is not None:
             self._add_delta(out2, x2, batch)
         return out
+
+    def _expand(self, y: torch.Tensor, h: torch.Tensor, batch: LoraBatch, alpha) -> None:
+        """y += alpha * (each row's own slot columns of h) @ (that slot's Bt rows), per part (kernel)."""
+        from lora_conformance.engines.builtin.layers.kernels import ops
+
+        starts = [cols.start for _, cols in self.blocks[1:]] + [self.N, self.N]
+        ops.lora_expand_(y, h, self.Bt, batch.token_slots, self.S, self.R, starts[0], starts[1], float(alpha))
 
     # ---- expand in the base GEMM (cat layout) ---------------------------------------
     def cat_batch(self, rows: int) -> Optional[LoraBatch]:
@@ -243,11 +255,15 @@ class LinearGroup:
         [x | masked shrink] @ [W^T ; Bt] for base + expand."""
         n_in = self.in_features
         out2, x = out.view(-1, self.N), buf[:, :n_in]
-        h = torch.mm(x, self.A.t())
         lo = buf[:, n_in:]
-        torch.mul(h, batch.mask(self.R, 1), out=lo)
-        if batch.times != 1:  # fault delta_twice: the expand counted times over
-            lo.mul_(batch.times)
+        if self.use_kernels:  # own slot's shrink, other slots' columns zero: one kernel
+            from lora_conformance.engines.builtin.layers.kernels import ops
+
+            ops.lora_shrink(x, self.A, batch.token_slots, lo, self.S, self.R, float(batch.times))
+        else:
+            torch.mul(torch.mm(x, self.A.t()), batch.mask(self.R, 1), out=lo)
+            if batch.times != 1:  # fault delta_twice: the expand counted times over
+                lo.mul_(batch.times)
         out2.addmm_(buf, self.wt)
         b = self.parts[0].bias
         if b is not None:
@@ -257,6 +273,15 @@ class LinearGroup:
     def _add_delta(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch, h=None) -> None:
         """out += the LoRA delta of x's rows. h: x's shrink against every slot, if already computed."""
         S, R, t = self.S, self.R, batch.times
+        if (batch.segments is None and self.use_kernels and len(self.parts) == 1 and h is None and not batch.fp16
+                and x.shape[0] <= FULL_MASK_MAX_ROWS):
+            from lora_conformance.engines.builtin.layers import kernels
+
+            if kernels.rows_ok(out, x, self.A, self.Bt):  # own-slot shrink, then own-slot expand: two kernels
+                h = x.new_empty(x.shape[0], S * R)
+                kernels.ops.lora_shrink(x, self.A, batch.token_slots, h, S, R, 1.0)
+                self._expand(out, h, batch, t)
+                return
         if batch.segments is None:
             mask = batch.mask(R, len(self.parts))
             if batch.fp16 or not self.transposed:

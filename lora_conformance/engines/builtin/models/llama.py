@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_conformance.engines.builtin.layers import kernels
 from lora_conformance.engines.builtin.layers.attention import AttentionMetadata, paged_attention
 from lora_conformance.engines.builtin.layers.embedding import LoraEmbedding
 from lora_conformance.engines.builtin.layers.linear import LinearGroup, LoraContext, LoraLinear
@@ -37,6 +38,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.scale = d**-0.5
+        self.use_kernels = False  # rotary in one fused kernel (layers/kernels.py)
 
     def add_to(self, residual, x, rope, kv_cache, meta: AttentionMetadata):
         """residual += o_proj(attention(x)), in place."""
@@ -46,13 +48,18 @@ class Attention(nn.Module):
         src = qk
         if self.q_norm is not None:
             src = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
-        RotaryEmbedding.apply(src, rope, out=qk)  # rotated in place: the cache write reads k from qkv
+        if self.use_kernels:
+            kernels.ops.rope_(src, rope[0], rope[1], qk)
+        else:
+            RotaryEmbedding.apply(src, rope, out=qk)  # rotated in place: the cache write reads k from qkv
         o = self.o_proj.group
         batch = o.cat_batch(T) if meta.q_index is None else None
         if batch is not None:  # decode: the attention output lands in o_proj's [x | shrink] buffer
             buf = o.cat_buffer(T)
             x_in = o.cat_input_view(buf)
-            att = paged_attention(qkv, kv_cache, meta, H, self.scale, out=x_in)
+            # With the fused kernels, copy + own-slot shrink + one GEMM (3 launches) beats base GEMM +
+            # split-K shrink (2) + mask + expand on the free view: copy even where a view is free.
+            att = paged_attention(qkv, kv_cache, meta, H, self.scale, out=x_in, copy_out=self.use_kernels)
             if att is x_in:
                 return o.add_cat_to(residual, buf, batch)
             # the attention output was a free view: copying it into buf would cost what the cat path saves
@@ -69,10 +76,21 @@ class DenseMLP(nn.Module):
         self.down_proj = LoraLinear(inter, hidden, False, ctx)
         self.down_proj.group.cat_input = True  # act(gate) * up can be written into down_proj's buffer
         self.act, self.inter = ACTIVATIONS[act], inter
+        self.silu = act == "silu"
+        self.use_kernels = False  # silu(gate) * up in one fused kernel (layers/kernels.py)
+
+    def _act_mul(self, gu, out=None):
+        """act(gate) * up, into ``out`` if given."""
+        if self.use_kernels and self.silu and kernels.rows_ok(gu) and (out is None or kernels.rows_ok(out)):
+            out = gu.new_empty(gu.shape[0], self.inter) if out is None else out
+            kernels.ops.silu_mul(gu, self.inter, out)
+            return out
+        if out is None:
+            return self.act(gu[..., : self.inter]).mul_(gu[..., self.inter:])  # in place: one buffer fewer
+        return torch.mul(self.act(gu[:, : self.inter]), gu[:, self.inter:], out=out)
 
     def _inner(self, x):
-        gu = self.gate_up(x)
-        return self.act(gu[..., : self.inter]).mul_(gu[..., self.inter:])  # in place: one buffer fewer
+        return self._act_mul(self.gate_up(x))
 
     def forward(self, x):
         return self.down_proj(self._inner(x))
@@ -84,7 +102,7 @@ class DenseMLP(nn.Module):
             return self.down_proj.add_to(residual, self._inner(x))
         gu = self.gate_up(x)
         buf = d.cat_buffer(x.shape[0])  # act(gate) * up lands in down_proj's [x | shrink] buffer
-        torch.mul(self.act(gu[:, : self.inter]), gu[:, self.inter:], out=d.cat_input_view(buf))
+        self._act_mul(gu, out=d.cat_input_view(buf))
         return d.add_cat_to(residual, buf, batch)
 
 
