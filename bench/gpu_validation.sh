@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What we run on a lent GPU machine (no network there): install carried wheels, then
-#   part "bench":  the throughput benchmark (GPU workload) and its per-step op counts;
+#   part "bench":  the throughput benchmark (GPU workload), its per-step op counts, and the built-in
+#                  engine's time per phase with the fused kernels and without (kernels=torch);
 #   part "suites": certify the built-in engine (bfloat16, graphs on) into $OUT/report-graphs,
-#                  then graphs off, then the GPU-only fault detection (graph replay, overlap loading).
+#                  then graphs off, then every fault of the catalogue against the suites on the GPU.
 # Usage: bash bench/gpu_validation.sh bench|suites|detect   (OUT is the folder whose files come back)
 # The last step of suites/detect runs the overlap fault on purpose, only to print the race report.
 set -uo pipefail
@@ -22,7 +23,10 @@ race_report() {
 case "$part" in
   bench)
     python3 bench/engine_throughput.py --config gpu --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"
-    python3 bench/engine_throughput.py --config gpu --count-ops --json "$OUT/ops_gpu.json" 2>&1 | grep -E "kernel ops|^ +[0-9]+ +aten" | tee -a "$OUT/bench_gpu.log"
+    python3 bench/engine_throughput.py --config gpu --count-ops --json "$OUT/ops_gpu.json" 2>&1 | grep -E "kernel ops|^ +[0-9]+ +(aten|lora)" | tee -a "$OUT/bench_gpu.log"
+    for k in triton torch; do
+      python3 bench/profile_decode.py --config gpu --engine-arg kernels=$k 2>&1 | grep -E "^builtin" | tee -a "$OUT/bench_gpu.log"
+    done
     ;;
   detect)
     python3 -m pytest tests/test_detection_power.py tests/test_races.py --device=cuda --lora-cache /tmp/lora-cache \
@@ -37,7 +41,7 @@ case "$part" in
     python3 -m pytest suites --device=cuda --engine-arg graphs=0 -n 8 -p no:cacheprovider --lora-cache "$cache" -q -rfE \
       2>&1 | tail -25 | tee "$OUT/suites_eager.log"
     python3 -m pytest tests/test_detection_power.py --device=cuda --lora-cache "$cache" -p no:cacheprovider -q -rfE \
-      -k "graph_stale or overlap_no_wait" 2>&1 | tail -25 | tee "$OUT/detection_gpu.log"
+      -n 8 2>&1 | tail -25 | tee "$OUT/detection_gpu.log"
     race_report "$cache"
     ;;
 esac

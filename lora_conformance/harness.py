@@ -237,6 +237,32 @@ class TestContext:
 
         return tolerance_for(self.dtype)
 
+    def assert_adapter_visible(self, references: Sequence[GenerationResult], requests: Sequence[GenerationRequest],
+                               label: str = "", factor: float = 2.0,
+                               others: Optional[Sequence[GenerationResult]] = None) -> None:
+        """The test's own power: the references with the adapters must differ from the base model's
+        (same prompts, no adapter; or from ``others``, outputs an engine with the bug under test
+        would give) by more than ``factor`` x this dtype's tolerance somewhere, or an engine that
+        drops the adapter would pass. Raises AssertionError naming the test's setup."""
+        from dataclasses import replace
+
+        from lora_conformance.compare import ConformanceAssertionError, assert_logprobs_close
+
+        tol = self.tolerance
+        wide = replace(tol, prefill_atol=factor * tol.prefill_atol, decode_atol=factor * tol.decode_atol,
+                       tie_margin=factor * tol.tie_margin)
+        if others is None:
+            others = self.reference([replace(r, adapter=None) for r in requests])
+        for ref, base in zip(references, others):
+            try:
+                assert_logprobs_close(ref, base, wide, decode=self.decode)
+            except ConformanceAssertionError:
+                return  # visible
+        raise AssertionError(
+            f"{label}: the adapters' effect on the reference is within {factor} x the {tol.dtype} tolerance "
+            f"(prefill {tol.prefill_atol}, decode {tol.decode_atol}) for every request: this test could not tell "
+            "an engine that ignores them from a correct one (suite defect: strengthen the adapter)")
+
     def assert_matches_reference(self, outputs: Sequence[GenerationResult], references: Sequence[GenerationResult],
                                  requests: Sequence[GenerationRequest], label: str = "") -> None:
         """Logprobs (prefill and decode, tie-aware) and ROUGE-L of every output against its reference."""

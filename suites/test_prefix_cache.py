@@ -2,6 +2,7 @@
 
 import pytest
 
+from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close
 from lora_conformance.types import GenerationRequest
@@ -12,6 +13,22 @@ register_xpu_ci(est_time=20, suite="per-commit")
 
 pytestmark = pytest.mark.requires("prefix_cache")
 
+# All-linear adapters with B std 0.09 (3x the default): another adapter's cached K and V must move
+# the output past bfloat16's tolerance. With the default q/v adapters an engine whose cache ignored
+# the adapter passed on bfloat16 (fault prefix_cache_ignores_adapter, cpu); at 0.15 a correct
+# bfloat16 engine drifts past it. The tests assert the adapters' visibility first.
+SPECS = {name: AdapterSpec(seed=seed, targets="all-linear", b_std=0.09) for name, seed in (("A", 411), ("B", 412))}
+
+
+def visible(lora, prompt):
+    """Each adapter's reference on this prompt is far from the other's and from the base's."""
+    reqs = [GenerationRequest(prompt=prompt, adapter=a, max_new_tokens=12) for a in SPECS]
+    refs = lora.reference(reqs, SPECS)
+    lora.assert_adapter_visible(refs, reqs, label="prefix-cache adapters vs base")
+    swapped = [GenerationRequest(prompt=prompt, adapter=a, max_new_tokens=12) for a in reversed(list(SPECS))]
+    lora.assert_adapter_visible(refs, reqs, label="prefix-cache adapters vs each other",
+                                others=lora.reference(swapped, SPECS))
+
 
 def long_prompt(lora, i=0):
     """Several KV blocks long, so block-granular caches really hold it."""
@@ -20,13 +37,13 @@ def long_prompt(lora, i=0):
 
 def test_hit_equals_miss(lora, device, dtype):
     engine = lora.fresh_engine(prefix_cache=1)
-    lora.load(engine, "A")
+    lora.load(engine, "A", SPECS["A"])
     reqs = [GenerationRequest(prompt=long_prompt(lora), adapter=a, max_new_tokens=12) for a in ("A", None)]
     miss = engine.generate(reqs)
     hit = engine.generate(reqs)
     for i, (h, m) in enumerate(zip(hit, miss)):
         assert_logprobs_close(h, m, lora.tolerance, label=f"cache hit vs miss, request {i}", decode=lora.decode)
-    lora.assert_matches_reference(hit, lora.reference(reqs), reqs, label="cache hit")
+    lora.assert_matches_reference(hit, lora.reference(reqs, SPECS), reqs, label="cache hit")
 
 
 @pytest.mark.parametrize("order", [("A", "B", None), (None, "A", "B")])
@@ -34,9 +51,10 @@ def test_adapters_never_share_cached_entries(lora, device, dtype, order):
     """Serve one prompt under each adapter in turn: every later request must see its own adapter's KV."""
     engine = lora.fresh_engine(prefix_cache=1)
     for name in ("A", "B"):
-        lora.load(engine, name)
+        lora.load(engine, name, SPECS[name])
     prompt = long_prompt(lora, 3)
+    visible(lora, prompt)
     for label in order:
         req = [GenerationRequest(prompt=prompt, adapter=label, max_new_tokens=12)]
-        lora.assert_matches_reference(engine.generate(req), lora.reference(req), req,
+        lora.assert_matches_reference(engine.generate(req), lora.reference(req, SPECS), req,
                                       label=f"{label or 'base'} after {order}")

@@ -32,6 +32,11 @@ FAULTS: dict[str, str] = {
 # Faults whose code path exists only on accelerators (cpu runs in order and has no graphs).
 DEVICE_ONLY_FAULTS: dict[str, str] = {"graph_stale_indices": "graphs", "overlap_no_wait": "streams"}
 
+# Faults that only change results in some model dtypes: dtype -> why not in the others.
+DTYPE_ONLY_FAULTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "lora_fp16": (("float32",), "a float16 delta is no less precise than bfloat16 / float16 arithmetic"),
+}
+
 
 class Faults:
     """The one active fault (or none); ``faults.on("name")`` guards each deliberate bug."""
