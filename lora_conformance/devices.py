@@ -318,11 +318,22 @@ def graphs_supported(device: str) -> bool:
 
 # Device types Triton compiles kernels for (the nvidia/amd backends serve "cuda", intel's "xpu").
 _TRITON_TYPES = ("cuda", "xpu")
+# Oldest CUDA compute capability whose Triton backend has bfloat16 tensor-core dots (Ampere).
+_TRITON_MIN_CUDA_CAPABILITY = (8, 0)
 
 
 def triton_backend(device: str) -> bool:
-    """Whether Triton has a compiler backend for this device (importability is checked by callers)."""
-    return device_type(device) in _TRITON_TYPES
+    """Whether Triton has a compiler backend for this device (importability is checked by callers).
+    A bare device type (no index) is answered for the type's current device."""
+    t = device_type(device)
+    if t not in _TRITON_TYPES:
+        return False
+    if t == "cuda":
+        try:
+            return tuple(_torch().cuda.get_device_capability(device)) >= _TRITON_MIN_CUDA_CAPABILITY
+        except Exception:  # noqa: BLE001 - no device to ask: no backend to use
+            return False
+    return True
 
 
 def new_graph(device: str):

@@ -153,7 +153,7 @@ def test_selection(monkeypatch):
     assert kernels.select("cpu", "auto") is False  # the interpreter is for tests, never chosen by itself
     assert kernels.select("cpu", "triton") is True  # TRITON_INTERPRET=1 (set above)
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(UnsupportedFeatureError, match="kernels=triton: triton has no backend for device type 'cpu'"):
+    with pytest.raises(UnsupportedFeatureError, match="kernels=triton: triton has no backend for device 'cpu'"):
         kernels.select("cpu", "triton")
 
 

@@ -45,7 +45,7 @@ class BuiltinEngine(Engine):
         self.model = build_model(self.model_dir, self.spec, self.faults, max_len, self.device, self.torch_dtype)
         from lora_conformance.engines.builtin.layers import kernels
 
-        self.fused_kernels = kernels.select(devices.device_type(self.device), self.cfg.kernels)
+        self.fused_kernels = kernels.select(self.device, self.cfg.kernels)
         kernels.attach(self.model, self.fused_kernels)
         from transformers import AutoTokenizer
 

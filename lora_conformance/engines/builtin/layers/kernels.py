@@ -8,8 +8,9 @@ kernels fold each run of them into one launch, computing what the eager torch op
 * ``rms_norm``: ``F.rms_norm(x) * weight`` (the HF order: round the normalised row, then weight)
 * ``rope_``: ``x * cos + swap_halves(x) * sin_signed`` into ``out`` (three eager kernels)
 * ``silu_mul``: ``silu(gate) * up`` into ``out`` (two)
-* ``lora_expand_``: ``y += alpha * h[own slot] @ Bt[own slot]`` per row (BGMV-style): reads the
-  row's own slot columns of the fused group's shrink, so the per-row mask multiply goes away
+* ``lora_expand_``: ``y += alpha * (h * own-slot mask) @ Bt`` with the mask made in registers from
+  the rows' slots (no mask tensor, no separate multiply), one tensor-core dot per tile, and each
+  column block reading only its own parts' rows of the block-diagonal pool
 * ``lora_shrink``: ``out = alpha * mask * (x @ A^T)`` with only the row's own slot computed and
   the other slots' columns written as zeros: the masked shrink of the cat layout in one kernel
 
@@ -42,23 +43,23 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def triton_status(device_type: str) -> Optional[str]:
-    """None if the Triton kernels can run on this device type, else why not."""
+def triton_status(device: str) -> Optional[str]:
+    """None if the Triton kernels can run on this device, else why not."""
     try:
         import triton  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any import failure means: not available
         return f"triton is not importable ({type(e).__name__}: {e})"
-    if _interpret() or devices.triton_backend(device_type):
+    if _interpret() or devices.triton_backend(device):
         return None
-    return (f"triton has no backend for device type {device_type!r} "
-            "(TRITON_INTERPRET=1 runs its cpu interpreter, for tests)")
+    return (f"triton has no backend for device {device!r} (cuda needs compute capability 8.0 or newer; "
+            "TRITON_INTERPRET=1 runs its cpu interpreter, for tests)")
 
 
-def select(device_type: str, mode: str) -> bool:
+def select(device: str, mode: str) -> bool:
     """Whether the engine uses the fused kernels (engine arg ``kernels``)."""
-    if mode == "torch" or (mode == "auto" and not devices.triton_backend(device_type)):
-        return False  # (triton is not even imported: a cpu process never loads it unasked)
-    why = triton_status(device_type)
+    if mode == "torch" or (mode == "auto" and not devices.triton_backend(device)):
+        return False  # (auto does not import triton where it has no backend)
+    why = triton_status(device)
     if mode == "triton":
         if why is not None:
             raise UnsupportedFeatureError(f"engine arg kernels=triton: {why}")
