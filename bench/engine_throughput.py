@@ -104,10 +104,9 @@ def timed(fn, device: str, repeat: int = 1) -> list[tuple[float, float]]:
     return out
 
 
-def bench_builtin(base, adapters, c, device, names, graphs: bool, repeat: int = 1,
-                  extra: dict | None = None) -> list[tuple[float, float]]:
+def make_builtin(base, adapters, c, device, graphs: bool, extra: dict | None = None):
+    """The built-in engine sized for workload ``c``, every adapter loaded."""
     from lora_conformance.engines.builtin import BuiltinEngine
-    from lora_conformance.types import GenerationRequest
 
     args = {"max_loras_per_batch": str(c["adapters"]), "max_rank": str(c["rank"]), "graphs": "1" if graphs else "0",
             "max_batch_size": str(c["batch"]), "max_model_len": str(c["prompt"] + c["new"] + 16),
@@ -115,10 +114,22 @@ def bench_builtin(base, adapters, c, device, names, graphs: bool, repeat: int = 
     eng = BuiltinEngine(base, device, c["dtype"], args)
     for n, p in adapters.items():
         eng.load_adapter(n, p)
+    return eng
 
+
+def builtin_requests(c, names, seed: int, new: int | None = None) -> list:
+    """Greedy, fixed-length requests: prompts(c, seed), one per routing entry of ``names``."""
+    from lora_conformance.types import GenerationRequest
+
+    return [GenerationRequest(p, a, max_new_tokens=new or c["new"], top_k=1, ignore_eos=True)
+            for p, a in zip(prompts(c, seed), names)]
+
+
+def bench_builtin(base, adapters, c, device, names, graphs: bool, repeat: int = 1,
+                  extra: dict | None = None) -> list[tuple[float, float]]:
+    eng = make_builtin(base, adapters, c, device, graphs, extra)
     # the requests are the client's work, made before the clock starts (as the HF runs' prompt texts)
-    reqs = {seed: [GenerationRequest(p, a, max_new_tokens=c["new"], top_k=1, ignore_eos=True)
-                   for p, a in zip(prompts(c, seed), names)] for seed in (1, 2)}
+    reqs = {seed: builtin_requests(c, names, seed) for seed in (1, 2)}
 
     def run(seed):
         res = eng.generate(reqs[seed])
@@ -139,9 +150,6 @@ def count_decode_ops(base, adapters, c, device, names) -> dict:
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lora_conformance.engines.builtin import BuiltinEngine
-    from lora_conformance.types import GenerationRequest
-
     class Count(TorchDispatchMode):
         def __init__(self):
             super().__init__()
@@ -157,12 +165,7 @@ def count_decode_ops(base, adapters, c, device, names) -> dict:
             self.ops[func] += 1
             return func(*args, **kwargs)
 
-    args = {"max_loras_per_batch": str(c["adapters"]), "max_rank": str(c["rank"]), "graphs": "0",
-            "max_batch_size": str(c["batch"]), "max_model_len": str(c["prompt"] + c["new"] + 16),
-            "prefix_cache": "0"}
-    eng = BuiltinEngine(base, device, c["dtype"], args)
-    for n, p in adapters.items():
-        eng.load_adapter(n, p)
+    eng = make_builtin(base, adapters, c, device, graphs=False)
     runner, seen = eng.runner, []
     forward = runner.decode_forward
 
@@ -176,8 +179,7 @@ def count_decode_ops(base, adapters, c, device, names) -> dict:
         return out
 
     runner.decode_forward = counted
-    eng.generate([GenerationRequest(p, a, max_new_tokens=2, top_k=1, ignore_eos=True)
-                  for p, a in zip(prompts(c, 1), names)])
+    eng.generate(builtin_requests(c, names, 1, new=2))
     eng.close()
     ops = seen[0]
     views = sum(n for f, n in ops.items() if f.is_view or f == torch.ops.aten._unsafe_view.default)

@@ -23,26 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import CONFIGS, build_world, prompts, routing  # noqa: E402
-
-
-def _engine(base, adapters, c, device, graphs, extra=None):
-    from lora_conformance.engines.builtin import BuiltinEngine
-
-    args = {"max_loras_per_batch": str(c["adapters"]), "max_rank": str(c["rank"]), "graphs": "1" if graphs else "0",
-            "max_batch_size": str(c["batch"]), "max_model_len": str(c["prompt"] + c["new"] + 16),
-            "prefix_cache": "0", **(extra or {})}
-    eng = BuiltinEngine(base, device, c["dtype"], args)
-    for n, p in adapters.items():
-        eng.load_adapter(n, p)
-    return eng
-
-
-def _requests(c, names, seed, new=None):
-    from lora_conformance.types import GenerationRequest
-
-    return [GenerationRequest(p, a, max_new_tokens=new or c["new"], top_k=1, ignore_eos=True)
-            for p, a in zip(prompts(c, seed), names)]
+from engine_throughput import CONFIGS, build_world, builtin_requests, make_builtin, routing  # noqa: E402
 
 
 def breakdown(eng, c, names, device) -> dict:
@@ -75,17 +56,17 @@ def breakdown(eng, c, names, device) -> dict:
         timing["decode"].append(time.perf_counter() - t)
         return out
 
-    eng.generate(_requests(c, names, 1))  # warm-up: slots, graphs, allocator
+    eng.generate(builtin_requests(c, names, 1))  # warm-up: slots, graphs, allocator
     devices.synchronize(device)
     t = time.perf_counter()
-    eng.generate(_requests(c, names, 2))
+    eng.generate(builtin_requests(c, names, 2))
     devices.synchronize(device)
     plain = time.perf_counter() - t
     runner.prefill, runner.decode = prefill, decode
     try:
         devices.synchronize(device)
         t = time.perf_counter()
-        eng.generate(_requests(c, names, 2))
+        eng.generate(builtin_requests(c, names, 2))
         devices.synchronize(device)
         total = time.perf_counter() - t
     finally:
@@ -122,7 +103,7 @@ def kernels(eng, c, names, device, phase: str = "decode") -> list[tuple[str, int
 
     setattr(runner, attr, traced)
     try:
-        eng.generate(_requests(c, names, 3, new=2))
+        eng.generate(builtin_requests(c, names, 3, new=2))
     finally:
         setattr(runner, attr, orig)
     rows = {}
@@ -142,8 +123,8 @@ def host_profile(eng, c, names, top: int) -> None:
     import io
     import pstats
 
-    eng.generate(_requests(c, names, 1))
-    reqs = _requests(c, names, 2)
+    eng.generate(builtin_requests(c, names, 1))
+    reqs = builtin_requests(c, names, 2)
     prof = cProfile.Profile()
     prof.enable()
     eng.generate(reqs)
@@ -174,7 +155,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base, adapters, _ = build_world(Path(tmp), c)
         for label, names in (("builtin-mixed", routing(c)), ("builtin-base", [None] * c["batch"])):
-            eng = _engine(base, adapters, c, device, graphs, extra)
+            eng = make_builtin(base, adapters, c, device, graphs, extra)
             r = breakdown(eng, c, names, device)
             eng.close()
             tok = c["batch"] * c["new"]
@@ -186,11 +167,11 @@ def main(argv=None) -> int:
             line += f"), other {1e3 * r['other_s']:.1f} ms"
             print(line, flush=True)
             if a.host:
-                eng = _engine(base, adapters, c, device, graphs, extra)
+                eng = make_builtin(base, adapters, c, device, graphs, extra)
                 host_profile(eng, c, names, a.top)
                 eng.close()
             if a.kernels and devices.device_type(device) == "cuda":
-                eng = _engine(base, adapters, c, device, False, extra)
+                eng = make_builtin(base, adapters, c, device, False, extra)
                 ks = kernels(eng, c, names, device, a.phase)
                 eng.close()
                 tot_n, tot_ms = sum(n for _, n, _ in ks), sum(ms for _, _, ms in ks)

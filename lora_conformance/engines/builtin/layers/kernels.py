@@ -193,7 +193,7 @@ def _p2(n: int) -> int:
 
 
 def _row_major(t: torch.Tensor, name: str) -> None:
-    if t.dim() != 2 or t.stride(1) != 1:
+    if not rows_ok(t):
         raise ValueError(f"{name}: expected a 2-d tensor with contiguous rows, got shape {tuple(t.shape)} "
                          f"strides {t.stride()}")
 

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lora_conformance.engines.builtin.layers import kernels
 from lora_conformance.engines.builtin.layers.lora import LoraBatch
 
 
@@ -96,6 +97,7 @@ class LinearGroup:
         self.Bt: Optional[torch.Tensor] = None  # (P*S*R, N), block-diagonal
         self.S = self.R = 0
         self.blocks: list[tuple[slice, slice]] = []  # per part: (its rows of A/Bt, its output columns)
+        self.part_starts = (0, 0)  # first output column of parts 2 and 3 (N where absent), for the expand kernel
         self.use_kernels = False  # decode LoRA through the fused kernels (layers/kernels.py)
 
     # ---- layout --------------------------------------------------------------------
@@ -156,6 +158,8 @@ class LinearGroup:
             p.slot_rank = [0] * num_slots
             self.blocks.append((r, c))
             off += p.out_features
+        starts = [cols.start for _, cols in self.blocks[1:]] + [self.N, self.N]
+        self.part_starts = (starts[0], starts[1])
 
     def _base(self):
         """(in, N) weight and bias of the base model alone."""
@@ -220,10 +224,8 @@ class LinearGroup:
 
     def _expand(self, y: torch.Tensor, h: torch.Tensor, batch: LoraBatch, alpha) -> None:
         """y += alpha * (each row's own slot columns of h) @ (that slot's Bt rows), per part (kernel)."""
-        from lora_conformance.engines.builtin.layers.kernels import ops
-
-        starts = [cols.start for _, cols in self.blocks[1:]] + [self.N, self.N]
-        ops.lora_expand_(y, h, self.Bt, batch.token_slots, self.S, self.R, starts[0], starts[1], float(alpha))
+        c1, c2 = self.part_starts
+        kernels.ops.lora_expand_(y, h, self.Bt, batch.token_slots, self.S, self.R, c1, c2, float(alpha))
 
     # ---- expand in the base GEMM (cat layout) ---------------------------------------
     def cat_batch(self, rows: int) -> Optional[LoraBatch]:
@@ -257,9 +259,7 @@ class LinearGroup:
         out2, x = out.view(-1, self.N), buf[:, :n_in]
         lo = buf[:, n_in:]
         if self.use_kernels:  # own slot's shrink, other slots' columns zero: one kernel
-            from lora_conformance.engines.builtin.layers.kernels import ops
-
-            ops.lora_shrink(x, self.A, batch.token_slots, lo, self.S, self.R, float(batch.times))
+            kernels.ops.lora_shrink(x, self.A, batch.token_slots, lo, self.S, self.R, float(batch.times))
         else:
             torch.mul(torch.mm(x, self.A.t()), batch.mask(self.R, 1), out=lo)
             if batch.times != 1:  # fault delta_twice: the expand counted times over
@@ -275,8 +275,6 @@ class LinearGroup:
         S, R, t = self.S, self.R, batch.times
         if (batch.segments is None and self.use_kernels and len(self.parts) == 1 and h is None and not batch.fp16
                 and x.shape[0] <= FULL_MASK_MAX_ROWS):
-            from lora_conformance.engines.builtin.layers import kernels
-
             if kernels.rows_ok(out, x, self.A, self.Bt):  # own-slot shrink, then own-slot expand: two kernels
                 h = x.new_empty(x.shape[0], S * R)
                 kernels.ops.lora_shrink(x, self.A, batch.token_slots, h, S, R, 1.0)

@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_conformance.engines.builtin.layers import kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -17,7 +19,5 @@ class RMSNorm(nn.Module):
         # the weight is applied after that rounding, as HF does (bitwise the same in bf16).
         # One fused kernel where the device has one, instead of seven.
         if self.use_kernels and x.dim() == 2 and x.stride(1) == 1 and self.weight.dtype == x.dtype:
-            from lora_conformance.engines.builtin.layers.kernels import ops
-
-            return ops.rms_norm(x, self.weight, self.eps)  # norm and weight in one kernel
+            return kernels.ops.rms_norm(x, self.weight, self.eps)  # norm and weight in one kernel
         return F.rms_norm(x, (x.shape[-1],), None, self.eps) * self.weight
