@@ -17,11 +17,13 @@ import pytest
 
 from lora_conformance import options
 from lora_conformance.devices import SHORTHAND_TYPES
+from lora_conformance.features import MARKER_HELP as FEATURE_MARKER_HELP
 from lora_conformance.settings import SETTINGS_KEY, Settings, default_cache_dir, get_settings
 
 MARKERS = (
     f"device(*types): run only on these device types ({', '.join(SHORTHAND_TYPES)}, or a vendor type)",
     *(f"{t}: shorthand for device({t!r})" for t in SHORTHAND_TYPES),
+    FEATURE_MARKER_HELP,
     "requires(*capabilities): engine capabilities the test needs; without them it is skipped as not certified",
     "base_model(kind): the base model a suite needs (decoder, moe, encoder) when it differs from --base-model",
     "slow: heavier parametrisations, deselect with -m 'not slow'",
@@ -179,19 +181,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if SETTINGS_KEY not in config.stash:
         return
     from lora_conformance.engines.base import Capability
+    from lora_conformance.features import FeatureMarkerError, feature_of_item, required_capabilities
 
     s = get_settings(config)
+    owners: dict[str, str] = {}  # feature id -> the test function that declares it
     for item in items:
         types = _device_types_of(item)
         if types is not None and s.device_type not in types:
             item.add_marker(pytest.mark.skip(
                 reason=f"not applicable: test is for {', '.join(sorted(types))}, running on {s.device_type}"))
-        for m in item.iter_markers("requires"):
-            for cap in m.args:
-                try:
-                    Capability.parse(cap)
-                except ValueError as exc:
-                    raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.requires: {exc}") from None
+        try:
+            feature = feature_of_item(item)
+        except FeatureMarkerError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        if feature is not None:
+            function = item.nodeid.split("[", 1)[0]
+            if owners.setdefault(feature.id, function) != function:
+                raise pytest.UsageError(f"{function}: feature id {feature.id!r} is already declared by "
+                                        f"{owners[feature.id]} (one test function per feature)")
+        for cap in required_capabilities(item):
+            try:
+                Capability.parse(cap)
+            except ValueError as exc:
+                raise pytest.UsageError(f"{item.nodeid}: required capability: {exc}") from None
 
 
 # ---- fixtures --------------------------------------------------------------------------
@@ -234,7 +246,9 @@ def lora(request: pytest.FixtureRequest, lora_harness):
 @pytest.fixture(autouse=True)
 def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
     """Skip, as *not certified*, a test whose required capabilities the engine does not declare."""
-    needed = [c for m in request.node.iter_markers("requires") for c in m.args]
+    from lora_conformance.features import required_capabilities
+
+    needed = required_capabilities(request.node)
     if not needed:
         return
     harness = _harness(request.config)
