@@ -114,12 +114,13 @@ class Harness:
 
     def missing_capabilities(self, request: pytest.FixtureRequest, needed: Iterable[str]) -> list[str]:
         from lora_conformance.engines.base import Capability, UnsupportedFeatureError
+        from lora_conformance.outcomes import REFUSED, not_certified
 
         model_dir = self.model_dir(self.model_spec(_marker_kind(request.node)))
         try:
             engine = self.shared_engine(model_dir, _item_dtype(request, self.settings))
         except UnsupportedFeatureError as exc:
-            return [f"{', '.join(needed)} (engine refused the model: {exc})"]
+            not_certified(REFUSED, f"engine refused the model {model_dir.name} needed for {', '.join(needed)}: {exc}")
         return [c for c in needed if Capability.parse(c) not in engine.capabilities]
 
     def discard_engines(self) -> None:

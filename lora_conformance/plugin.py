@@ -28,7 +28,6 @@ MARKERS = (
     "base_model(kind): the base model a suite needs (decoder, moe, encoder) when it differs from --base-model",
     "slow: heavier parametrisations, deselect with -m 'not slow'",
 )
-NOT_CERTIFIED = "not certified: engine does not declare"
 HARNESS_KEY = pytest.StashKey["Any"]()
 
 
@@ -247,6 +246,7 @@ def lora(request: pytest.FixtureRequest, lora_harness):
 def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
     """Skip, as *not certified*, a test whose required capabilities the engine does not declare."""
     from lora_conformance.features import required_capabilities
+    from lora_conformance.outcomes import missing_capabilities
 
     needed = required_capabilities(request.node)
     if not needed:
@@ -254,7 +254,7 @@ def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
     harness = _harness(request.config)
     missing = harness.missing_capabilities(request, needed)
     if missing:
-        pytest.skip(f"{NOT_CERTIFIED} {', '.join(missing)}")
+        missing_capabilities(missing)
 
 
 # ---- environment facts from pytest-xdist workers ------------------------------------------

@@ -23,12 +23,15 @@ def _wants_prompt_logprobs(engine):
     return engine.supports("prompt_logprobs")
 
 
+@pytest.mark.feature("accuracy/base_model_matches_reference", "the base model (no adapter) matches the reference")
 def test_base_model_matches_reference(lora, device, dtype):
     engine = lora.engine
     reqs = _requests(lora, None, _wants_prompt_logprobs(engine))
     lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs), reqs, label="base")
 
 
+@pytest.mark.feature("accuracy/single_adapter_matches_reference",
+                      "one default q/v adapter per request matches the reference")
 @pytest.mark.parametrize("adapter", ADAPTERS)
 def test_single_adapter_matches_reference(lora, device, dtype, adapter):
     engine = lora.engine
@@ -37,7 +40,8 @@ def test_single_adapter_matches_reference(lora, device, dtype, adapter):
     lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs), reqs, label=adapter)
 
 
-@pytest.mark.requires("prompt_logprobs")
+@pytest.mark.feature("accuracy/prefill_logprobs_with_adapter",
+                      "prompt logprobs with an adapter match the reference", requires=("prompt_logprobs",))
 def test_prefill_logprobs_with_adapter(lora, device, dtype):
     engine = lora.engine
     lora.load(engine, "A")
@@ -47,6 +51,8 @@ def test_prefill_logprobs_with_adapter(lora, device, dtype):
     lora.assert_matches_reference(outs, lora.reference(reqs), reqs, label="prefill A")
 
 
+@pytest.mark.feature("accuracy/every_dtype_matches_reference",
+                      "adapter and base rows match the reference in float32, bfloat16 and float16")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_every_dtype_matches_reference(lora, device, dtype):
     """The same check in each dtype (the reference stays float32); 4 prompts, adapter A and base."""

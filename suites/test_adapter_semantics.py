@@ -28,6 +28,8 @@ def _check(lora, engine, name, spec, labels=None):
     lora.assert_matches_reference(engine.generate(reqs), refs, reqs, label=name)
 
 
+@pytest.mark.feature("adapter_semantics/rank",
+                      "adapters of rank 1 to the engine's max_rank are served as PEFT serves them")
 @pytest.mark.parametrize("rank", [1, 8, 16, 64, "max"])
 def test_rank(lora, device, dtype, rank):
     engine = lora.engine
@@ -37,6 +39,8 @@ def test_rank(lora, device, dtype, rank):
     _check(lora, engine, f"rank{r}", AdapterSpec(seed=11, rank=r, alpha=2 * r))
 
 
+@pytest.mark.feature("adapter_semantics/rank_above_engine_max_is_refused",
+                      "an adapter above the engine's max_rank is refused with a typed error")
 def test_rank_above_engine_max_is_refused(lora, device, dtype):
     from lora_conformance.adapters import MAX_RANK
 
@@ -50,7 +54,8 @@ def test_rank_above_engine_max_is_refused(lora, device, dtype):
     assert str(exc.value).strip(), "the refusal must say why"
 
 
-@pytest.mark.requires("mixed_batch")
+@pytest.mark.feature("adapter_semantics/mixed_ranks_in_one_batch",
+                      "adapters of different ranks in one batch", requires=("mixed_batch",))
 def test_mixed_ranks_in_one_batch(lora, device, dtype):
     engine = lora.engine
     specs = {"r2": AdapterSpec(seed=21, rank=2, alpha=4), "r16": AdapterSpec(seed=22, rank=16, alpha=32),
@@ -61,38 +66,45 @@ def test_mixed_ranks_in_one_batch(lora, device, dtype):
     lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, specs), reqs, label="mixed ranks")
 
 
+@pytest.mark.feature("adapter_semantics/alpha_scaling", "the delta is scaled by lora_alpha / r")
 @pytest.mark.parametrize("alpha", [4, 32])
 def test_alpha_scaling(lora, device, dtype, alpha):
     _check(lora, lora.engine, f"alpha{alpha}", AdapterSpec(seed=31, rank=8, alpha=alpha))
 
 
-@pytest.mark.requires("rslora")
+@pytest.mark.feature("adapter_semantics/rslora",
+                      "use_rslora scales the delta by lora_alpha / sqrt(r)", requires=("rslora",))
 def test_rslora(lora, device, dtype):
     _check(lora, lora.engine, "rslora", AdapterSpec(seed=41, rank=16, alpha=8, use_rslora=True))
 
 
-@pytest.mark.requires("rank_pattern")
+@pytest.mark.feature("adapter_semantics/rank_and_alpha_patterns",
+                      "rank_pattern / alpha_pattern override r and alpha per module", requires=("rank_pattern",))
 def test_rank_and_alpha_patterns(lora, device, dtype):
     spec = AdapterSpec(seed=51, rank=8, alpha=16, rank_pattern={"v_proj": 4, "layers.1.self_attn.q_proj": 16},
                        alpha_pattern={"q_proj": 32})
     _check(lora, lora.engine, "patterns", spec)
 
 
+@pytest.mark.feature("adapter_semantics/target_set",
+                      "attention, MLP and all-linear target sets: every targeted module's delta is applied")
 @pytest.mark.parametrize("targets", ["attention", "mlp", "all-linear"])
 def test_target_set(lora, device, dtype, targets):
     _check(lora, lora.engine, f"t-{targets}", AdapterSpec(seed=61, targets=targets))
 
 
-@pytest.mark.requires("embed_tokens")
+@pytest.mark.feature("adapter_semantics/embed_tokens", "embed_tokens LoRA is applied", requires=("embed_tokens",))
 def test_embed_tokens(lora, device, dtype):
     _check(lora, lora.engine, "embed", AdapterSpec(seed=71, targets="embed_tokens"))
 
 
-@pytest.mark.requires("lm_head")
+@pytest.mark.feature("adapter_semantics/lm_head", "lm_head LoRA is applied", requires=("lm_head",))
 def test_lm_head(lora, device, dtype):
     _check(lora, lora.engine, "head", AdapterSpec(seed=72, targets="lm_head", b_std=0.15))
 
 
+@pytest.mark.feature("adapter_semantics/zero_adapter_equals_base",
+                      "an adapter with B = 0 gives the base model's outputs")
 def test_zero_adapter_equals_base(lora, device, dtype):
     engine = lora.engine
     lora.load(engine, "zero", AdapterSpec(seed=81, zero=True))
@@ -102,6 +114,8 @@ def test_zero_adapter_equals_base(lora, device, dtype):
         assert_logprobs_close(z, b, lora.tolerance, label=f"zero adapter vs base, prompt {i}", decode=lora.decode)
 
 
+@pytest.mark.feature("adapter_semantics/layers_to_transform",
+                      "layers_to_transform restricts the adapter to the named layers")
 def test_layers_to_transform(lora, device, dtype):
     _check(lora, lora.engine, "layer1", AdapterSpec(seed=91, targets="all-linear", layers_to_transform=(1,)))
 
@@ -113,6 +127,8 @@ REFUSABLE = {
 }
 
 
+@pytest.mark.feature("adapter_semantics/matches_or_refuses",
+                      "DoRA, modules_to_save and LoRA biases are served exactly or refused clearly")
 @pytest.mark.parametrize("feature", list(REFUSABLE))
 def test_matches_or_refuses(lora, device, dtype, feature):
     """Either the engine serves the adapter exactly as PEFT does, or it refuses it with a clear error."""

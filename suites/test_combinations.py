@@ -13,7 +13,8 @@ register_cuda_ci(est_time=15, suite="per-commit")
 register_xpu_ci(est_time=25, suite="per-commit")
 
 
-@pytest.mark.requires("prefix_cache", "mixed_batch")
+@pytest.mark.feature("combinations/prefix_cache_with_routing",
+                      "a prefix cache warmed by one adapter, then a mixed batch on the same prompt", requires=("prefix_cache", "mixed_batch"))
 def test_prefix_cache_with_routing(lora, device, dtype):
     """Warm the cache with one adapter, then route a batch of the same prompt across adapters and base."""
     # all-linear, B std 0.09: A's cached K/V under B must show at bfloat16's tolerance (see
@@ -38,7 +39,8 @@ def test_prefix_cache_with_routing(lora, device, dtype):
     lora.assert_matches_reference(outs, lora.reference(reqs, specs), reqs, label="after a cache warmed by A")
 
 
-@pytest.mark.requires("overlap_loading", "max_loaded")
+@pytest.mark.feature("combinations/overlap_loading_with_eviction",
+                      "overlap loading while adapters are evicted and reloaded", requires=("overlap_loading", "max_loaded"))
 def test_overlap_loading_with_eviction(lora, device, dtype):
     engine = lora.fresh_engine(overlap_loading=1, max_loras_per_batch=2, max_loaded_loras=2)
     specs = {f"O{i}": AdapterSpec(seed=600 + i) for i in range(4)}
@@ -49,7 +51,8 @@ def test_overlap_loading_with_eviction(lora, device, dtype):
         lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, specs), reqs, label=str(labels))
 
 
-@pytest.mark.requires("pinning", "max_loaded")
+@pytest.mark.feature("combinations/pinning_with_eviction",
+                      "a pinned adapter is never evicted while others churn", requires=("pinning", "max_loaded"))
 def test_pinning_with_eviction(lora, device, dtype, tmp_path):
     """A pinned adapter stays loaded and right while others churn through the remaining slot.
 
@@ -75,7 +78,8 @@ def test_pinning_with_eviction(lora, device, dtype, tmp_path):
         assert "P0" in engine.list_adapters(), "the pinned adapter was dropped"
 
 
-@pytest.mark.requires("dynamic_loading", "prefix_cache")
+@pytest.mark.feature("combinations/dynamic_loading_with_prefix_cache",
+                      "reloading a name with new weights while its prompt's KV is cached", requires=("dynamic_loading", "prefix_cache"))
 def test_dynamic_loading_with_prefix_cache(lora, device, dtype):
     """Unload and reload a name with other weights while its prompt's KV is cached."""
     engine = lora.fresh_engine(prefix_cache=1)

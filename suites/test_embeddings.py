@@ -27,12 +27,14 @@ def encoder(lora):
     return engine
 
 
+@pytest.mark.feature("embeddings/unit_norm", "embeddings are L2-normalised, with and without an adapter")
 def test_unit_norm(lora, encoder, device, dtype):
     for adapter in (None, "EA"):
         for i, v in enumerate(encoder.embed(lora.prompts, adapter)):
             assert abs(norm(v) - 1.0) <= UNIT_NORM_ATOL, f"adapter={adapter} text {i}: norm {norm(v):.4f}"
 
 
+@pytest.mark.feature("embeddings/lora_changes_the_embedding", "an encoder adapter changes the embedding")
 def test_lora_changes_the_embedding(lora, encoder, device, dtype):
     base = encoder.embed(lora.prompts, None)
     for adapter in SPECS:
@@ -40,18 +42,23 @@ def test_lora_changes_the_embedding(lora, encoder, device, dtype):
         assert max(cos) < CHANGED_MAX_COS, f"{adapter}: an embedding is unchanged by the adapter (cosines {cos})"
 
 
+@pytest.mark.feature("embeddings/same_adapter_is_stable",
+                      "the same adapter gives the same embedding after another adapter was served")
 def test_same_adapter_is_stable(lora, encoder, device, dtype):
     first = encoder.embed(lora.prompts, "EA")
     encoder.embed(lora.prompts, "EB")  # serve another adapter in between
     assert_embeddings_close(encoder.embed(lora.prompts, "EA"), first, SAME_ADAPTER_MIN_COS, label="EA twice")
 
 
+@pytest.mark.feature("embeddings/distinct_adapters_differ", "two adapters give different embeddings")
 def test_distinct_adapters_differ(lora, encoder, device, dtype):
     a, b = encoder.embed(lora.prompts, "EA"), encoder.embed(lora.prompts, "EB")
     cos = [cosine(x, y) for x, y in zip(a, b)]
     assert max(cos) < CHANGED_MAX_COS, f"EA and EB give the same embedding (cosines {cos})"
 
 
+@pytest.mark.feature("embeddings/matches_reference",
+                      "encoder embeddings with and without an adapter match the reference")
 @pytest.mark.parametrize("adapter", [None, "EA", "EB"])
 def test_matches_reference(lora, encoder, device, dtype, adapter):
     ref_runner = lora.harness.reference(lora.model_dir)

@@ -6,6 +6,7 @@ from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close
 from lora_conformance.engines import AdapterNotLoadedError, CapacityError, EngineError
+from lora_conformance.outcomes import missing_capabilities
 
 register_cpu_ci(est_time=25, suite="per-commit")
 register_cuda_ci(est_time=20, suite="per-commit")
@@ -21,6 +22,7 @@ def _run(lora, engine, name):
     return reqs, engine.generate(reqs)
 
 
+@pytest.mark.feature("lifecycle/load_unload_reload", "load, unload and load again give the first load's outputs")
 def test_load_unload_reload(lora, device, dtype):
     engine = lora.fresh_engine()
     lora.load(engine, "A")
@@ -37,6 +39,8 @@ def test_load_unload_reload(lora, device, dtype):
         assert_logprobs_close(a, b, lora.tolerance, label=f"after reload, prompt {i}", decode=lora.decode)
 
 
+@pytest.mark.feature("lifecycle/unknown_adapter_gives_a_clear_error",
+                      "requests for an unknown adapter are refused with a typed error")
 def test_unknown_adapter_gives_a_clear_error(lora, device, dtype):
     engine = lora.engine
     with pytest.raises(AdapterNotLoadedError) as exc:
@@ -46,6 +50,8 @@ def test_unknown_adapter_gives_a_clear_error(lora, device, dtype):
         engine.unload_adapter("never-loaded")
 
 
+@pytest.mark.feature("lifecycle/reloading_a_name_with_new_weights",
+                      "a name reloaded with other weights serves the new weights")
 @pytest.mark.parametrize("how", ["unload-then-load", "load-over"])
 def test_reloading_a_name_with_new_weights(lora, device, dtype, how):
     engine = lora.fresh_engine()
@@ -58,7 +64,8 @@ def test_reloading_a_name_with_new_weights(lora, device, dtype, how):
     lora.assert_matches_reference(outs, lora.reference(reqs, {"X": "B"}), reqs, label="X reloaded with B")
 
 
-@pytest.mark.requires("pinning")
+@pytest.mark.feature("lifecycle/pinning_every_slot_is_refused",
+                      "pinning every device slot is refused", requires=("pinning",))
 def test_pinning_every_slot_is_refused(lora, device, dtype):
     engine = lora.fresh_engine(max_loras_per_batch=2, max_loaded_loras=4)
     lora.load(engine, "A", pinned=True)
@@ -70,14 +77,15 @@ def test_pinning_every_slot_is_refused(lora, device, dtype):
     lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs), reqs, label="pinned A + B")
 
 
-@pytest.mark.requires("max_loaded")
+@pytest.mark.feature("lifecycle/eviction_and_reload",
+                      "with fewer slots than adapters, eviction (lru, fifo) and reload keep outputs right", requires=("max_loaded",))
 @pytest.mark.parametrize("policy", ["lru", "fifo"])
 def test_eviction_and_reload(lora, device, dtype, policy):
     """Fewer loaded slots than adapters: cycling through them must keep every output right,
     and an evicted adapter reloaded on demand gives the first run's outputs."""
     cap = f"eviction_{policy}"
     if not lora.engine.supports(cap):
-        pytest.skip(f"not certified: engine does not declare {cap}")
+        missing_capabilities([cap])
     engine = lora.fresh_engine(max_loras_per_batch=1, max_loaded_loras=2, eviction=policy)
     specs = {f"E{i}": AdapterSpec(seed=200 + i) for i in range(4)}
     for name, spec in specs.items():

@@ -32,6 +32,8 @@ def _same_prompt_routing_batch(lora, labels, prompt):
     return [GenerationRequest(prompt=prompt, adapter=l, max_new_tokens=16) for l in labels]
 
 
+@pytest.mark.feature("mixed_batch/composition_matches_isolated_references",
+                      "each row of a mixed batch matches its own isolated reference")
 @pytest.mark.parametrize("composition", list(COMPOSITIONS))
 def test_composition_matches_isolated_references(lora, device, dtype, composition):
     engine = lora.engine
@@ -42,6 +44,8 @@ def test_composition_matches_isolated_references(lora, device, dtype, compositio
     lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs), reqs, label=composition)
 
 
+@pytest.mark.feature("mixed_batch/nearest_reference_routing",
+                      "each row of a mixed batch is nearest its own adapter's reference")
 @pytest.mark.parametrize("prompt_index", [0, 3, 8])
 def test_nearest_reference_routing(lora, device, dtype, prompt_index):
     """One prompt, every slot a different adapter or base: each output is nearest its own reference."""
@@ -57,6 +61,8 @@ def test_nearest_reference_routing(lora, device, dtype, prompt_index):
     assert_nearest_reference_routing(outs, labels, refs, decode=lora.decode, label=f"prompt {prompt_index}")
 
 
+@pytest.mark.feature("mixed_batch/base_rows_equal_a_run_without_adapters",
+                      "base rows of a mixed batch equal a run with no adapters loaded")
 def test_base_rows_equal_a_run_without_adapters(lora, device, dtype):
     labels = [None, "A", None, "B", None]
     reqs = lora.requests(labels)
@@ -77,6 +83,7 @@ def _distinct_specs(n, rank=8):
     return {f"S{i}": AdapterSpec(seed=100 + i, rank=rank) for i in range(n)}
 
 
+@pytest.mark.feature("mixed_batch/slot_saturation", "as many distinct adapters in one batch as the engine has slots")
 def test_slot_saturation(lora, device, dtype):
     """As many distinct adapters active in one batch as the engine has slots, plus base rows."""
     engine = lora.engine
@@ -89,7 +96,8 @@ def test_slot_saturation(lora, device, dtype):
     lora.assert_matches_reference(outs, lora.reference(reqs, specs), reqs, label="saturated")
 
 
-@pytest.mark.requires("max_loaded")
+@pytest.mark.feature("mixed_batch/more_adapters_than_slots",
+                      "more adapters in one call than device slots", requires=("max_loaded",))
 def test_more_adapters_than_slots(lora, device, dtype):
     """More adapters in one call than device slots: the engine must split or queue, never mis-route."""
     engine = lora.engine_with(max_loras_per_batch=2, max_loaded_loras=8)
@@ -102,6 +110,7 @@ def test_more_adapters_than_slots(lora, device, dtype):
     lora.assert_matches_reference(outs, lora.reference(reqs, specs), reqs, label="oversubscribed")
 
 
+@pytest.mark.feature("mixed_batch/batch_size_invariance", "a request's output does not depend on the batch around it")
 def test_batch_size_invariance(lora, device, dtype):
     engine = lora.engine
     lora.load(engine, "A")
@@ -113,6 +122,7 @@ def test_batch_size_invariance(lora, device, dtype):
     assert_logprobs_close(batched, alone, lora.tolerance, label="in a batch of 8 vs alone", decode=lora.decode)
 
 
+@pytest.mark.feature("mixed_batch/order_invariance", "reversing a batch does not change any request's output")
 def test_order_invariance(lora, device, dtype):
     engine = lora.engine
     for name in ("A", "B"):
@@ -124,6 +134,8 @@ def test_order_invariance(lora, device, dtype):
         assert_logprobs_close(b, a, lora.tolerance, label=f"request {i}, reversed batch", decode=lora.decode)
 
 
+@pytest.mark.feature("mixed_batch/random_compositions",
+                      "random adapter/base mixes, prompt lengths and lengths match their references")
 @given(data=st.data())
 def test_random_compositions(lora, device, dtype, data):
     """Random adapter/base mixes, prompt lengths and max tokens; each output vs its isolated reference."""

@@ -4,6 +4,7 @@ import pytest
 
 from lora_conformance.adapters import AdapterSpec
 from lora_conformance.engines import UnsupportedFeatureError
+from lora_conformance.outcomes import REFUSED, not_certified
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
 
 register_cpu_ci(est_time=15, suite="per-commit")
@@ -16,6 +17,8 @@ EXPERTS = {"M1": AdapterSpec(seed=501, targets="moe_experts"), "M2": AdapterSpec
 ATTENTION = AdapterSpec(seed=503, targets="attention")
 
 
+@pytest.mark.feature("moe/expert_lora_matches_reference",
+                      "MoE expert LoRA (target_parameters on fused experts) matches the reference")
 @pytest.mark.parametrize("name", list(EXPERTS))
 def test_expert_lora_matches_reference(lora, device, dtype, name):
     engine = lora.engine
@@ -24,6 +27,7 @@ def test_expert_lora_matches_reference(lora, device, dtype, name):
     lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, EXPERTS), reqs, label=name)
 
 
+@pytest.mark.feature("moe/attention_lora_on_moe_model", "attention LoRA on an MoE model matches the reference")
 def test_attention_lora_on_moe_model(lora, device, dtype):
     engine = lora.engine
     lora.load(engine, "MA", ATTENTION)
@@ -31,7 +35,8 @@ def test_attention_lora_on_moe_model(lora, device, dtype):
     lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, {"MA": ATTENTION}), reqs, label="MA")
 
 
-@pytest.mark.requires("mixed_batch")
+@pytest.mark.feature("moe/expert_lora_mixed_batch",
+                      "MoE expert adapters and base rows in one batch", requires=("mixed_batch",))
 def test_expert_lora_mixed_batch(lora, device, dtype):
     """PEFT cannot batch these; the reference is each request alone, which is what must come out."""
     engine = lora.engine
@@ -41,5 +46,5 @@ def test_expert_lora_mixed_batch(lora, device, dtype):
     try:
         outs = engine.generate(reqs)
     except UnsupportedFeatureError as exc:  # e.g. PEFT: no adapter_names with target_parameters
-        pytest.skip(f"not certified: engine does not declare mixed batches of MoE expert adapters ({exc})")
+        not_certified(REFUSED, f"engine refused a mixed batch of MoE expert adapters ({exc})")
     lora.assert_matches_reference(outs, lora.reference(reqs, EXPERTS), reqs, label="experts mixed")

@@ -35,6 +35,7 @@ def long_prompt(lora, i=0):
     return " ".join(lora.prompts[i:] + lora.prompts[:i])[:600]
 
 
+@pytest.mark.feature("prefix_cache/hit_equals_miss", "a prefix-cache hit gives the miss's outputs")
 def test_hit_equals_miss(lora, device, dtype):
     engine = lora.fresh_engine(prefix_cache=1)
     lora.load(engine, "A", SPECS["A"])
@@ -46,6 +47,8 @@ def test_hit_equals_miss(lora, device, dtype):
     lora.assert_matches_reference(hit, lora.reference(reqs, SPECS), reqs, label="cache hit")
 
 
+@pytest.mark.feature("prefix_cache/adapters_never_share_cached_entries",
+                      "cached KV of one adapter is never served to another")
 @pytest.mark.parametrize("order", [("A", "B", None), (None, "A", "B")])
 def test_adapters_never_share_cached_entries(lora, device, dtype, order):
     """Serve one prompt under each adapter in turn: every later request must see its own adapter's KV."""

@@ -24,7 +24,8 @@ def _serve(lora, engine, specs, batches):
     return [engine.generate(lora.requests(labels)) for labels in batches]
 
 
-@pytest.mark.requires("overlap_loading")
+@pytest.mark.feature("runtime_modes/overlap_loading_equals_synchronous",
+                      "overlap loading gives synchronous loading's outputs", requires=("overlap_loading",))
 def test_overlap_loading_equals_synchronous(lora, device, dtype):
     """Adapters are loaded and used immediately, in batches that keep swapping slots.
 
@@ -42,7 +43,8 @@ def test_overlap_loading_equals_synchronous(lora, device, dtype):
     lora.assert_matches_reference(overlap[0], lora.reference(reqs, specs), reqs, label="overlap loading")
 
 
-@pytest.mark.requires("overlap_loading")
+@pytest.mark.feature("runtime_modes/overlap_loading_is_stream_ordered",
+                      "every read of a freshly loaded slot is ordered after its copy", requires=("overlap_loading",))
 def test_overlap_loading_is_stream_ordered(lora, device, dtype):
     """No kernel touches a slot while its side-stream copy may still be running.
 
@@ -70,7 +72,8 @@ def test_overlap_loading_is_stream_ordered(lora, device, dtype):
     lora.assert_matches_reference(outputs[0], lora.reference(reqs, specs), reqs, label="overlap loading (watched)")
 
 
-@pytest.mark.requires("graphs")
+@pytest.mark.feature("runtime_modes/graphs_equal_eager",
+                      "decode graphs give eager decode's outputs", requires=("graphs",))
 def test_graphs_equal_eager(lora, device, dtype):
     """Decode replayed from graphs equals eager decode, across batches whose adapter mix changes."""
     specs = {n: AdapterSpec(seed=310 + i) for i, n in enumerate("ABC")}
@@ -86,6 +89,7 @@ def test_graphs_equal_eager(lora, device, dtype):
         lora.assert_matches_reference(graphs[b], lora.reference(reqs, specs), reqs, label=f"graphs batch {b}")
 
 
+@pytest.mark.feature("runtime_modes/repeated_runs_are_identical", "the same batch twice gives bit-identical outputs")
 def test_repeated_runs_are_identical(lora, device, dtype):
     engine = lora.engine
     for name in ("A", "B"):
