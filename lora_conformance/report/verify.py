@@ -16,7 +16,8 @@ PASSED, FAILED, ERROR, XFAIL, NOT_CERTIFIED, SKIPPED = (
 STATUSES = (PASSED, FAILED, ERROR, XFAIL, NOT_CERTIFIED, SKIPPED)
 
 # A skip whose reason says the engine lacks a capability is "not certified": the engine
-# was not shown to do it. Any other skip (not applicable on this device, ...) is neutral.
+# was not shown to do it, as is any skip raised by lora_conformance.outcomes.not_certified
+# ("not certified: ..."). Any other skip (not applicable on this device, ...) is neutral.
 NOT_CERTIFIED_MARKER = "engine does not declare"
 
 COLLECTION = "(collection)"
@@ -55,7 +56,8 @@ def classify(record: Mapping[str, Any]) -> tuple[str, str]:
         return XFAIL, wasxfail
     if skipped:
         reason = record.get("skip_reason") or ""
-        return (NOT_CERTIFIED if NOT_CERTIFIED_MARKER in reason else SKIPPED), reason
+        not_certified = NOT_CERTIFIED_MARKER in reason or reason.startswith("not certified:")
+        return (NOT_CERTIFIED if not_certified else SKIPPED), reason
     if phases.get("call") == "passed":
         return PASSED, (f"XPASS: {wasxfail}" if wasxfail is not None else "")
     return ERROR, "incomplete: the test did not finish (interrupted or crashed worker)"
