@@ -89,19 +89,22 @@ def run(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
         idx = [i for i, r in enumerate(rows) if r.label == label]
         name = label or BASE_LABEL
         path = plan.adapters.get(label) if label else None
-        seqs, poss = [rows[i].sequence for i in idx], [rows[i].positions for i in idx]
-        top = runner.context_logprobs(seqs, poss, path, top=REFERENCE_TOP)
-        ids = [[sorted(t) for t in seq_rows] for seq_rows in top]
-        r_base = runner.context_logprobs(seqs, poss, None, hyps.base(), ids=ids) if path else top
         alts = plan.alternatives.get(name, [])
-        h_rows = {}
-        for h in alts:
-            if h.kind == hyps.BASE:
-                h_rows[h.name] = r_base
-            elif h.kind == "served_as":
-                h_rows[h.name] = runner.context_logprobs(seqs, poss, plan.adapters[h.adapter], ids=ids)
-            else:
-                h_rows[h.name] = runner.context_logprobs(seqs, poss, path, h, ids=ids)
+        # One reference call per row: rows recur across tests and runs, so the disk cache is hit.
+        top, r_base, h_rows = [], [], {h.name: [] for h in alts}
+        for i in idx:
+            score = _row_scorer(runner, rows[i])
+            t = score(path, None, None)
+            ids = [sorted(x) for x in t]
+            top.append(t)
+            r_base.append(score(None, hyps.base(), ids) if path else t)
+            for h in alts:
+                if h.kind == hyps.BASE:
+                    h_rows[h.name].append(r_base[-1])
+                elif h.kind == "served_as":
+                    h_rows[h.name].append(score(plan.adapters[h.adapter], None, ids))
+                else:
+                    h_rows[h.name].append(score(path, h, ids))
         sample = EffectSample(name)
         for k, i in enumerate(idx):
             for j in range(plan.contexts_per_prompt):
@@ -127,6 +130,13 @@ def run(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
                     sample.H.setdefault(h.name, []).extend(d)
         samples[name] = sample
     return [analyse(s, tol) for s in samples.values()]
+
+
+def _row_scorer(runner, row: Row):
+    def score(path, hyp, ids):
+        return runner.context_logprobs([row.sequence], [row.positions], path, hyp,
+                                       ids=None if ids is None else [ids], top=REFERENCE_TOP)[0]
+    return score
 
 
 def default_alternatives(labels: Sequence[Optional[str]], adapters: Mapping[str, Path],

@@ -264,6 +264,10 @@ class TestContext:
             f"(prefill {tol.prefill_atol}, decode {tol.decode_atol}) for every request: this test could not tell "
             "an engine that ignores them from a correct one (suite defect: strengthen the adapter)")
 
+    def note(self, text: str) -> None:
+        """A remark the report shows beside this test's verdict (what the test could not establish)."""
+        self.request.node.user_properties.append(("lora_note", text))
+
     def assert_conforms(self, engine, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef] = {},
                         prompts: Optional[Sequence[str]] = None, *, alternatives: Optional[Mapping] = None,
                         routing: bool = True, free_running: bool = True, label: str = "") -> list:

@@ -5,6 +5,7 @@ import pytest
 from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
 from lora_conformance.compare import assert_embeddings_close, cosine
+from lora_conformance.compare.embeddings import assert_embedding_effects_close
 from lora_conformance.compare.embeddings import norm
 
 register_cpu_ci(est_time=10, suite="per-commit")
@@ -57,11 +58,24 @@ def test_distinct_adapters_differ(lora, encoder, device, dtype):
     assert max(cos) < CHANGED_MAX_COS, f"EA and EB give the same embedding (cosines {cos})"
 
 
+def _reference_effects(lora):
+    ref_runner = lora.harness.reference(lora.model_dir)
+    base = ref_runner.embed(lora.prompts, None)
+    return {n: [[x - y for x, y in zip(u, v)] for u, v in
+                zip(ref_runner.embed(lora.prompts, lora.adapter_path(spec)), base)] for n, spec in SPECS.items()}
+
+
 @pytest.mark.feature("embeddings/matches_reference",
                       "encoder embeddings with and without an adapter match the reference")
 @pytest.mark.parametrize("adapter", [None, "EA", "EB"])
 def test_matches_reference(lora, encoder, device, dtype, adapter):
-    ref_runner = lora.harness.reference(lora.model_dir)
-    path = None if adapter is None else lora.adapter_path(SPECS[adapter])
-    assert_embeddings_close(encoder.embed(lora.prompts, adapter), ref_runner.embed(lora.prompts, path),
-                            lora.tolerance.embedding_cos_min, label=f"adapter={adapter}")
+    """Base: cosine to the reference. Adapters: the adapter-induced change (adapted minus base, from the
+    engine) against the reference's, pooled over the texts, and nearest its own adapter's change."""
+    tol = lora.tolerance
+    base = encoder.embed(lora.prompts, None)
+    if adapter is None:
+        ref_runner = lora.harness.reference(lora.model_dir)
+        assert_embeddings_close(base, ref_runner.embed(lora.prompts, None), tol.embedding_cos_min, label="base")
+        return
+    assert_embedding_effects_close(encoder.embed(lora.prompts, adapter), base, _reference_effects(lora), adapter,
+                                   tol.embedding_effect_rel_max, tol.effect_slope_margin, label=f"adapter={adapter}")

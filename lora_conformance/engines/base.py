@@ -154,6 +154,12 @@ class Engine(ABC):
     @abstractmethod
     def list_adapters(self) -> list[str]: ...
 
+    def resident_adapters(self) -> Optional[list[str]]:
+        """Names whose weights the engine holds now, within ``max_loaded_loras`` (what an eviction
+        policy decides), or None when the engine cannot say: the eviction suites then do not
+        certify the policy itself."""
+        return None
+
     # inference
     @abstractmethod
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:

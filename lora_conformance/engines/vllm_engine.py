@@ -275,6 +275,7 @@ class VllmEngine(Engine):
             logprobs=[self._topk(e, req.top_k) for e in steps],
             prompt_token_ids=[int(t) for t in out.prompt_token_ids],
             prompt_logprobs=prompt_lps,
+            cached_tokens=getattr(out, "num_cached_tokens", None),
         )
 
     def _decode(self, ids: list[int], fallback: str) -> str:

@@ -36,7 +36,7 @@ def _topk(logprobs_row, k: int, extra: Optional[int] = None) -> TopK:
 
 class ReferenceRunner:
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32",
-                 cache: Optional[ReferenceCache] = None, max_models: int = 2):
+                 cache: Optional[ReferenceCache] = None, max_models: int = 4):
         self.model_dir = Path(model_dir)
         self.device = device
         self.dtype = dtype
