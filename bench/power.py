@@ -50,6 +50,8 @@ FAMILIES = {
         AdapterSpec(seed=rng.choice(SEEDS), rank=16, alpha=8, use_rslora=True),
         AdapterSpec(seed=rng.choice(SEEDS), rank=8, alpha=16, rank_pattern={"v_proj": 4},
                     alpha_pattern={"q_proj": 32})])], "single"),
+    # every linear module targeted: the family whose single dropped modules the power runs inject
+    "alllinear": lambda rng: ([AdapterSpec(seed=rng.choice(SEEDS), targets="all-linear")], "single"),
     # two adapters and base rows in one batch (mixed_batch, accuracy::every_dtype)
     "mixed": lambda rng: ([AdapterSpec(seed=s) for s in rng.sample(SEEDS, 2)], "mixed"),
 }
@@ -91,6 +93,8 @@ def transformed(src: Path, how: str, dtype: str, root: Path) -> Path:
             tensors[k] = t * c if is_a else (t / c if is_b else t)
         elif kind == "scale" and is_b:
             tensors[k] = t * float(arg)
+        elif kind == "drop" and is_b and f".{arg}." in k:
+            tensors[k] = t * 0
         elif kind == "preround" and (is_a or is_b):
             tensors[k] = t.to(getattr(torch, dtype)).to(t.dtype)
     save_file(tensors, dst / "adapter_model.safetensors")
@@ -151,6 +155,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=200, help="null runs per dtype")
     ap.add_argument("--power-runs", type=int, default=10, help="runs per family, dtype and scale")
     ap.add_argument("--scales", default="0.9,0.95,1.03,1.05,1.1")
+    ap.add_argument("--drops", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                    help="modules whose LoRA the engine drops in the alllinear family's power runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=default_cache_dir())
     ap.add_argument("--json", type=Path)
@@ -194,7 +200,14 @@ def main() -> None:
                 if not ok or defects:
                     alarms.append({"family": fam, "variation": var, "failures": failures, "defects": defects})
             power = {}
-            for fam in [f for f in families if f != "mixed"]:
+            for m in [x for x in a.drops.split(",") if x]:
+                hits = 0
+                for _ in range(a.power_runs):
+                    ok, *_ = one_run(rng, "alllinear", engine_for("default", dtype), runner, model_dir, a.cache,
+                                     dtype, tmp, f"drop:{m}")
+                    hits += not ok
+                power.setdefault("drop", {})[m] = hits / max(1, a.power_runs)
+            for fam in [f for f in families if f not in ("mixed", "alllinear")]:
                 for s in [float(x) for x in a.scales.split(",")]:
                     hits = 0
                     for _ in range(a.power_runs):
@@ -213,6 +226,7 @@ def main() -> None:
 
 
 def _print(dtype, null, power, alarms, a):
+    power = dict(power)
     tol = tolerance_for(dtype)
     print(f"\n== {dtype} on {a.device}: effect_noise {tol.effect_noise:g}, noise_max {tol.effect_noise_max:g}, "
           f"slope_margin {tol.effect_slope_margin:g}")
@@ -228,6 +242,9 @@ def _print(dtype, null, power, alarms, a):
     print(f"false alarms: {fa}/{total} runs (95% upper bound on the per-run rate: {3 / max(total, 1):.3g} when 0)")
     for al in alarms[:5]:
         print("  alarm:", al["family"], al["variation"], (al["failures"] + al["defects"])[:2])
+    drops = power.pop("drop", {})
+    if drops:
+        print("single module dropped, detection rate: " + "  ".join(f"{m}: {p:.0%}" for m, p in drops.items()))
     for fam, by_scale in power.items():
         cells = "  ".join(f"x{s:g}: {p:.0%}" for s, p in by_scale.items())
         detected = [abs(s - 1) for s, p in by_scale.items() if p >= 1.0]
