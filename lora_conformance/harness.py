@@ -270,13 +270,17 @@ class TestContext:
 
     def assert_conforms(self, engine, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef] = {},
                         prompts: Optional[Sequence[str]] = None, *, alternatives: Optional[Mapping] = None,
-                        routing: bool = True, free_running: bool = True, label: str = "") -> list:
+                        routing: bool = True, free_running: bool = True, certify_modules: bool = False,
+                        label: str = "") -> list:
         """The paired, teacher-forced verdict (``lora_conformance.conformance``): for each adapter label,
         the engine's effect (adapter minus base, both from the engine) must match the reference's and be
         nearest the correct hypothesis among the alternatives (default: ``hypotheses.standard`` and,
         with ``routing``, "served as" each other adapter of the test). Requests are made in the order of
         ``labels`` (None = a base row), so a test's batch composition is what the engine sees.
         ``free_running`` adds the greedy decode check (tie-aware tokens, ROUGE-L): the decode path.
+        Every alternative must be separable at this dtype (else a suite defect), except single
+        modules dropped, which only ``certify_modules`` tests must separate (elsewhere they are
+        judged where separable and reported otherwise).
         Returns the analyses; raises SuiteDefectError when the test cannot separate a hypothesis."""
         from lora_conformance import conformance
         from lora_conformance.compare.effects import assert_effects_conform
@@ -287,7 +291,8 @@ class TestContext:
         row_prompts = [ps[i % len(ps)] for i in range(len(labels))]
         alts = dict(alternatives) if alternatives is not None else conformance.default_alternatives(labels, paths,
                                                                                                     routing)
-        plan = conformance.Plan(list(labels), row_prompts, paths, alts)
+        plan = conformance.Plan(list(labels), row_prompts, paths, alts,
+                                conformance.required_hypotheses(alts, certify_modules))
         runner = self.harness.reference(self.model_dir)
         analyses = conformance.run(plan, engine, runner, self.tolerance)
         import json

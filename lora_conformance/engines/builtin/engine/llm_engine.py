@@ -67,4 +67,4 @@ class LLMEngine:
     def _result(self, s: Sequence, text: str) -> GenerationResult:
         return GenerationResult(token_ids=list(s.output_ids), text=text, logprobs=list(s.logprobs),
                                 prompt_token_ids=list(s.prompt_ids), prompt_logprobs=s.prompt_logprobs,
-                                cached_tokens=s.num_cached)
+                                cached_tokens=s.cached_reported)
