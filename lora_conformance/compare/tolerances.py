@@ -43,6 +43,9 @@ class Tolerance:
     effect_gross_atol: float = 0.0
     # Embeddings: bound on the pooled relative residual of the adapter-induced change.
     embedding_effect_rel_max: float = 0.0
+    # The free-running decode check beside the effect verdict (decode and tie bound): a gross check
+    # of the decode path; the effect statistics are the precise one.
+    free_running_atol: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -51,11 +54,11 @@ class Tolerance:
 # Calibrated by bench/power.py (null runs of correct engines with benign variations); see there.
 EFFECTS: dict[str, dict[str, float]] = {
     "float32": dict(effect_noise=1e-4, effect_noise_max=1e-3, effect_slope_margin=0.005, effect_gross_atol=1e-2,
-                    embedding_effect_rel_max=1e-3),
-    "bfloat16": dict(effect_noise=0.02, effect_noise_max=0.06, effect_slope_margin=0.03, effect_gross_atol=0.6,
-                     embedding_effect_rel_max=0.15),
-    "float16": dict(effect_noise=0.005, effect_noise_max=0.015, effect_slope_margin=0.01, effect_gross_atol=0.2,
-                    embedding_effect_rel_max=0.03),
+                    embedding_effect_rel_max=1e-3, free_running_atol=2e-3),
+    "bfloat16": dict(effect_noise=0.02, effect_noise_max=0.06, effect_slope_margin=0.03, effect_gross_atol=1.0,
+                     embedding_effect_rel_max=0.15, free_running_atol=1.5),
+    "float16": dict(effect_noise=0.005, effect_noise_max=0.015, effect_slope_margin=0.01, effect_gross_atol=0.3,
+                    embedding_effect_rel_max=0.03, free_running_atol=0.2),
 }
 
 TOLERANCES: dict[str, Tolerance] = {
