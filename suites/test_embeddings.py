@@ -65,3 +65,26 @@ def test_matches_reference(lora, encoder, device, dtype, adapter):
     path = None if adapter is None else lora.adapter_path(SPECS[adapter])
     assert_embeddings_close(encoder.embed(lora.prompts, adapter), ref_runner.embed(lora.prompts, path),
                             lora.tolerance.embedding_cos_min, label=f"adapter={adapter}")
+
+
+MIXED = ["EA", None, "EB", "EB", "EA", None]
+
+
+@pytest.mark.feature("embeddings/mixed_adapters_in_one_batch",
+                      "texts with different adapters (and none) in one embed call each get their own adapter",
+                      requires=("mixed_batch",))
+def test_mixed_adapters_in_one_batch(lora, encoder, device, dtype):
+    """One embed call, one adapter per text: each embedding matches its own adapter's reference and
+    is nearer to it than to the same text's reference under the batch's other adapters."""
+    texts = lora.prompts[: len(MIXED)]
+    ref_runner = lora.harness.reference(lora.model_dir)
+    refs = {a: ref_runner.embed(texts, None if a is None else lora.adapter_path(SPECS[a])) for a in (None, *SPECS)}
+    outs = encoder.embed(texts, MIXED)
+    assert len(outs) == len(texts), f"{len(outs)} embeddings for {len(texts)} texts"
+    for i, (out, own) in enumerate(zip(outs, MIXED)):
+        label = f"text {i} (adapter={own or 'base'}) in the mixed batch {MIXED}"
+        assert_embeddings_close([out], [refs[own][i]], lora.tolerance.embedding_cos_min, label=label)
+        cos = {a or "base": cosine(out, refs[a][i]) for a in refs}
+        nearest = max(cos, key=cos.get)
+        assert nearest == (own or "base"), (f"{label}: nearest reference is {nearest}'s, not its own; "
+                                            f"cosines {', '.join(f'{k} {v:.6f}' for k, v in cos.items())}")
