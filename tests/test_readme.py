@@ -36,3 +36,10 @@ def test_readme_fault_table_is_the_detection_test_data():
         where = f"GPU ({DEVICE_ONLY_FAULTS[fault]})" if fault in DEVICE_ONLY_FAULTS else "cpu, GPU"
         where += "; " + ", ".join(DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS else ("float32", "bfloat16"))
         assert f"| `{fault}` | {FAULTS[fault]} | {catch} | {where} |" in README, f"README row for {fault}"
+
+
+def test_readme_variant_table_is_the_variant_catalogue():
+    from lora_conformance.engines.builtin.variants import VARIANTS
+
+    for name, what in VARIANTS.items():
+        assert f"| `{name}` | {what} |" in README, f"README row for variant {name}"

@@ -16,7 +16,8 @@ from typing import Optional
 
 VARIANTS: dict[str, str] = {
     "rescale:C": "adapter factors stored as (C*A, B/C), C a positive number: the same delta, other rounding",
-    "preround": "lora_A and lora_B rounded to the model dtype before the scaling is folded into B",
+    "preround": "lora_A and lora_B rounded to the model dtype before the scaling is folded into B "
+                "(the default's result where the scaling is a power of two)",
     "reverse": "the requests of a generate call admitted, and prefill rows ordered, in reverse",
     "one_at_a_time": "each request served alone (one batch per request)",
     "fp32_delta": "the LoRA delta (shrink and expand) computed in float32, added in the model dtype",
@@ -28,7 +29,7 @@ NEGATIVE_CONTROLS: list[dict[str, str]] = [
     {},  # the default built-in engine
     {"engine": "peft"},
     {"variant": "rescale:3"},
-    {"variant": "rescale:0.25"},
+    {"variant": "rescale:0.3"},  # (a power of two would only move exponents: bit-identical)
     {"variant": "preround"},
     {"variant": "reverse"},
     {"variant": "one_at_a_time"},
