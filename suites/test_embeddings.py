@@ -79,3 +79,32 @@ def test_matches_reference(lora, encoder, device, dtype, adapter):
         return
     assert_embedding_effects_close(encoder.embed(lora.prompts, adapter), base, _reference_effects(lora), adapter,
                                    tol.embedding_effect_rel_max, tol.effect_slope_margin, label=f"adapter={adapter}")
+
+
+MIXED = ["EA", None, "EB", "EB", "EA", None]
+
+
+@pytest.mark.feature("embeddings/mixed_adapters_in_one_batch",
+                      "texts with different adapters (and none) in one embed call each get their own adapter",
+                      requires=("mixed_batch",))
+def test_mixed_adapters_in_one_batch(lora, encoder, device, dtype):
+    """One embed call, one adapter per text: each text's adapter-induced change (against the engine's
+    own base embedding) matches its adapter's reference change and is nearest it; base rows show no
+    change (nearer zero than any adapter's)."""
+    texts = lora.prompts[: len(MIXED)]
+    outs = encoder.embed(texts, MIXED)
+    assert len(outs) == len(texts), f"{len(outs)} embeddings for {len(texts)} texts"
+    base = encoder.embed(texts, None)
+    effects = {n: eff[: len(MIXED)] for n, eff in _reference_effects(lora).items()}
+    tol = lora.tolerance
+    for own in SPECS:
+        rows = [i for i, a in enumerate(MIXED) if a == own]
+        assert_embedding_effects_close([outs[i] for i in rows], [base[i] for i in rows],
+                                       {n: [eff[i] for i in rows] for n, eff in effects.items()}, own,
+                                       tol.embedding_effect_rel_max, tol.effect_slope_margin,
+                                       label=f"{own} rows {rows} of the mixed batch {MIXED}")
+    for i in [i for i, a in enumerate(MIXED) if a is None]:
+        change = norm([x - y for x, y in zip(outs[i], base[i])])
+        smallest = min(norm(eff[i]) for eff in effects.values())
+        assert change < 0.5 * smallest, (f"base row {i} of the mixed batch {MIXED}: changed by {change:.3g}, "
+                                         f"an adapter's change is {smallest:.3g} (an adapter leaked into it)")

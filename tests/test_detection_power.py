@@ -20,7 +20,19 @@ CATCHERS: dict[str, list[str]] = {
                                  "test_adapter_semantics.py::test_alpha_scaling"],
     "rslora_ignored": ["test_adapter_semantics.py::test_rslora"],
     "patterns_ignored": ["test_adapter_semantics.py::test_rank_and_alpha_patterns"],
+    # drop_<module>: the default adapters are q/v; the target-set tests cover the other modules
+    "drop_q_proj": ["test_accuracy.py::test_single_adapter_matches_reference"],
+    "drop_k_proj": ["test_adapter_semantics.py::test_target_set"],
     "drop_v_proj": ["test_accuracy.py::test_single_adapter_matches_reference"],
+    "drop_o_proj": ["test_adapter_semantics.py::test_target_set"],
+    "drop_gate_proj": ["test_adapter_semantics.py::test_target_set"],
+    "drop_up_proj": ["test_adapter_semantics.py::test_target_set"],
+    "drop_down_proj": ["test_adapter_semantics.py::test_target_set"],
+    "delta_x1_1": ["test_accuracy.py::test_single_adapter_matches_reference",
+                   "test_adapter_semantics.py::test_alpha_scaling"],
+    "moe_down_proj_dropped": ["test_moe.py::test_expert_lora_matches_reference"],
+    "embedding_adapter_misrouted": ["test_embeddings.py::test_mixed_adapters_in_one_batch"],
+    "prefix_cache_keyed_by_name": ["test_combinations.py::test_dynamic_loading_with_prefix_cache"],
     "lm_head_dropped": ["test_adapter_semantics.py::test_lm_head"],
     "embed_tokens_dropped": ["test_adapter_semantics.py::test_embed_tokens"],
     "stale_reload": ["test_lifecycle.py::test_reloading_a_name_with_new_weights",
@@ -42,12 +54,26 @@ CATCHERS: dict[str, list[str]] = {
 EXTRA_ARGS: dict[str, list[str]] = {"graph_stale_indices": ["--engine-arg", "graphs=1"]}
 
 
-# Known gaps in detection power, measured, with the reason (the test still runs up to here).
-UNCAUGHT: dict[str, str] = {}
+# Known gaps in detection power, measured, with the reason: (fault, dtype) -> why. The test runs
+# the catchers anyway, xfails while they miss, and fails once they catch it (then remove the entry).
+BF16_MAX_ABS = "missed by the max-abs verdict in bfloat16 (issue 11)"
+UNCAUGHT: dict[tuple[str, str], str] = {
+    (fault, "bfloat16"): BF16_MAX_ABS
+    for fault in ("drop_k_proj", "drop_o_proj", "drop_down_proj", "moe_down_proj_dropped", "prefix_cache_keyed_by_name")
+}
+
+# Faults shown on cpu only so far (README's "shown on" says so until an accelerator run shows them).
+NOT_YET_SHOWN_ON_GPU = {"drop_q_proj", "drop_k_proj", "drop_o_proj", "drop_gate_proj", "drop_up_proj",
+                        "drop_down_proj", "delta_x1_1", "moe_down_proj_dropped", "embedding_adapter_misrouted",
+                        "prefix_cache_keyed_by_name"}
+
+DTYPES = ["float32", "bfloat16"]
 
 
 def test_every_fault_has_catchers():
     assert set(CATCHERS) == set(FAULTS), "each catalogued fault needs the suite tests that catch it"
+    unknown = {f for f, d in UNCAUGHT if f not in FAULTS or d not in DTYPES} | (NOT_YET_SHOWN_ON_GPU - set(FAULTS))
+    assert not unknown, f"UNCAUGHT / NOT_YET_SHOWN_ON_GPU name faults or dtypes this test does not run: {unknown}"
 
 
 def _selection(catchers):
@@ -58,7 +84,7 @@ def _selection(catchers):
 
 # Both dtypes: bfloat16's wider tolerance is where a weak suite test lets a fault through
 # (adapter_semantics::lm_head did, until its adapter was made visible above that tolerance).
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_suites_catch_the_fault(suite_runner, fault, dtype, lora_settings):
     needs = DEVICE_ONLY_FAULTS.get(fault)
@@ -76,7 +102,7 @@ def test_suites_catch_the_fault(suite_runner, fault, dtype, lora_settings):
     missed = [c for c in CATCHERS[fault] if c not in failed]
     errors = [r.nodeid for r in result.reprec.getreports("pytest_runtest_logreport") if r.failed and r.when != "call"]
     assert not errors, f"fault {fault!r}: suite errors (not failures) in {errors}\n" + "\n".join(result.outlines[-60:])
-    if fault in UNCAUGHT:
-        assert missed, f"fault {fault!r} is caught now: remove it from UNCAUGHT and from the README"
-        pytest.xfail(UNCAUGHT[fault])
+    if (fault, dtype) in UNCAUGHT:
+        assert missed, f"fault {fault!r} is caught in {dtype} now: remove it from UNCAUGHT (the README follows)"
+        pytest.xfail(f"{UNCAUGHT[fault, dtype]}; not caught by {missed}")
     assert not missed, f"fault {fault!r} not caught by: {missed}\n" + "\n".join(result.outlines[-30:])

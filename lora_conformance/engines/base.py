@@ -166,6 +166,8 @@ class Engine(ABC):
         """Serve all requests (as one batch where the engine can); results in request order."""
 
     def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
+        """L2-normalised embeddings of ``texts`` under ``adapter`` (None: the base model). An
+        encoder engine that declares ``mixed_batch`` also takes a list, one adapter (or None) per text."""
         raise UnsupportedFeatureError(f"engine {self.name!r} does not produce embeddings")
 
     def close(self) -> None:

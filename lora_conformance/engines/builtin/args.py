@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from lora_conformance.engines.builtin.faults import Faults
+from lora_conformance.engines.builtin.variants import Variant
 
 
 def _int(key: str, value: str, minimum: int) -> int:
@@ -42,6 +43,7 @@ class EngineArgs:
     max_model_len: int = 2048
     fault: Optional[str] = None
     kernels: str = "auto"  # fused decode kernels: auto (triton on cuda/xpu), torch, triton
+    variant: Variant = Variant()  # a benign variation (variants.VARIANTS), for negative controls
 
     @classmethod
     def parse(cls, args: Mapping[str, str]) -> "EngineArgs":
@@ -66,8 +68,10 @@ class EngineArgs:
                 out.kernels = value
             elif key == "fault":
                 out.fault = Faults(value).name  # validates against the catalogue
+            elif key == "variant":
+                out.variant = Variant.parse(value)  # validates against variants.VARIANTS
             else:
-                known = sorted([*ints, *bools, "eviction", "fault", "kernels"])
+                known = sorted([*ints, *bools, "eviction", "fault", "kernels", "variant"])
                 raise ValueError(f"unknown engine arg {key!r} for engine 'builtin'; known: {', '.join(known)}")
         if out.max_loaded_loras < out.max_loras_per_batch:
             raise ValueError(

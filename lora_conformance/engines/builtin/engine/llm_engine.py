@@ -17,6 +17,7 @@ class LLMEngine:
         self.runner, self.pool, self.blocks, self.tokenizer = runner, pool, blocks, tokenizer
         self.scheduler = Scheduler(blocks, pool, args.max_batch_size, max(args.max_model_len, 8192))
         self.eos_ids = set(eos_ids)
+        self.reverse = args.variant.on("reverse")
         self.steps = {"prefill": 0, "decode": 0}
 
     def make_sequences(self, requests: Seq[GenerationRequest]) -> list[Sequence]:
@@ -32,8 +33,10 @@ class LLMEngine:
     def generate(self, requests: Seq[GenerationRequest]) -> list[GenerationResult]:
         seqs = self.make_sequences(requests)
         # Canonical admission order: results do not depend on the order of the caller's list.
+        # (Variant reverse: the opposite order, a benign variation of the batch's row order.)
         for s in sorted(seqs, key=lambda s: (s.identity, s.prompt_ids, s.max_new_tokens, s.top_k,
-                                             s.want_prompt_logprobs, s.ignore_eos, s.index)):
+                                             s.want_prompt_logprobs, s.ignore_eos, s.index),
+                        reverse=self.reverse):
             if s.max_new_tokens > 0:
                 self.scheduler.add(s)
             elif s.want_prompt_logprobs:
