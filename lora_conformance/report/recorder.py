@@ -102,11 +102,22 @@ class ReportRecorder:
         outcome = yield
         report = outcome.get_result()
         exc = call.excinfo.value if call.excinfo is not None else None
+        # What the lora-conformance plugin records on every process (xdist workers too); added
+        # here when it did not (the recorder used on its own). A fresh list each time:
+        # report.user_properties is item.user_properties itself.
+        from lora_conformance.outcomes import NotCertified, failure_facts
+
+        extra = []
         evidence = getattr(exc, "evidence", None)
         if isinstance(evidence, dict) and not _properties(report, EVIDENCE_PROPERTY):
-            # A fresh list: report.user_properties is item.user_properties itself.
-            report.user_properties = list(report.user_properties) + [
-                (EVIDENCE_PROPERTY, json.dumps(evidence, default=str))]
+            extra.append((EVIDENCE_PROPERTY, json.dumps(evidence, default=str)))
+        if isinstance(exc, NotCertified) and not _properties(report, OUTCOME_PROPERTY):
+            extra.append((OUTCOME_PROPERTY, json.dumps(exc.as_dict())))
+        elif exc is not None and not isinstance(exc, pytest.skip.Exception) \
+                and not _properties(report, FAILURE_PROPERTY):
+            extra.append((FAILURE_PROPERTY, json.dumps(failure_facts(exc), default=str)))
+        if extra:
+            report.user_properties = list(report.user_properties) + extra
 
     def _record(self, nodeid: str) -> dict[str, Any]:
         return self.records.setdefault(nodeid, {

@@ -8,7 +8,7 @@ list of distinct causes first. Cases that failed, errored or xfailed are grouped
   (``{"hypothesis": {"nearest": "<name>"}}``, computed by the suites where they can) is
   grouped by that hypothesis: ``hypothesis: <name>``;
 - any other failure by its exception type and its normalised message: the first line, with
-  paths, numbers, hexadecimal and quoted ids replaced by placeholders, so "adapter 'r8' ...
+  paths, numbers, hexadecimal and quoted ids replaced by placeholders (URLs kept), so "adapter 'r8' ...
   rank 8" and "adapter 'r16' ... rank 16" are one cause. A comparison failure
   (ConformanceAssertionError) uses its evidence's ``check`` and ``summary`` instead of the
   message, whose first line names the request;
@@ -34,6 +34,7 @@ _NORMALISERS = (
     (re.compile(r"(['\"])[^'\"\s]{1,64}\1"), r"\1<id>\1"),
     (re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"), "<n>"),
 )
+_URL = re.compile(r"(https?://[^\s)]+)")
 _TYPED_MESSAGE = re.compile(r"^(?:error in \w+: )?([A-Za-z_]\w*(?:Error|Exception|Failure|Exit|Interrupt)): (.*)$",
                             re.S)
 
@@ -55,9 +56,12 @@ class RootCause:
 def normalise(message: str) -> str:
     """The first non-empty line of ``message`` with paths, numbers and ids made placeholders."""
     line = next((ln.strip() for ln in str(message).splitlines() if ln.strip()), "")
-    for pattern, placeholder in _NORMALISERS:
-        line = pattern.sub(placeholder, line)
-    line = " ".join(line.split())
+    # URLs stay as they are: an upstream link names the bug.
+    pieces = _URL.split(line)
+    for i in range(0, len(pieces), 2):
+        for pattern, placeholder in _NORMALISERS:
+            pieces[i] = pattern.sub(placeholder, pieces[i])
+    line = " ".join("".join(pieces).split())
     return line if len(line) <= MAX_SIGNATURE else line[: MAX_SIGNATURE - 1] + "…"
 
 

@@ -17,9 +17,10 @@ STATUSES = (PASSED, FAILED, ERROR, XFAIL, NOT_CERTIFIED, SKIPPED)
 
 # A skip recorded with a structured outcome ({"status": "not certified", "cause": ...}, set by
 # lora_conformance.outcomes.not_certified) is "not certified": the engine was not shown to do
-# it. Records written before outcomes were recorded fall back to the skip text: a reason that
-# says the engine lacks a capability, or starts with "not certified:". Any other skip (not
-# applicable on this device, ...) is neutral.
+# it; a record with an empty outcome is a neutral skip (not applicable on this device, ...),
+# whatever its text says. Records written before outcomes were recorded (no "outcome" key)
+# fall back to the skip text: a reason that says the engine lacks a capability, or starts
+# with "not certified:".
 NOT_CERTIFIED_MARKER = "engine does not declare"
 
 COLLECTION = "(collection)"
@@ -68,9 +69,10 @@ def classify(record: Mapping[str, Any]) -> tuple[str, str]:
         return XFAIL, wasxfail
     if skipped:
         reason = record.get("skip_reason") or ""
-        outcome = record.get("outcome")
-        if isinstance(outcome, Mapping) and outcome.get("status") == NOT_CERTIFIED:
-            return NOT_CERTIFIED, reason
+        if "outcome" in record:  # recorded structurally: the outcome decides, not the text
+            outcome = record["outcome"]
+            structured = isinstance(outcome, Mapping) and outcome.get("status") == NOT_CERTIFIED
+            return (NOT_CERTIFIED if structured else SKIPPED), reason
         not_certified = NOT_CERTIFIED_MARKER in reason or reason.startswith("not certified:")
         return (NOT_CERTIFIED if not_certified else SKIPPED), reason
     if phases.get("call") == "passed":
