@@ -31,7 +31,7 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 LORA_SUFFIXES = ((".lora_A.weight", "A"), (".lora_B.weight", "B"),
                  (".lora_embedding_A", "A"), (".lora_embedding_B", "B"))
 # Characters that would make a name a path, a URL part or SGLang's "<base>:<adapter>" ambiguous.
-NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,8 @@ def validate_name(name: Any) -> str:
     """Adapter names are identifiers: no separators, no whitespace, not PEFT's ``__base__``."""
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or name == "__base__" or name in (".", ".."):
         raise AdapterFormatError("<adapter name>", "name",
-                                 f"{name!r} is not a valid adapter name (1-128 of A-Z a-z 0-9 _ . -, not __base__)")
+                                 f"{name!r} is not a valid adapter name (1-128 of A-Z a-z 0-9 _ . -, "
+                                 "starting with a letter, digit or _; not __base__)")
     return name
 
 
