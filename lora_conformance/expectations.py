@@ -140,7 +140,9 @@ def load_expectations(path: Path) -> list[Expectation]:
     """Parse and validate a file; every problem is a UsageError naming file, entry and field."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise pytest.UsageError(f"expectations file {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise pytest.UsageError(f"expectations file {path}: cannot be read ({exc.strerror or exc})") from None
     except tomllib.TOMLDecodeError as exc:

@@ -74,9 +74,11 @@ class AdapterSpec:
     def validate(self) -> None:
         if isinstance(self.targets, str) and self.targets not in TARGET_SETS:
             raise ValueError(f"targets: unknown set {self.targets!r}; expected one of {', '.join(TARGET_SETS)}")
-        ranks = [self.rank] + [int(v) for _, v in self.rank_pattern]
-        if any(not 1 <= r <= MAX_RANK for r in ranks):
-            raise ValueError(f"rank: expected 1..{MAX_RANK}, got {ranks}")
+        if not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank: expected 1..{MAX_RANK}, got {self.rank}")
+        bad = {k: v for k, v in self.rank_pattern if not 1 <= int(v) <= MAX_RANK}
+        if bad:
+            raise ValueError(f"rank_pattern: expected ranks 1..{MAX_RANK}, got {bad}")
         if self.bias not in BIAS_VALUES:
             raise ValueError(f"bias: expected one of {', '.join(BIAS_VALUES)}, got {self.bias!r}")
         if self.b_std is not None and not self.b_std >= 0:

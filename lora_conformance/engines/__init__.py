@@ -2,6 +2,7 @@
 
 from lora_conformance.engines.base import (
     ALL_CAPABILITIES,
+    AdapterFormatError,
     AdapterIncompatibleError,
     AdapterNotLoadedError,
     CapacityError,
@@ -16,6 +17,7 @@ from lora_conformance.engines.registry import available_engines, create_engine, 
 
 __all__ = [
     "ALL_CAPABILITIES",
+    "AdapterFormatError",
     "AdapterIncompatibleError",
     "AdapterNotLoadedError",
     "CapacityError",

@@ -82,6 +82,17 @@ class AdapterIncompatibleError(EngineError, ValueError):
     """The adapter cannot be served by this engine (rank too large, unknown target module, ...)."""
 
 
+class AdapterFormatError(AdapterIncompatibleError):
+    """The adapter directory is malformed, or does not fit the base model or the engine's limits.
+
+    ``file`` is the offending file (or the directory), ``field`` the config field or tensor name.
+    """
+
+    def __init__(self, file, field: str, problem: str):
+        self.file, self.field, self.problem = str(file), field, problem
+        super().__init__(f"{self.file}: {field}: {problem}")
+
+
 class CapacityError(EngineError, RuntimeError):
     """No slot can be found: every slot pinned, or pinning would starve unpinned requests."""
 

@@ -57,7 +57,7 @@ class BuiltinEngine(Engine):
         self.pool = AdapterPool(
             self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction, self.faults,
             lambda n, p, pinned: load_adapter_dir(n, p, self._modules, self.cfg.max_rank, self.faults,
-                                                  self.torch_dtype, pin, self.cfg.variant),
+                                                  self.torch_dtype, pin, self.model_dir, self.cfg.variant),
         )
         self.runner = ModelRunner(self.model, self.spec, self.cfg, self.faults, self.device, self.torch_dtype,
                                   num_blocks)
@@ -88,10 +88,14 @@ class BuiltinEngine(Engine):
 
     # ---- adapters --------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
-        self.pool.register(name, Path(path), pinned)
+        from lora_conformance.adapters.validate import validate_name
+
+        # register() reads and validates before it changes anything: a refused load is a no-op.
+        self.pool.register(validate_name(name), Path(path), pinned)
 
     def unload_adapter(self, name: str) -> None:
-        self.pool.unregister(name)
+        for slot in self.pool.unregister(name):
+            self.runner.clear_slot(slot)
 
     def list_adapters(self) -> list[str]:
         return self.pool.names()

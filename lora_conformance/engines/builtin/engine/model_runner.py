@@ -97,6 +97,17 @@ class ModelRunner:
                 devices.wait_event(self.device, event, compute)
         self._inflight = self._inflight[-2 * self.num_slots:]
 
+    def clear_slot(self, slot: int) -> None:
+        """Zero a freed slot in every pool (in stream order with queued work that reads it)."""
+        for _, mod in self.lora_modules.values():
+            pool = self._pool_of(mod)
+            if pool is None:
+                continue
+            for t in pool:
+                t[:, slot].zero_() if t.dim() == 4 else t[slot].zero_()
+            mod.slot_rank[slot] = 0
+        self.lora_signature = tuple(bool(any(m.slot_rank)) for _, m in self.lora_modules.values())
+
     @staticmethod
     def _pool_of(mod):
         if hasattr(mod, "lora_At"):
