@@ -9,13 +9,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close, assert_nearest_reference_routing
 from lora_conformance.types import GenerationRequest
 
 register_cpu_ci(est_time=35, suite="per-commit")
 register_cuda_ci(est_time=25, suite="per-commit")
 register_xpu_ci(est_time=40, suite="per-commit")
+register_npu_ci(est_time=40, suite="per-commit")
 
 pytestmark = pytest.mark.requires("mixed_batch")
 
