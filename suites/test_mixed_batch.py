@@ -39,6 +39,7 @@ def _same_prompt_routing_batch(lora, labels, prompt):
 def test_composition_matches_isolated_references(lora, device, dtype, composition):
     engine = lora.engine
     labels = COMPOSITIONS[composition]
+    lora.require_loaded(engine, len({l for l in labels if l}))
     for name in {l for l in labels if l}:
         lora.load(engine, name)
     reqs = lora.requests(labels)
@@ -51,6 +52,7 @@ def test_composition_matches_isolated_references(lora, device, dtype, compositio
 def test_nearest_reference_routing(lora, device, dtype, prompt_index):
     """One prompt, every slot a different adapter or base: each output is nearest its own reference."""
     engine = lora.engine
+    lora.require_loaded(engine, 3)
     for name in ("A", "B", "C"):
         lora.load(engine, name)
     labels = ["A", "B", None, "C", "B", None, "A", "C"]
@@ -70,6 +72,7 @@ def test_base_rows_equal_a_run_without_adapters(lora, device, dtype):
     clean = lora.fresh_engine()
     baseline = clean.generate([r for r in reqs if r.adapter is None])
     engine = lora.engine
+    lora.require_loaded(engine, 2)
     lora.load(engine, "A")
     lora.load(engine, "B")
     mixed = engine.generate(reqs)
@@ -141,6 +144,7 @@ def test_order_invariance(lora, device, dtype):
 def test_random_compositions(lora, device, dtype, data):
     """Random adapter/base mixes, prompt lengths and max tokens; each output vs its isolated reference."""
     engine = lora.engine
+    lora.require_loaded(engine, 3)
     for name in ("A", "B", "C"):
         lora.load(engine, name)
     size = data.draw(st.integers(1, 6), label="batch size")

@@ -27,6 +27,12 @@ Rules every inspected release >= 0.5.1 enforces (the texts below are SGLang's):
   refused, and the base (``None``) is one of the values counted;
 - overlap loading (0.5.8+) needs ``max_loaded_loras <= 2 * max_loras_per_batch``.
 
+MoE (0.5.13+): the loader reads expert LoRA keyed per expert (``...experts.0.<module>...``) or
+"shared outer" 3-D tensors (``...experts.<module>...``, lora/lora.py); no release mentions
+PEFT's ``target_parameters``, the form the moe suite's adapters take (transformers 5 fused
+experts). ``moe`` is declared because SGLang serves MoE LoRA; whether it reads that form is
+what the suite will show on the first real run.
+
 Not in any inspected release: ``use_rslora`` and ``rank_pattern`` / ``alpha_pattern`` are not
 read from the adapter config (scaling is ``lora_alpha / r``), so rslora and rank_pattern are
 never declared; DoRA and adapters adding tokens are refused at load.
