@@ -46,6 +46,7 @@ class UpdateOutput:
 class StandInEngine:
     instances: list = []
     version = "0.5.23"
+    compute = False  # True: outputs computed by the built-in engine (see module(compute=True))
 
     def __init__(self, **kwargs):
         self.release = release_for(self.version)
@@ -71,7 +72,24 @@ class StandInEngine:
         self.events: list[tuple] = []
         self.calls: list[tuple] = []
         self.closed = False
+        self.model = None
+        if self.compute:
+            from lora_conformance.engines.builtin.builtin_engine import BuiltinEngine
+
+            # SGLang's own bookkeeping stays here; the built-in engine only computes, with room
+            # for every adapter this registry holds and SGLang's adapter slots per batch.
+            self.model = BuiltinEngine(Path(kwargs["model_path"]), kwargs.get("device", "cpu"), kwargs.get("dtype"), {
+                "max_loras_per_batch": str(max(1, self.max_loras_per_batch - 1)), "max_loaded_loras": "64",
+                "max_rank": str(kwargs.get("max_lora_rank", 64)), "prefix_cache": "0" if kwargs.get("disable_radix_cache") else "1"})
         StandInEngine.instances.append(self)
+
+    def _model_load(self, name: str, path: str) -> None:
+        if self.model is not None:
+            self.model.load_adapter(name, Path(path))
+
+    def _model_unload(self, name: str) -> None:
+        if self.model is not None and name in self.model.list_adapters():
+            self.model.unload_adapter(name)
 
     # ---- the backend (lora_manager) ------------------------------------------------------
 
@@ -119,6 +137,7 @@ class StandInEngine:
                              f"Maximum number of loaded LoRA adapters is {self.max_loaded}. "
                              "Please unload some LoRA adapters before loading new ones.")
         self._validate_new_adapter(name, path, pinned)
+        self._model_load(name, path)
         self.registry[name] = (path, pinned)
         self.ref_cache[name] = (path, pinned)
         while evicts and self.max_loaded is not None and len(self.registry) > self.max_loaded:
@@ -127,6 +146,7 @@ class StandInEngine:
                 raise ValueError("Didn't find any LoRA adapters when trying to evict LRU LoRA adapter. "
                                  f"LoRA registry is: {dict(self.registry)}")
             del self.registry[victim]
+            self._model_unload(victim)
             self.events.append(("evicted", victim))
 
     def unload_lora_adapter(self, lora_name: str):
@@ -134,6 +154,7 @@ class StandInEngine:
         if lora_name not in self.registry:
             return UpdateOutput(False, f"LoRA with name {lora_name} does not exist. Loaded LoRAs: {self.registry.keys()}")
         del self.registry[lora_name]
+        self._model_unload(lora_name)
         return UpdateOutput(True)
 
     def _resolve(self, lora_paths: list[Optional[str]]) -> None:
@@ -161,6 +182,8 @@ class StandInEngine:
         self.calls.append(("generate", prompt, sampling_params, lora_path, return_logprob, top_logprobs_num,
                            logprob_start_len))
         self._resolve(list(lora_path))
+        if self.model is not None:
+            return self._computed(prompt, sampling_params, lora_path, top_logprobs_num, logprob_start_len)
         outs = []
         for i, p in enumerate(prompt):
             n, k = sampling_params[i]["max_new_tokens"], top_logprobs_num[i]
@@ -178,19 +201,45 @@ class StandInEngine:
             outs.append({"text": f"out{i}", "output_ids": ids, "meta_info": meta})
         return outs
 
+    def _computed(self, prompt, sampling_params, lora_path, top_logprobs_num, logprob_start_len):
+        """The built-in engine's results in SGLang's output format (what the plugin parses)."""
+        from lora_conformance.types import GenerationRequest
+
+        reqs = [GenerationRequest(p, a, sp["max_new_tokens"], k, prompt_logprobs=start == 0,
+                                  ignore_eos=sp.get("ignore_eos", False))
+                for p, sp, a, k, start in zip(prompt, sampling_params, lora_path, top_logprobs_num, logprob_start_len)]
+        entries = lambda top: [(lp, t, None) for t, lp in sorted(top.items(), key=lambda x: -x[1])]  # noqa: E731
+        outs = []
+        for req, res in zip(reqs, self.model.generate(reqs)):
+            meta = {"output_token_logprobs": [(step.get(t), t, None) for t, step in zip(res.token_ids, res.logprobs)],
+                    "output_top_logprobs": [entries(step) for step in res.logprobs]}
+            if req.prompt_logprobs:
+                ids = res.prompt_token_ids
+                meta["input_token_logprobs"] = [(None, ids[0], None)] + [
+                    (step.get(t), t, None) for t, step in zip(ids[1:], res.prompt_logprobs)]
+                meta["input_top_logprobs"] = [None] + [entries(step) for step in res.prompt_logprobs]
+            outs.append({"text": res.text, "output_ids": list(res.token_ids), "meta_info": meta})
+        return outs
+
     def encode(self, prompt=None, lora_path=None):
         self.calls.append(("encode", prompt, lora_path))
         self._resolve(list(lora_path))
+        if self.model is not None:
+            assert len(set(lora_path)) == 1, "the plugin sends one adapter per encode call"
+            return [{"embedding": v, "meta_info": {}} for v in self.model.embed(list(prompt), lora_path[0])]
         return [{"embedding": [3.0, 4.0] if a is None else [0.0, 2.0], "meta_info": {}} for a in lora_path]
 
     def shutdown(self):
         self.closed = True
+        if self.model is not None:
+            self.model.close()
 
 
-def module(version: str = "0.5.23") -> types.ModuleType:
-    """A fresh ``sglang`` module whose Engine behaves as release ``version``."""
+def module(version: str = "0.5.23", compute: bool = False) -> types.ModuleType:
+    """A fresh ``sglang`` module whose Engine behaves as release ``version``; with ``compute``
+    its outputs are the built-in engine's (so the suites can run against SGLang's rules)."""
     mod = types.ModuleType("sglang")
-    mod.Engine = type("Engine", (StandInEngine,), {"version": version})
+    mod.Engine = type("Engine", (StandInEngine,), {"version": version, "compute": compute})
     mod.__version__ = version
     StandInEngine.instances = []
     return mod
