@@ -108,7 +108,8 @@ class SGLangEngine(Engine):
         # max_loras_per_batch means adapters per batch here as everywhere in this project; SGLang
         # counts the base model as a slot, hence + 1.
         self.args = translate_standard_args(self.name, self.args, {
-            "max_loras_per_batch": lambda v: {"max_loras_per_batch": str(int(v) + 1)},
+            "max_loras_per_batch": lambda v: {"max_loras_per_batch": str(
+                arg_int(self.name, {"max_loras_per_batch": v}, "max_loras_per_batch", 0) + 1)},
             "max_rank": lambda v: {"max_lora_rank": v},
             "eviction": lambda v: {"lora_eviction_policy": v},
             "overlap_loading": lambda v: {"enable_lora_overlap_loading": v},
