@@ -8,6 +8,7 @@ other), the reference, and comparison helpers that apply the dtype's tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
 from pathlib import Path
@@ -151,6 +152,43 @@ def _item_dtype(request: pytest.FixtureRequest, settings: Settings) -> str:
     return settings.dtype
 
 
+# ---- the engine's declared limits ------------------------------------------------------
+
+
+def tests_eviction(node: pytest.Item) -> bool:
+    """The test certifies eviction past ``max_loaded_loras`` (it requires ``max_loaded``): loading
+    more adapters than the engine holds is then the point, not a mistake."""
+    from lora_conformance.features import required_capabilities
+
+    return "max_loaded" in required_capabilities(node)
+
+
+def check_loaded_limit(engine, needed: int, evicting: bool = False) -> None:
+    """Not certified (outcomes.LIMIT) when a test needs more adapters loaded at once than the
+    engine's declared ``max_loaded_loras``: on such an engine the test would fail for its own
+    reason, not the engine's. ``evicting``: the test is about evicting past the limit."""
+    from lora_conformance.outcomes import limit_too_small
+
+    allowed = engine.limits.max_loaded_loras
+    if needed > allowed and not evicting:
+        limit_too_small("loaded adapters", needed, allowed)
+
+
+@contextlib.contextmanager
+def refused_configuration_not_certified(args: Mapping[str, Any]):
+    """An engine that refuses the configuration a test asks for (UnsupportedFeatureError, e.g.
+    SGLang's max_loaded_loras >= max_loras_per_batch counted with the base) has not shown the
+    feature: not certified (outcomes.REFUSED), with the engine's reason."""
+    from lora_conformance.engines.base import UnsupportedFeatureError
+    from lora_conformance.outcomes import REFUSED, not_certified
+
+    try:
+        yield
+    except UnsupportedFeatureError as exc:
+        asked = ", ".join(f"{k}={v}" for k, v in args.items()) or "the default configuration"
+        not_certified(REFUSED, f"engine refused {asked}: {exc}")
+
+
 AdapterRef = Union[str, Path, Any]  # a DEFAULT_ADAPTERS name, a PEFT directory, or an AdapterSpec
 
 
@@ -178,11 +216,13 @@ class TestContext:
 
     def engine_with(self, **args):
         """A shared engine with these engine args on top of the user's."""
-        return self.harness.shared_engine(self.model_dir, self.dtype, args)
+        with refused_configuration_not_certified(args):
+            return self.harness.shared_engine(self.model_dir, self.dtype, args)
 
     def fresh_engine(self, **args):
         """A new engine for this test alone (closed at teardown): for lifecycle and cache state."""
-        engine = self.harness.create_engine(self.model_dir, self.dtype, args)
+        with refused_configuration_not_certified(args):
+            engine = self.harness.create_engine(self.model_dir, self.dtype, args)
         self._own_engines.append(engine)
         return engine
 
@@ -200,11 +240,18 @@ class TestContext:
         return self.harness.adapter_path(self.model_dir, ref)
 
     def load(self, engine, name: str, ref: Optional[AdapterRef] = None, pinned: bool = False) -> Path:
-        """Load adapter ``ref`` (default: the default adapter called ``name``) as ``name``."""
+        """Load adapter ``ref`` (default: the default adapter called ``name``) as ``name``.
+        Past the engine's ``max_loaded_loras`` the test is not certified (check_loaded_limit)."""
         path = self.adapter_path(name if ref is None else ref)
+        self.require_loaded(engine, len(set(engine.list_adapters()) | {name}))
         engine.load_adapter(name, path, pinned=pinned)
         self._loaded.append((engine, name))
         return path
+
+    def require_loaded(self, engine, needed: int) -> None:
+        """The test needs ``needed`` adapters loaded at once on ``engine``: not certified when
+        the engine holds fewer, unless the test is about eviction past that limit."""
+        check_loaded_limit(engine, needed, tests_eviction(self.request.node))
 
     # ---- requests, references, comparisons ---------------------------------------------
 

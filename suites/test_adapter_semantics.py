@@ -7,13 +7,14 @@ the adapter with a clear error. Loading it and silently ignoring part of it is a
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close
 from lora_conformance.engines import AdapterIncompatibleError, EngineError, UnsupportedFeatureError
 
 register_cpu_ci(est_time=35, suite="per-commit")
 register_cuda_ci(est_time=25, suite="per-commit")
 register_xpu_ci(est_time=40, suite="per-commit")
+register_npu_ci(est_time=40, suite="per-commit")
 
 PROMPTS = slice(0, 6)
 

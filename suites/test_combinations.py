@@ -3,7 +3,7 @@
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_nearest_reference_routing
 from lora_conformance.engines import CapacityError
 from lora_conformance.types import GenerationRequest
@@ -11,6 +11,7 @@ from lora_conformance.types import GenerationRequest
 register_cpu_ci(est_time=20, suite="per-commit")
 register_cuda_ci(est_time=15, suite="per-commit")
 register_xpu_ci(est_time=25, suite="per-commit")
+register_npu_ci(est_time=25, suite="per-commit")
 
 
 @pytest.mark.feature("combinations/prefix_cache_with_routing",

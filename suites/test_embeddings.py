@@ -3,7 +3,7 @@
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_embeddings_close, cosine
 from lora_conformance.compare.embeddings import assert_embedding_effects_close
 from lora_conformance.compare.embeddings import norm
@@ -11,6 +11,7 @@ from lora_conformance.compare.embeddings import norm
 register_cpu_ci(est_time=10, suite="per-commit")
 register_cuda_ci(est_time=10, suite="per-commit")
 register_xpu_ci(est_time=10, suite="per-commit")
+register_npu_ci(est_time=10, suite="per-commit")
 
 pytestmark = [pytest.mark.base_model("encoder"), pytest.mark.requires("embeddings")]
 

@@ -3,7 +3,7 @@
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close
 from lora_conformance.engines import AdapterNotLoadedError, CapacityError, EngineError
 from lora_conformance.outcomes import CAPABILITY, missing_capabilities, not_certified
@@ -11,6 +11,7 @@ from lora_conformance.outcomes import CAPABILITY, missing_capabilities, not_cert
 register_cpu_ci(est_time=25, suite="per-commit")
 register_cuda_ci(est_time=20, suite="per-commit")
 register_xpu_ci(est_time=30, suite="per-commit")
+register_npu_ci(est_time=30, suite="per-commit")
 
 pytestmark = pytest.mark.requires("dynamic_loading")
 

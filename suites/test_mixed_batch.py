@@ -11,13 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close, assert_nearest_reference_routing
 from lora_conformance.types import GenerationRequest
 
 register_cpu_ci(est_time=35, suite="per-commit")
 register_cuda_ci(est_time=25, suite="per-commit")
 register_xpu_ci(est_time=40, suite="per-commit")
+register_npu_ci(est_time=40, suite="per-commit")
 
 pytestmark = pytest.mark.requires("mixed_batch")
 
@@ -40,6 +41,7 @@ def _same_prompt_routing_batch(lora, labels, prompt):
 def test_composition_matches_isolated_references(lora, device, dtype, composition):
     engine = lora.engine
     labels = COMPOSITIONS[composition] * 3
+    lora.require_loaded(engine, len({l for l in labels if l}))
     for name in {l for l in labels if l}:
         lora.load(engine, name)
     lora.assert_conforms(engine, labels, label=composition)
@@ -51,6 +53,7 @@ def test_composition_matches_isolated_references(lora, device, dtype, compositio
 def test_nearest_reference_routing(lora, device, dtype, prompt_index):
     """One prompt, every slot a different adapter or base: each output is nearest its own reference."""
     engine = lora.engine
+    lora.require_loaded(engine, 3)
     for name in ("A", "B", "C"):
         lora.load(engine, name)
     labels = ["A", "B", None, "C", "B", None, "A", "C"]
@@ -70,6 +73,7 @@ def test_base_rows_equal_a_run_without_adapters(lora, device, dtype):
     clean = lora.fresh_engine()
     baseline = clean.generate([r for r in reqs if r.adapter is None])
     engine = lora.engine
+    lora.require_loaded(engine, 2)
     lora.load(engine, "A")
     lora.load(engine, "B")
     mixed = engine.generate(reqs)
@@ -139,6 +143,7 @@ def test_order_invariance(lora, device, dtype):
 def test_random_compositions(lora, device, dtype, data):
     """Random adapter/base mixes, prompt lengths and max tokens; each output vs its isolated reference."""
     engine = lora.engine
+    lora.require_loaded(engine, 3)
     for name in ("A", "B", "C"):
         lora.load(engine, name)
     size = data.draw(st.integers(1, 6), label="batch size")

@@ -5,11 +5,12 @@ import pytest
 from lora_conformance.adapters import AdapterSpec
 from lora_conformance.engines import UnsupportedFeatureError
 from lora_conformance.outcomes import REFUSED, not_certified
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 
 register_cpu_ci(est_time=15, suite="per-commit")
 register_cuda_ci(est_time=10, suite="per-commit")
 register_xpu_ci(est_time=20, suite="per-commit")
+register_npu_ci(est_time=20, suite="per-commit")
 
 pytestmark = [pytest.mark.base_model("moe"), pytest.mark.requires("moe")]
 

@@ -9,13 +9,14 @@ says so in the report (``lora_note``) and judges the outputs alone.
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close
 from lora_conformance.types import GenerationRequest
 
 register_cpu_ci(est_time=15, suite="per-commit")
 register_cuda_ci(est_time=10, suite="per-commit")
 register_xpu_ci(est_time=20, suite="per-commit")
+register_npu_ci(est_time=20, suite="per-commit")
 
 pytestmark = pytest.mark.requires("prefix_cache")
 

@@ -39,6 +39,7 @@ class Capability(str, enum.Enum):
     MODULES_TO_SAVE = "modules_to_save"
     PROMPT_LOGPROBS = "prompt_logprobs"
     LORA_BIAS = "lora_bias"
+    TENSOR_PARALLEL = "tensor_parallel"  # shards the model (and its LoRA) over several devices
 
     @classmethod
     def parse(cls, value: "str | Capability") -> "Capability":
@@ -109,7 +110,9 @@ class EngineFailure(EngineError, RuntimeError):
 
 # Suites ask for engine configurations in these words; each plugin maps them onto its own.
 STANDARD_ARGS = ("max_loras_per_batch", "max_loaded_loras", "max_rank", "eviction", "prefix_cache",
-                 "overlap_loading", "graphs")
+                 "overlap_loading", "graphs", "tensor_parallel", "lora_backend", "chunked_prefill_size")
+# tensor_parallel: devices the model is sharded over (1: none); lora_backend: the engine's own LoRA
+# kernel backend name; chunked_prefill_size: tokens per prefill chunk.
 
 
 def translate_standard_args(engine: str, args: Mapping[str, str],
