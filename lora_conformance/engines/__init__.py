@@ -3,6 +3,7 @@
 from lora_conformance.engines.base import (
     ALL_CAPABILITIES,
     AdapterIncompatibleError,
+    AdapterInUseError,
     AdapterNotLoadedError,
     CapacityError,
     Capability,
@@ -10,6 +11,7 @@ from lora_conformance.engines.base import (
     EngineError,
     EngineFailure,
     Limits,
+    RequestHandle,
     UnsupportedFeatureError,
 )
 from lora_conformance.engines.registry import available_engines, create_engine, engine_class
@@ -17,6 +19,7 @@ from lora_conformance.engines.registry import available_engines, create_engine, 
 __all__ = [
     "ALL_CAPABILITIES",
     "AdapterIncompatibleError",
+    "AdapterInUseError",
     "AdapterNotLoadedError",
     "CapacityError",
     "Capability",
@@ -24,6 +27,7 @@ __all__ = [
     "EngineError",
     "EngineFailure",
     "Limits",
+    "RequestHandle",
     "UnsupportedFeatureError",
     "available_engines",
     "create_engine",

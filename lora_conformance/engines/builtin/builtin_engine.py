@@ -77,7 +77,7 @@ class BuiltinEngine(Engine):
             caps.add(C.OVERLAP_LOADING)
         if self.spec.kind == "encoder":
             return caps | {C.EMBEDDINGS}
-        caps |= {C.MIXED_BATCH, C.EMBED_TOKENS, C.LM_HEAD, C.PROMPT_LOGPROBS}
+        caps |= {C.MIXED_BATCH, C.EMBED_TOKENS, C.LM_HEAD, C.PROMPT_LOGPROBS, C.CHUNKED_PREFILL}
         if self.cfg.prefix_cache:
             caps.add(C.PREFIX_CACHE)
         if self.spec.kind == "moe":
@@ -85,6 +85,12 @@ class BuiltinEngine(Engine):
         if self.cfg.graphs and self.spec.kind == "decoder":
             caps.add(C.GRAPHS)
         return caps
+
+    @classmethod
+    def backends(cls, device_type: str):
+        from lora_conformance.engines.builtin.args import LORA_BACKENDS
+
+        return {"lora_backend": LORA_BACKENDS}
 
     # ---- adapters --------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:

@@ -27,6 +27,10 @@ FAULTS: dict[str, str] = {
     "overlap_no_wait": "[streams] the compute stream does not wait on the overlap-load event",
     "moe_expert_mismatch": "MoE expert LoRA of expert e is applied to expert e+1 (mod E)",
     "delta_twice": "the LoRA delta is added twice",
+    "chunk_continuation_drops_adapter": "prefill chunks after a prompt's first run without its adapter",
+    "inflight_no_drain": "load / unload / reload of an adapter that running requests use neither waits nor refuses",
+    "rotary_assumes_head_dim_64": "rotary frequencies are computed for head_dim 64 whatever the model's head_dim",
+    "masked_prefill_padded_rows": "masked prefill routes packed token t by padded row t // longest (unequal prompts take a neighbour's adapter)",
 }
 
 # Faults whose code path exists only on accelerators (cpu runs in order and has no graphs).

@@ -15,7 +15,8 @@ from lora_conformance.types import GenerationRequest, GenerationResult
 class LLMEngine:
     def __init__(self, runner: ModelRunner, pool: AdapterPool, blocks: BlockManager, tokenizer, args, eos_ids):
         self.runner, self.pool, self.blocks, self.tokenizer = runner, pool, blocks, tokenizer
-        self.scheduler = Scheduler(blocks, pool, args.max_batch_size, max(args.max_model_len, 8192))
+        self.scheduler = Scheduler(blocks, pool, args.max_batch_size, max(args.max_model_len, 8192),
+                                   args.chunked_prefill_size)
         self.eos_ids = set(eos_ids)
         self.steps = {"prefill": 0, "decode": 0}
 
@@ -49,10 +50,15 @@ class LLMEngine:
             for s in batch:
                 tok, top, prompt_lp = outs[s.seq_id]
                 if is_prefill:
-                    s.num_computed = len(s)
+                    s.num_computed = s.chunk_end
                     self.blocks.publish_prompt(s)
                     if prompt_lp is not None:
-                        s.prompt_logprobs = [dict(r) for r in prompt_lp]
+                        s.prompt_rows += [dict(r) for r in prompt_lp]
+                    if tok is None:
+                        continue  # more chunks of this prefill to come
+                    s.prefilled = True
+                    if s.want_prompt_logprobs and s.prompt_logprobs is None:
+                        s.prompt_logprobs = s.prompt_rows
                 else:
                     s.num_computed += 1
                 if s.max_new_tokens > len(s.output_ids):

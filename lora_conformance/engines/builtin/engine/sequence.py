@@ -35,6 +35,9 @@ class Sequence:
     num_cached: int = 0  # tokens whose KV was found in the prefix cache at admission
     num_computed: int = 0  # tokens whose KV is in the cache
     slot: int = -1  # device adapter slot, -1 = base
+    chunk_end: int = 0  # the prefill step computes tokens [num_computed, chunk_end)
+    prefilled: bool = False  # the whole prefill is done: the sequence decodes
+    prompt_rows: list[dict[int, float]] = field(default_factory=list)  # prompt logprobs of the chunks so far
 
     @property
     def tokens(self) -> list[int]:
