@@ -13,6 +13,7 @@ from lora_conformance.engines.builtin.args import EngineArgs
 from lora_conformance.engines.builtin.engine.adapter import load_adapter_dir, model_lora_modules
 from lora_conformance.engines.builtin.engine.adapter_pool import AdapterPool
 from lora_conformance.engines.builtin.engine.block_manager import BlockManager
+from lora_conformance.engines.builtin.engine.inflight import InflightServer
 from lora_conformance.engines.builtin.engine.llm_engine import LLMEngine
 from lora_conformance.engines.builtin.engine.model_runner import ModelRunner
 from lora_conformance.engines.builtin.faults import Faults
@@ -66,6 +67,7 @@ class BuiltinEngine(Engine):
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.llm = LLMEngine(self.runner, self.pool, self.blocks, self.tokenizer, self.cfg, eos)
+        self.server = InflightServer(self.llm, self.faults)  # one step, admission or adapter change at a time
         self.capabilities = frozenset(self._capabilities())
         self.limits = Limits(self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.max_rank)
 
@@ -77,7 +79,8 @@ class BuiltinEngine(Engine):
             caps.add(C.OVERLAP_LOADING)
         if self.spec.kind == "encoder":
             return caps | {C.EMBEDDINGS}
-        caps |= {C.MIXED_BATCH, C.EMBED_TOKENS, C.LM_HEAD, C.PROMPT_LOGPROBS, C.CHUNKED_PREFILL}
+        caps |= {C.MIXED_BATCH, C.EMBED_TOKENS, C.LM_HEAD, C.PROMPT_LOGPROBS, C.CHUNKED_PREFILL,
+                 C.INFLIGHT_LIFECYCLE}
         if self.cfg.prefix_cache:
             caps.add(C.PREFIX_CACHE)
         if self.spec.kind == "moe":
@@ -94,10 +97,12 @@ class BuiltinEngine(Engine):
 
     # ---- adapters --------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
-        self.pool.register(name, Path(path), pinned)
+        """Waits for running requests that use ``name`` (they keep the weights they started with)."""
+        self.server.change_adapter(name, lambda: self.pool.register(name, Path(path), pinned))
 
     def unload_adapter(self, name: str) -> None:
-        self.pool.unregister(name)
+        """Waits for running requests that use ``name``."""
+        self.server.change_adapter(name, lambda: self.pool.unregister(name))
 
     def list_adapters(self) -> list[str]:
         return self.pool.names()
@@ -113,7 +118,12 @@ class BuiltinEngine(Engine):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         if self.spec.kind == "encoder":
             raise UnsupportedFeatureError(f"{self.model_dir} is an encoder: use embed(), not generate()")
-        return self.llm.generate(list(requests))
+        return self.server.generate(list(requests))
+
+    def submit(self, requests: Sequence[GenerationRequest]):
+        if self.spec.kind == "encoder":
+            raise UnsupportedFeatureError(f"{self.model_dir} is an encoder: use embed(), not submit()")
+        return self.server.submit(list(requests))
 
     @torch.inference_mode()
     def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
@@ -121,8 +131,9 @@ class BuiltinEngine(Engine):
             raise UnsupportedFeatureError(f"{self.model_dir} is a decoder: the builtin engine embeds with encoders only")
         slot = -1
         if adapter is not None:
-            slot = self.pool.assign(adapter, set())
-            self.runner.load_slots(self.pool.pending_copies())
+            with self.server.cond:
+                slot = self.pool.assign(adapter, set())
+                self.runner.load_slots(self.pool.pending_copies())
         self.tokenizer.padding_side = "right"  # absolute positions: padding must come last
         enc = self.tokenizer(list(texts), padding=True, truncation=True,
                              max_length=self.spec.max_position_embeddings, return_tensors="pt")
@@ -141,5 +152,7 @@ class BuiltinEngine(Engine):
         return f"lora-conformance builtin {v} (kernels: {'triton' if self.fused_kernels else 'torch'})"
 
     def close(self) -> None:
+        if getattr(self, "server", None) is not None:
+            self.server.close()
         self.model = None
         self.runner = None
