@@ -21,7 +21,10 @@ from lora_conformance.types import GenerationRequest, GenerationResult
 
 # Engines kept alive at once; heavier engines (vLLM, servers) should use few.
 MAX_LIVE_ENGINES = 3
-MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder": "synthetic:encoder"}
+MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder": "synthetic:encoder",
+               # base-model variants (suites/test_base_models.py): always these synthetic models
+               "llama-hd128": "synthetic:llama-hd128", "llama-hd256": "synthetic:llama-hd256",
+               "qwen2": "synthetic:qwen2"}
 
 
 class Harness:

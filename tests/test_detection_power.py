@@ -50,6 +50,12 @@ CATCHERS: dict[str, list[str]] = {
     "moe_expert_mismatch": ["test_moe.py::test_expert_lora_matches_reference"],
     "delta_twice": ["test_accuracy.py::test_single_adapter_matches_reference",
                     "test_mixed_batch.py::test_composition_matches_isolated_references"],
+    "chunk_continuation_drops_adapter": ["test_chunked_prefill.py::test_long_prompts_match_reference",
+                                         "test_chunked_prefill.py::test_adapter_changes_at_chunk_boundary"],
+    "masked_prefill_padded_rows": ["test_backends.py::test_each_declared_backend_matches_reference"],
+    "inflight_no_drain": ["test_inflight_lifecycle.py::test_unload_while_requests_run",
+                          "test_inflight_lifecycle.py::test_reload_while_requests_run"],
+    "rotary_assumes_head_dim_64": ["test_base_models.py::test_head_dim_variants"],
 }
 
 

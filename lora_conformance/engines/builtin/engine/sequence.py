@@ -36,6 +36,9 @@ class Sequence:
     cached_reported: int = 0  # the most prompt tokens ever served from the prefix cache (kept after release)
     num_computed: int = 0  # tokens whose KV is in the cache
     slot: int = -1  # device adapter slot, -1 = base
+    chunk_end: int = 0  # the prefill step computes tokens [num_computed, chunk_end)
+    prefilled: bool = False  # the whole prefill is done: the sequence decodes
+    prompt_rows: list[dict[int, float]] = field(default_factory=list)  # prompt logprobs of the chunks so far
 
     @property
     def tokens(self) -> list[int]:
