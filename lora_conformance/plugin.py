@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from lora_conformance import options
+from lora_conformance import options, parallel
 from lora_conformance.devices import SHORTHAND_TYPES
 from lora_conformance.features import MARKER_HELP as FEATURE_MARKER_HELP
 from lora_conformance.settings import SETTINGS_KEY, Settings, default_cache_dir, get_settings
@@ -75,6 +75,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
         "engine_arg": options.parse_engine_args,
         "engine": _check_engine,
         "base_model": _check_base_model,
+        "lora_threads": parallel.parse_threads,
     })
     try:
         device = check_device(r["device"])
@@ -100,6 +101,8 @@ def resolve_settings(config: pytest.Config) -> Settings:
         ci_partition=r["ci_partition"],
         ci_durations=Path(r["ci_durations"]) if r["ci_durations"] else None,
         sources=dict(r.sources),
+        threads=parallel.thread_share(parallel.cpu_cores(), parallel.xdist_workers(config), r["lora_threads"],
+                                      r.source("lora_threads")),
     )
 
 
@@ -142,6 +145,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"lora-conformance: reference={s.reference_device}/{s.reference_dtype} cache={s.cache_dir} "
         f"engine-args={json.dumps(s.engine_args, sort_keys=True)}",
         "lora-conformance: " + " ".join(f"{k}={versions[k]}" for k in ("torch", "transformers", "peft")),
+        f"lora-conformance: processes={parallel.xdist_workers(config)} {s.threads.describe()} per process",
     ]
     non_default = {k: v for k, v in s.sources.items() if v != "default"}
     if non_default:
@@ -213,6 +217,8 @@ def _harness(config: pytest.Config):
         from lora_conformance.harness import Harness
         from lora_conformance.report.recorder import ENV_KEY
 
+        # Before the first engine or reference: a worker gets its share of the cores.
+        parallel.apply_thread_share(get_settings(config).threads)
         environment = config.stash.setdefault(ENV_KEY, {})
         config.stash[HARNESS_KEY] = Harness(get_settings(config), environment)
     return config.stash[HARNESS_KEY]
