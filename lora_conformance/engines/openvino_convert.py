@@ -32,7 +32,7 @@ from lora_conformance.engines.base import UnsupportedFeatureError
 
 IR_FILES = ("openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml", "openvino_detokenizer.xml")
 # Bump when the traced graph changes: it is part of the cache key.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 

@@ -116,9 +116,9 @@ class Backbone(nn.Module):
 class TracedDecoder(nn.Module):
     """forward(input_ids, attention_mask, position_ids, past) -> (logits, *presents)."""
 
-    def __init__(self, cfg: dict, state: dict, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: dict, state: dict):
         super().__init__()
-        state = {k: v.to(dtype) for k, v in state.items()}
+        state = {k: v.float() for k, v in state.items()}
         self.num_layers = cfg["num_hidden_layers"]
         self.model = Backbone(cfg, state)
         attn = self.model.layers[0].self_attn
@@ -132,7 +132,6 @@ class TracedDecoder(nn.Module):
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.dtype_ = dtype
 
     def forward(self, input_ids, attention_mask, position_ids, past):
         x = self.model.embed_tokens(input_ids)
@@ -150,5 +149,6 @@ class TracedDecoder(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, k, v = layer(x, cos, sin, mask, past[2 * i], past[2 * i + 1])
             presents += [k, v]
-        logits = self.lm_head(self.model.norm(x))
-        return (logits.float(), *presents)
+        # No cast after lm_head: a folded no-op cast would give the MatMul its name, and GenAI
+        # finds lm_head LoRA by the MatMul's name.
+        return (self.lm_head(self.model.norm(x)), *presents)

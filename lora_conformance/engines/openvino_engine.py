@@ -92,6 +92,24 @@ def adapter_modules(path: Path) -> set[str]:
     return found
 
 
+def adapter_refusals(info: AdapterInfo) -> list[str]:
+    """What in this adapter GenAI cannot serve (empty: servable)."""
+    refused = []
+    if info.use_dora:
+        refused.append("DoRA (use_dora)")
+    if info.modules_to_save:
+        refused.append(f"modules_to_save {list(info.modules_to_save)}")
+    if info.lora_bias or info.bias != "none":
+        refused.append("LoRA biases")
+    if info.targets_embeddings:
+        refused.append("embed_tokens LoRA")
+    if info.target_parameters:
+        refused.append(f"target_parameters {list(info.target_parameters)}")
+    if info.has_rank_pattern:
+        refused.append("rank_pattern / alpha_pattern (GenAI takes one scaling per adapter)")
+    return refused
+
+
 class OpenVINOEngine(Engine):
     name = "openvino"
     KNOWN_ARGS = ("prefix_cache", "cache_size_gb", "num_threads", "ir_cache", "max_rank")
@@ -193,19 +211,7 @@ class OpenVINOEngine(Engine):
             self._build_pipeline()
 
     def _check_servable(self, name: str, info: AdapterInfo) -> None:
-        refused = []
-        if info.use_dora:
-            refused.append("DoRA (use_dora)")
-        if info.modules_to_save:
-            refused.append(f"modules_to_save {list(info.modules_to_save)}")
-        if info.lora_bias or info.bias != "none":
-            refused.append("LoRA biases")
-        if info.targets_embeddings:
-            refused.append("embed_tokens LoRA")
-        if info.target_parameters:
-            refused.append(f"target_parameters {list(info.target_parameters)}")
-        if info.has_rank_pattern:
-            refused.append("rank_pattern / alpha_pattern (GenAI takes one scaling per adapter)")
+        refused = adapter_refusals(info)
         if refused:
             raise UnsupportedFeatureError(f"engine 'openvino' cannot serve adapter {name!r}: {'; '.join(refused)}")
         if info.max_rank > self.max_rank:
