@@ -123,7 +123,8 @@ def engine(ckpt):
 
 
 def test_declares_what_genai_supports(engine):
-    assert engine.capabilities == {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD}
+    assert engine.capabilities == {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD,
+                                   Capability.PREFIX_CACHE}
     assert engine.limits.max_loras_per_batch == 1
 
 

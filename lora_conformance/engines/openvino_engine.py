@@ -26,7 +26,8 @@ served with GenAI's own tokenizer. What GenAI offers, and so what this plugin de
   vector), ``modules_to_save``, LoRA biases, ``embed_tokens`` LoRA (GenAI's name patterns do not
   know PEFT's ``lora_embedding_A/B`` keys and skip them silently), ``target_parameters`` (MoE
   experts), MoE and encoder base models, and float16 on a CPU without FP16 support.
-* ``prefix_cache=1`` turns on GenAI's prefix caching (``SchedulerConfig.enable_prefix_caching``).
+* ``prefix_cache=1`` turns on GenAI's prefix caching (``SchedulerConfig.enable_prefix_caching``, off by
+  default as in GenAI); the capability is declared, and the suites ask for it.
 
 Engine args: ``prefix_cache`` (0), ``cache_size_gb`` (1, the KV cache), ``num_threads`` (the
 device's default), ``ir_cache`` (where converted models are kept), ``max_rank`` (256; GenAI has no
@@ -160,10 +161,10 @@ class OpenVINOEngine(Engine):
         self._pipe = None
         self._build_pipeline()
 
-        declared = {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD}
-        if self.prefix_cache:
-            declared.add(Capability.PREFIX_CACHE)
-        self.capabilities = frozenset(declared)
+        # prefix_cache: GenAI has one (off unless asked for, as in its SchedulerConfig); the suites
+        # ask for it with prefix_cache=1.
+        self.capabilities = frozenset({Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD,
+                                       Capability.PREFIX_CACHE})
         self.limits = Limits(max_loras_per_batch=1, max_loaded_loras=1024, max_rank=self.max_rank)
 
     # ---- pipeline ----------------------------------------------------------------------
