@@ -272,6 +272,39 @@ class TestContext:
             f"(prefill {tol.prefill_atol}, decode {tol.decode_atol}) for every request: this test could not tell "
             "an engine that ignores them from a correct one (suite defect: strengthen the adapter)")
 
+    def assert_conforms(self, engine, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef] = {},
+                        prompts: Optional[Sequence[str]] = None, *, alternatives: Optional[Mapping] = None,
+                        routing: bool = True, free_running: bool = True, label: str = "") -> list:
+        """The paired, teacher-forced verdict (``lora_conformance.conformance``): for each adapter label,
+        the engine's effect (adapter minus base, both from the engine) must match the reference's and be
+        nearest the correct hypothesis among the alternatives (default: ``hypotheses.standard`` and,
+        with ``routing``, "served as" each other adapter of the test). Requests are made in the order of
+        ``labels`` (None = a base row), so a test's batch composition is what the engine sees.
+        ``free_running`` adds the greedy decode check (tie-aware tokens, ROUGE-L): the decode path.
+        Returns the analyses; raises SuiteDefectError when the test cannot separate a hypothesis."""
+        from lora_conformance import conformance
+        from lora_conformance.compare.effects import assert_effects_conform
+
+        names = [n for n in dict.fromkeys(labels) if n]
+        paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
+        ps = list(prompts or self.prompts)
+        row_prompts = [ps[i % len(ps)] for i in range(len(labels))]
+        alts = dict(alternatives) if alternatives is not None else conformance.default_alternatives(labels, paths,
+                                                                                                    routing)
+        plan = conformance.Plan(list(labels), row_prompts, paths, alts)
+        runner = self.harness.reference(self.model_dir)
+        analyses = conformance.run(plan, engine, runner, self.tolerance)
+        import json
+
+        self.request.node.user_properties.append(
+            ("lora_effects", json.dumps([a.as_evidence() for a in analyses], default=str)))
+        assert_effects_conform(analyses, label=label or ", ".join(names) or "base")
+        if free_running:
+            reqs = self.requests(list(labels), prompts=ps)
+            self.assert_matches_reference(engine.generate(reqs), self.reference(reqs, adapters), reqs,
+                                          label=label)
+        return analyses
+
     def assert_matches_reference(self, outputs: Sequence[GenerationResult], references: Sequence[GenerationResult],
                                  requests: Sequence[GenerationRequest], label: str = "") -> None:
         """Logprobs (prefill and decode, tie-aware) and ROUGE-L of every output against its reference."""
