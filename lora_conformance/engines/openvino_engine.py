@@ -165,7 +165,8 @@ class OpenVINOEngine(Engine):
         # ask for it with prefix_cache=1.
         self.capabilities = frozenset({Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD,
                                        Capability.PREFIX_CACHE})
-        self.limits = Limits(max_loras_per_batch=1, max_loaded_loras=1024, max_rank=self.max_rank)
+        # max_top_k=1: GenAI returns the chosen token's logprob only.
+        self.limits = Limits(max_loras_per_batch=1, max_loaded_loras=1024, max_rank=self.max_rank, max_top_k=1)
 
     # ---- pipeline ----------------------------------------------------------------------
 

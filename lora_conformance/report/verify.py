@@ -8,6 +8,8 @@ report.json re-verifies under today's rules without rerunning anything.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
@@ -19,6 +21,7 @@ STATUSES = (PASSED, FAILED, ERROR, XFAIL, NOT_CERTIFIED, SKIPPED)
 # was not shown to do it, as is any skip raised by lora_conformance.outcomes.not_certified
 # ("not certified: ..."). Any other skip (not applicable on this device, ...) is neutral.
 NOT_CERTIFIED_MARKER = "engine does not declare"
+_NOT_CERTIFIED_REASON = re.compile(r"^(?:[\w.]*NotCertified: )?not certified:")
 
 COLLECTION = "(collection)"
 
@@ -56,7 +59,8 @@ def classify(record: Mapping[str, Any]) -> tuple[str, str]:
         return XFAIL, wasxfail
     if skipped:
         reason = record.get("skip_reason") or ""
-        not_certified = NOT_CERTIFIED_MARKER in reason or reason.startswith("not certified:")
+        # pytest writes a skip subclass's reason as "<module>.NotCertified: not certified: ..."
+        not_certified = NOT_CERTIFIED_MARKER in reason or _NOT_CERTIFIED_REASON.match(reason) is not None
         return (NOT_CERTIFIED if not_certified else SKIPPED), reason
     if phases.get("call") == "passed":
         return PASSED, (f"XPASS: {wasxfail}" if wasxfail is not None else "")
