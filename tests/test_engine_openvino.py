@@ -169,3 +169,27 @@ def test_unsupported_engine_args_refuse_the_start(ckpt):
 
     with pytest.raises(UnsupportedFeatureError, match="max_loras_per_batch=2"):
         OpenVINOEngine(ckpt["base"], "cpu", "float32", {"max_loras_per_batch": "2"})
+
+
+def test_one_token_requests_get_exact_top_k(engine, ckpt):
+    """One beam step with k beams ranks the k best first tokens: each logprob equals the oracle's
+    full-vocabulary log-softmax at that id."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    engine.load_adapter("k", ckpt["a1"])
+    out = engine.generate([GenerationRequest(PROMPTS[2], adapter="k", max_new_tokens=1, top_k=5),
+                           GenerationRequest(PROMPTS[2], adapter=None, max_new_tokens=1, top_k=5)])
+    tok = AutoTokenizer.from_pretrained(str(ckpt["base"]))
+    base = AutoModelForCausalLM.from_pretrained(str(ckpt["base"]), dtype=torch.float32).eval()
+    ids = tok(PROMPTS[2], return_tensors="pt").input_ids
+    with torch.no_grad():
+        plain = torch.log_softmax(base(input_ids=ids).logits[0, -1], -1)
+        adapted = torch.log_softmax(PeftModel.from_pretrained(base, str(ckpt["a1"])).eval()(input_ids=ids).logits[0, -1], -1)
+    for res, row in ((out[0], adapted), (out[1], plain)):
+        want = torch.topk(row, 5)
+        assert list(res.logprobs[0]) == want.indices.tolist(), (res.logprobs[0], want)
+        assert res.token_ids == [int(want.indices[0])]
+        diffs = [abs(lp - float(row[t])) for t, lp in res.logprobs[0].items()]
+        assert max(diffs) < ATOL, (res.logprobs[0], want)
+    engine.unload_adapter("k")

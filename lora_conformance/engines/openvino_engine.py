@@ -14,12 +14,15 @@ served with GenAI's own tokenizer. What GenAI offers, and so what this plugin de
 * One adapter configuration per ``generate`` call ("LoRA adapters value must be the same for all
   requests"): no mixed batches. A batch is served as one ``generate`` call per adapter (the base
   being one of them); ``max_loras_per_batch`` is 1.
-* Logprobs: only the chosen token's (GenAI's ``logprobs`` > 1 is treated as 1), and only through
-  ``add_request`` / ``step`` handles, not from ``generate``. ``add_request`` does not apply the
-  request's adapters (only ``generate`` does; the state stays applied afterwards), so each group
-  is first served by ``generate`` and then again through handles for the per-token logprobs; the
-  two runs must give the same tokens and the same total logprob (GenAI's score), or the batch
-  fails with EngineFailure. Each step's top-k is therefore the chosen token alone. Prompt
+* Logprobs: greedy decoding reports only the chosen token's (GenAI's ``logprobs`` > 1 is treated
+  as 1), and only through ``add_request`` / ``step`` handles, not from ``generate``. ``add_request``
+  does not apply the request's adapters (only ``generate`` does; the state stays applied
+  afterwards), so each group is first served by ``generate`` and then again through handles for
+  the per-token logprobs; the two runs must give the same tokens and the same total logprob
+  (GenAI's score), or the batch fails with EngineFailure. Each step's top-k is therefore the
+  chosen token alone, except for a one-token request asking for top_k > 1 (the suites'
+  teacher-forced checks): that one is served by one step of beam search with top_k beams, whose
+  scores (length_penalty 0) are exactly the top_k logprobs of the first token. Prompt
   logprobs (``echo``) hold only each prompt token's own logprob, not the distribution's top-k:
   no ``prompt_logprobs`` capability.
 * Refused (typed errors, so the suites report *not certified*): DoRA (GenAI drops the magnitude
@@ -91,6 +94,11 @@ def adapter_modules(path: Path) -> set[str]:
                 if part in key:
                     found.add(key.split(part)[0].removeprefix("base_model.model."))
     return found
+
+
+def _one_step_top_k(request: GenerationRequest) -> bool:
+    """A one-token request asking for more than the chosen token's logprob: served by one beam step."""
+    return request.max_new_tokens == 1 and request.top_k > 1
 
 
 def adapter_refusals(info: AdapterInfo) -> list[str]:
@@ -165,8 +173,7 @@ class OpenVINOEngine(Engine):
         # ask for it with prefix_cache=1.
         self.capabilities = frozenset({Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD,
                                        Capability.PREFIX_CACHE})
-        # max_top_k=1: GenAI returns the chosen token's logprob only.
-        self.limits = Limits(max_loras_per_batch=1, max_loaded_loras=1024, max_rank=self.max_rank, max_top_k=1)
+        self.limits = Limits(max_loras_per_batch=1, max_loaded_loras=1024, max_rank=self.max_rank)
 
     # ---- pipeline ----------------------------------------------------------------------
 
@@ -247,8 +254,14 @@ class OpenVINOEngine(Engine):
         cfg = g.GenerationConfig()
         cfg.max_new_tokens = request.max_new_tokens
         cfg.ignore_eos = request.ignore_eos
-        cfg.do_sample = False
-        cfg.logprobs = 1
+        if _one_step_top_k(request):
+            # One step of beam search with k beams ranks the k best first tokens by their logprob:
+            # score = logprob / length**length_penalty, and length_penalty 0 leaves it as it is.
+            cfg.num_beams = cfg.num_return_sequences = request.top_k
+            cfg.length_penalty = 0.0
+        else:
+            cfg.do_sample = False
+            cfg.logprobs = 1
         if adapter is None:
             cfg.adapters = g.AdapterConfig()  # explicitly none: unset would mean "the pipeline's default"
         else:
@@ -260,31 +273,48 @@ class OpenVINOEngine(Engine):
         pipe = self._pipe
         ids = [self._tokenizer.encode(r.prompt).input_ids for r in requests]
         configs = [self._config(r, adapter) for r in requests]
+        greedy = [k for k, r in enumerate(requests) if not _one_step_top_k(r)]
         try:
             served = pipe.generate(ids, configs)  # applies this group's adapter configuration
-            handles = [pipe.add_request(k, ids[k], configs[k]) for k in range(len(requests))]
+            handles = {k: pipe.add_request(k, ids[k], configs[k]) for k in greedy}
             while pipe.has_non_finished_requests():
                 pipe.step()
-            traced = [h.read_all()[0] for h in handles]
+            traced = {k: h.read_all()[0] for k, h in handles.items()}
         except RuntimeError as exc:
             raise EngineFailure(f"engine 'openvino': generation failed: {exc}") from exc
         out = []
-        for k, (req, s, t) in enumerate(zip(requests, served, traced)):
-            tokens, logprobs = list(t.generated_ids), list(t.generated_log_probs)
-            if tokens != list(s.m_generation_ids[0]) or abs(sum(logprobs) - s.m_scores[0]) > SCORE_ATOL:
-                raise EngineFailure(
-                    f"engine 'openvino': request {k} (adapter={adapter or 'base'}): the logprob pass gave tokens "
-                    f"{tokens} (logprob sum {sum(logprobs):.5f}), generate() gave {list(s.m_generation_ids[0])} "
-                    f"(score {s.m_scores[0]:.5f}): the adapter state did not carry over")
-            prompt_ids = [int(x) for x in ids[k].data[0]]
+        for k, (req, s) in enumerate(zip(requests, served)):
+            if k in traced:
+                tokens, logprobs = self._greedy_result(k, adapter, s, traced[k])
+            else:
+                tokens, logprobs = self._beam_result(k, adapter, req, s)
             out.append(GenerationResult(
-                token_ids=[int(x) for x in tokens],
-                text=self._tokenizer.decode([int(x) for x in tokens], skip_special_tokens=True),
-                logprobs=[{int(tok): float(lp)} for tok, lp in zip(tokens, logprobs)],
-                prompt_token_ids=prompt_ids,
+                token_ids=tokens,
+                text=self._tokenizer.decode(tokens, skip_special_tokens=True),
+                logprobs=logprobs,
+                prompt_token_ids=[int(x) for x in ids[k].data[0]],
                 prompt_logprobs=None,
             ))
         return out
+
+    @staticmethod
+    def _greedy_result(k: int, adapter: Optional[str], served, traced) -> tuple[list[int], list[dict]]:
+        tokens, logprobs = [int(x) for x in traced.generated_ids], [float(x) for x in traced.generated_log_probs]
+        if tokens != list(served.m_generation_ids[0]) or abs(sum(logprobs) - served.m_scores[0]) > SCORE_ATOL:
+            raise EngineFailure(
+                f"engine 'openvino': request {k} (adapter={adapter or 'base'}): the logprob pass gave tokens "
+                f"{tokens} (logprob sum {sum(logprobs):.5f}), generate() gave {list(served.m_generation_ids[0])} "
+                f"(score {served.m_scores[0]:.5f}): the adapter state did not carry over")
+        return tokens, [{t: lp} for t, lp in zip(tokens, logprobs)]
+
+    @staticmethod
+    def _beam_result(k: int, adapter: Optional[str], req: GenerationRequest, served) -> tuple[list[int], list[dict]]:
+        seqs = [list(x) for x in served.m_generation_ids]
+        if len(seqs) != req.top_k or any(len(x) != 1 for x in seqs) or len({x[0] for x in seqs}) != len(seqs):
+            raise EngineFailure(f"engine 'openvino': request {k} (adapter={adapter or 'base'}): one beam step gave "
+                                f"{seqs}, expected {req.top_k} distinct one-token sequences")
+        ranked = sorted(((float(sc), int(x[0])) for sc, x in zip(served.m_scores, seqs)), key=lambda p: (-p[0], p[1]))
+        return [ranked[0][1]], [{t: sc for sc, t in ranked}]
 
     # ---- misc ----------------------------------------------------------------------------
 
