@@ -75,7 +75,14 @@ def _centred(values: dict[int, float], ids: Sequence[int]) -> list[float]:
 
 
 def run(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
-    """Engine calls, reference scoring and the statistics of ``plan``; one analysis per label."""
+    """Engine calls, reference scoring and the statistics of ``plan``; one analysis per label.
+    An engine that declares fewer logprobs per token (``Limits.max_top_k``) than the comparison
+    needs in common with the reference is not certified (cause ``limit``), not judged."""
+    limit = getattr(engine.limits, "max_top_k", None)
+    if limit is not None and limit < MIN_COMMON_IDS:
+        from lora_conformance.outcomes import limit_too_small
+
+        limit_too_small("top-k logprobs per generated token (the paired check)", MIN_COMMON_IDS, limit)
     rows = [contexts_of(runner, label, p, plan.adapters.get(label) if label else None, plan.contexts_per_prompt)
             for label, p in zip(plan.labels, plan.prompts)]
     slots = [(i, j) for j in range(plan.contexts_per_prompt) for i, r in enumerate(rows) if r.texts[j] is not None]

@@ -84,9 +84,18 @@ class Harness:
         return {**self.settings.engine_args, **{k: str(v) for k, v in extra.items()}}
 
     def create_engine(self, model_dir: Path, dtype: str, extra: Mapping[str, Any]):
-        from lora_conformance.engines import create_engine
+        """A new engine; an engine that refuses to start with this model, dtype or these args
+        (UnsupportedFeatureError) makes the test *not certified* (cause ``refused``), not failed."""
+        from lora_conformance.engines import UnsupportedFeatureError, create_engine
+        from lora_conformance.outcomes import REFUSED, not_certified
 
-        return create_engine(self.settings.engine, model_dir, self.settings.device, dtype, self.engine_args(extra))
+        args = self.engine_args(extra)
+        try:
+            return create_engine(self.settings.engine, model_dir, self.settings.device, dtype, args)
+        except UnsupportedFeatureError as exc:
+            shown = ", ".join(f"{k}={v}" for k, v in sorted(args.items())) or "no engine args"
+            not_certified(REFUSED, f"engine {self.settings.engine!r} refused to start ({model_dir.name}, {dtype}, "
+                                   f"{shown}): {exc}")
 
     def shared_engine(self, model_dir: Path, dtype: str, extra: Mapping[str, Any] = {}):
         """An engine shared by the tests that ask for the same model, dtype and args."""
@@ -99,10 +108,12 @@ class Harness:
         while len(self._engines) >= MAX_LIVE_ENGINES:
             _, old = self._engines.popitem(last=False)
             old.close()
+        from lora_conformance.outcomes import NotCertified
+
         try:
             engine = self.create_engine(model_dir, dtype, extra)
-        except Exception as exc:
-            self._engine_failures[key] = exc  # do not retry a failing start for every test
+        except (Exception, NotCertified) as exc:  # NotCertified is a pytest skip, a BaseException
+            self._engine_failures[key] = exc  # do not retry a failing start (or a refusal) for every test
             raise
         self._engines[key] = engine
         self._record(engine)
@@ -117,14 +128,11 @@ class Harness:
             }
 
     def missing_capabilities(self, request: pytest.FixtureRequest, needed: Iterable[str]) -> list[str]:
-        from lora_conformance.engines.base import Capability, UnsupportedFeatureError
-        from lora_conformance.outcomes import REFUSED, not_certified
+        from lora_conformance.engines.base import Capability
 
         model_dir = self.model_dir(self.model_spec(_marker_kind(request.node)))
-        try:
-            engine = self.shared_engine(model_dir, _item_dtype(request, self.settings))
-        except UnsupportedFeatureError as exc:
-            not_certified(REFUSED, f"engine refused the model {model_dir.name} needed for {', '.join(needed)}: {exc}")
+        # A refusal to start with this model (UnsupportedFeatureError) is raised as not certified.
+        engine = self.shared_engine(model_dir, _item_dtype(request, self.settings))
         return [c for c in needed if Capability.parse(c) not in engine.capabilities]
 
     def discard_engines(self) -> None:

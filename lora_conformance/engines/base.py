@@ -62,6 +62,7 @@ class Limits:
     max_loras_per_batch: int  # adapters (not counting the base) active in one forward
     max_loaded_loras: int  # adapters held by the engine at once (>= max_loras_per_batch)
     max_rank: int
+    max_top_k: Optional[int] = None  # logprobs returned per generated token (None: as many as asked)
 
 
 # ---- typed errors -------------------------------------------------------------------

@@ -8,6 +8,8 @@ report.json re-verifies under today's rules without rerunning anything.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
@@ -22,6 +24,7 @@ STATUSES = (PASSED, FAILED, ERROR, XFAIL, NOT_CERTIFIED, SKIPPED)
 # fall back to the skip text: a reason that says the engine lacks a capability, or starts
 # with "not certified:".
 NOT_CERTIFIED_MARKER = "engine does not declare"
+_NOT_CERTIFIED_REASON = re.compile(r"^(?:[\w.]*NotCertified: )?not certified:")
 
 COLLECTION = "(collection)"
 
@@ -73,7 +76,8 @@ def classify(record: Mapping[str, Any]) -> tuple[str, str]:
             outcome = record["outcome"]
             structured = isinstance(outcome, Mapping) and outcome.get("status") == NOT_CERTIFIED
             return (NOT_CERTIFIED if structured else SKIPPED), reason
-        not_certified = NOT_CERTIFIED_MARKER in reason or reason.startswith("not certified:")
+        # pytest writes a skip subclass's reason as "<module>.NotCertified: not certified: ..."
+        not_certified = NOT_CERTIFIED_MARKER in reason or _NOT_CERTIFIED_REASON.match(reason) is not None
         return (NOT_CERTIFIED if not_certified else SKIPPED), reason
     if phases.get("call") == "passed":
         return PASSED, (f"XPASS: {wasxfail}" if wasxfail is not None else "")
