@@ -162,13 +162,13 @@ def required_hypotheses(alternatives: Mapping[str, list[hyps.Hypothesis]],
 
 
 def default_alternatives(labels: Sequence[Optional[str]], adapters: Mapping[str, Path],
-                         routing: bool = True) -> dict[str, list[hyps.Hypothesis]]:
+                         routing: bool = True, extra: Sequence[str] = ()) -> dict[str, list[hyps.Hypothesis]]:
     """Per label: ``hypotheses.standard`` (with "served as" each other adapter of the test when
     ``routing``); base rows: "served as" each adapter."""
     names = [l for l in dict.fromkeys(labels) if l]
     out = {}
     for l in names:
-        others = [o for o in names if o != l] if routing else []
+        others = ([o for o in names if o != l] if routing else []) + [e for e in extra if e != l]
         out[l] = hyps.standard(adapters[l], others)
     if None in labels and names:
         out[BASE_LABEL] = [hyps.served_as(o) for o in names]

@@ -285,6 +285,7 @@ class TestContext:
         (names absent from it are taken from DEFAULT_ADAPTERS)."""
         names = {r.adapter for r in requests if r.adapter is not None}
         paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
+        paths.update({n: self.adapter_path(ref) for n, ref in others.items()})
         return self.harness.reference(self.model_dir).generate(requests, paths)
 
     def decode(self, token_id: int) -> str:
@@ -329,7 +330,7 @@ class TestContext:
     def assert_conforms(self, engine, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef] = {},
                         prompts: Optional[Sequence[str]] = None, *, alternatives: Optional[Mapping] = None,
                         routing: bool = True, free_running: bool = True, certify_modules: bool = False,
-                        label: str = "") -> list:
+                        others: Mapping[str, AdapterRef] = {}, label: str = "") -> list:
         """The paired, teacher-forced verdict (``lora_conformance.conformance``): for each adapter label,
         the engine's effect (adapter minus base, both from the engine) must match the reference's and be
         nearest the correct hypothesis among the alternatives (default: ``hypotheses.standard`` and,
@@ -338,7 +339,8 @@ class TestContext:
         ``free_running`` adds the greedy decode check (tie-aware tokens, ROUGE-L): the decode path.
         Every alternative must be separable at this dtype (else a suite defect), except single
         modules dropped, which only ``certify_modules`` tests must separate (elsewhere they are
-        judged where separable and reported otherwise).
+        judged where separable and reported otherwise). ``others`` names adapters no request uses
+        that each row might wrongly get (old weights of a reloaded name): "served as" alternatives.
         Returns the analyses; raises SuiteDefectError when the test cannot separate a hypothesis."""
         from lora_conformance import conformance
         from lora_conformance.compare.effects import assert_effects_conform
@@ -347,8 +349,8 @@ class TestContext:
         paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
         ps = list(prompts or self.prompts)
         row_prompts = [ps[i % len(ps)] for i in range(len(labels))]
-        alts = dict(alternatives) if alternatives is not None else conformance.default_alternatives(labels, paths,
-                                                                                                    routing)
+        alts = dict(alternatives) if alternatives is not None else conformance.default_alternatives(
+            labels, paths, routing, extra=list(others))
         plan = conformance.Plan(list(labels), row_prompts, paths, alts,
                                 conformance.required_hypotheses(alts, certify_modules))
         runner = self.harness.reference(self.model_dir)
@@ -365,7 +367,7 @@ class TestContext:
             gross = replace(tol, decode_atol=max(tol.decode_atol, tol.free_running_atol),
                             tie_margin=max(tol.tie_margin, tol.free_running_atol))
             reqs = self.requests(list(labels), prompts=ps)
-            self.assert_matches_reference(engine.generate(reqs), self.reference(reqs, adapters), reqs,
+            self.assert_matches_reference(engine.generate(reqs), self.reference(reqs, {**adapters, **others}), reqs,
                                           label=label, tolerance=gross)
         return analyses
 

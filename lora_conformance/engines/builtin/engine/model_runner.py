@@ -99,6 +99,7 @@ class ModelRunner:
                 devices.wait_event(self.device, event, compute)
         self._inflight = self._inflight[-2 * self.num_slots:]
 
+    @torch.inference_mode()
     def clear_slot(self, slot: int) -> None:
         """Zero a freed slot in every pool (in stream order with queued work that reads it)."""
         for _, mod in self.lora_modules.values():
