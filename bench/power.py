@@ -168,7 +168,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=default_cache_dir())
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--merge", type=Path, nargs="+", help="print the combined tables of earlier --json outputs")
     a = ap.parse_args()
+    if a.merge:
+        return merge(a)
     rng = random.Random(a.seed)
     model_dir = resolve_base_model("synthetic:llama", a.cache / "models")
     runner = ReferenceRunner(model_dir, "cpu", "float32", ReferenceCache(a.cache / "references"))
@@ -216,7 +219,7 @@ def main() -> None:
                     hits += not ok
                 power.setdefault("drop", {})[m] = hits / max(1, a.power_runs)
             for fam in [f for f in families if f not in ("mixed", "alllinear")]:
-                for s in [float(x) for x in a.scales.split(",")]:
+                for s in [float(x) for x in a.scales.split(",") if x]:
                     hits = 0
                     for _ in range(a.power_runs):
                         ok, *_ = one_run(rng, fam, engine_for("default", dtype), runner, model_dir, a.cache,
@@ -231,6 +234,25 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     if a.json:
         a.json.write_text(json.dumps(results, indent=1, default=str))
+
+
+def merge(a) -> None:
+    """Sum null runs and false alarms over several --json files (runs split over processes)."""
+    combined: dict = {}
+    for path in a.merge:
+        for dtype, r in json.loads(path.read_text()).items():
+            c = combined.setdefault(dtype, {"null": {}, "alarms": [], "power": {}})
+            for fam, row in r["null"].items():
+                cr = c["null"].setdefault(fam, {"runs": 0, "false_alarms": 0, "defects": 0, "worst": {}})
+                for k in ("runs", "false_alarms", "defects"):
+                    cr[k] += row[k]
+                for k, v in row["worst"].items():
+                    cr["worst"][k] = (min if k == "separation" else max)(cr["worst"].get(k, v), v)
+            c["alarms"] += r["alarms"]
+            for fam, by in r["power"].items():
+                c["power"].setdefault(fam, {}).update({(float(k) if fam != "drop" else k): v for k, v in by.items()})
+    for dtype, c in combined.items():
+        _print(dtype, c["null"], c["power"], c["alarms"], a)
 
 
 def _print(dtype, null, power, alarms, a):
