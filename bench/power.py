@@ -210,6 +210,9 @@ def main() -> None:
                     row["worst"][k] = (min if k == "separation" else max)(row["worst"].get(k, v), v)
                 if not ok or defects:
                     alarms.append({"family": fam, "variation": var, "failures": failures, "defects": defects})
+                if a.json and i % 20 == 19:  # partial results survive a time limit
+                    results[dtype] = {"null": null, "alarms": alarms[:20], "power": {}, "seconds": time.time() - t0}
+                    a.json.write_text(json.dumps(results, indent=1, default=str))
             power = {}
             for m in [x for x in a.drops.split(",") if x]:
                 hits = 0
@@ -218,6 +221,7 @@ def main() -> None:
                                      dtype, tmp, f"drop:{m}")
                     hits += not ok
                 power.setdefault("drop", {})[m] = hits / max(1, a.power_runs)
+                _save_partial(a, results, dtype, null, alarms, power, t0)
             for fam in [f for f in families if f not in ("mixed", "alllinear")]:
                 for s in [float(x) for x in a.scales.split(",") if x]:
                     hits = 0
@@ -226,13 +230,22 @@ def main() -> None:
                                          dtype, tmp, f"scale:{s}")
                         hits += not ok
                     power.setdefault(fam, {})[s] = hits / max(1, a.power_runs)
+                    _save_partial(a, results, dtype, null, alarms, power, t0)
             results[dtype] = {"null": null, "alarms": alarms[:20], "power": power, "seconds": time.time() - t0}
+            if a.json:
+                a.json.write_text(json.dumps(results, indent=1, default=str))
             _print(dtype, null, power, alarms, a)
     finally:
         for e in engines.values():
             e.close()
         shutil.rmtree(tmp, ignore_errors=True)
     if a.json:
+        a.json.write_text(json.dumps(results, indent=1, default=str))
+
+
+def _save_partial(a, results, dtype, null, alarms, power, t0) -> None:
+    if a.json:
+        results[dtype] = {"null": null, "alarms": alarms[:20], "power": power, "seconds": time.time() - t0}
         a.json.write_text(json.dumps(results, indent=1, default=str))
 
 
