@@ -169,6 +169,15 @@ def render_html(report: Mapping[str, Any], verdict: Verdict) -> str:
                     + (f"<details><summary>traceback</summary><pre>{escape(case.longrepr)}</pre></details>"
                        if case.longrepr else "")
                     + "</div>")
+    from lora_conformance.report.effects_svg import effects_html
+
+    records = {r.get("nodeid"): r for r in report.get("records") or [] if isinstance(r, Mapping)}
+    notes = [(nodeid, n) for nodeid, r in records.items() for n in r.get("notes") or ()]
+    if notes:
+        body.append('<h2 id="notes">What the passing tests could not establish</h2><ul>'
+                    + "".join(f"<li><code>{escape(str(k))}</code>: {escape(str(n))}</li>" for k, n in notes)
+                    + "</ul>")
+    body.append(effects_html(verdict.cases, records))
     body.append('<h2 id="environment">Environment</h2>')
     body.append(environment_html(env))
     return page(f"LoRA conformance: {engine} on {device} ({value})", "\n".join(body))

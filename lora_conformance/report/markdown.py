@@ -86,6 +86,11 @@ def render_markdown(report: Mapping[str, Any], verdict: Verdict) -> str:
         for case in failures:
             summary = (case.evidence or {}).get("summary") if isinstance(case.evidence, dict) else None
             lines.append(f"- `{case.nodeid}` ({case.status}): {_short(summary or case.reason, 300)}")
+    notes = [(r.get("nodeid"), n) for r in report.get("records") or [] if isinstance(r, Mapping)
+             for n in r.get("notes") or ()]
+    if notes:
+        lines += ["", "## What the passing tests could not establish", ""]
+        lines += [f"- `{nodeid}`: {_short(str(n), 300)}" for nodeid, n in notes]
     lines += ["", "## Environment", "", "| | |", "| --- | --- |"]
     lines += [f"| {k} | {_cell(v)} |" for k, v in environment_rows(env)]
     lines += ["", "The HTML report beside this file shows each failure's evidence (token tables, margins).", ""]

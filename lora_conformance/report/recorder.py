@@ -38,6 +38,8 @@ from lora_conformance.report.verify import feature_of
 ENV_KEY = pytest.StashKey[dict]()
 EVIDENCE_PROPERTY = "lora_evidence"
 REPRO_PROPERTY = "lora_repro"
+EFFECTS_PROPERTY = "lora_effects"  # JSON list of compare.effects analyses (harness.assert_conforms)
+NOTE_PROPERTY = "lora_note"  # what a test could not establish (harness.TestContext.note)
 MAX_TEXT = 8000
 
 
@@ -86,6 +88,19 @@ def _evidence(report, name: str = EVIDENCE_PROPERTY) -> Optional[dict]:
     return None
 
 
+def _effects(report) -> Optional[list]:
+    """The paired effect analyses a test recorded (``lora_effects``: harness.assert_conforms)."""
+    out: list = []
+    for value in _properties(report, EFFECTS_PROPERTY):
+        try:
+            parsed = json.loads(value) if isinstance(value, str) else value
+        except ValueError:
+            continue
+        if isinstance(parsed, list):
+            out += [a for a in parsed if isinstance(a, dict)]
+    return out or None
+
+
 class ReportRecorder:
     def __init__(self, settings: Any, report_dir: "str | Path"):
         self.settings = settings
@@ -123,7 +138,7 @@ class ReportRecorder:
         return self.records.setdefault(nodeid, {
             "nodeid": nodeid, "phases": {}, "wasxfail": None, "skip_reason": None, "message": None,
             "evidence": None, "repro": None, "longrepr": None, "duration": 0.0,
-            "feature": None, "outcome": None, "failure": None,
+            "feature": None, "outcome": None, "failure": None, "effects": None, "notes": None,
         })
 
     def pytest_runtest_logreport(self, report):
@@ -135,6 +150,9 @@ class ReportRecorder:
         if getattr(report, "wasxfail", None) is not None:
             rec["wasxfail"] = str(report.wasxfail)
         rec["feature"] = rec["feature"] or _evidence(report, FEATURE_PROPERTY)
+        if report.when == "call":
+            rec["effects"] = rec["effects"] or _effects(report)
+            rec["notes"] = rec["notes"] or ([str(n) for n in _properties(report, NOTE_PROPERTY)] or None)
         if report.skipped and rec["skip_reason"] is None:
             rec["skip_reason"] = _skip_reason(report)
             rec["outcome"] = _evidence(report, OUTCOME_PROPERTY)
