@@ -285,7 +285,6 @@ class TestContext:
         (names absent from it are taken from DEFAULT_ADAPTERS)."""
         names = {r.adapter for r in requests if r.adapter is not None}
         paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
-        paths.update({n: self.adapter_path(ref) for n, ref in others.items()})
         return self.harness.reference(self.model_dir).generate(requests, paths)
 
     def decode(self, token_id: int) -> str:
@@ -347,6 +346,7 @@ class TestContext:
 
         names = [n for n in dict.fromkeys(labels) if n]
         paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
+        paths.update({n: self.adapter_path(ref) for n, ref in others.items()})
         ps = list(prompts or self.prompts)
         row_prompts = [ps[i % len(ps)] for i in range(len(labels))]
         alts = dict(alternatives) if alternatives is not None else conformance.default_alternatives(
