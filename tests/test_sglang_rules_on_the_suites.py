@@ -30,5 +30,8 @@ def test_lifecycle_suite_under_sglangs_rules(suite_runner, lora_settings, monkey
     out = result.stdout.str()
     assert failed == ["test_pinning_every_slot_is_refused"], out[-4000:]
     assert "DID NOT RAISE" in out
-    assert {"test_load_unload_reload", "test_unknown_adapter_gives_a_clear_error", "test_eviction_and_reload",
+    assert {"test_load_unload_reload", "test_unknown_adapter_gives_a_clear_error",
             "test_reloading_a_name_with_new_weights"} <= set(passed), (passed, out[-4000:])
+    # Outputs stay right through SGLang's eviction, but SGLang does not report which adapters it
+    # holds, so the lru policy itself is not certified (said, not silently passed).
+    assert "policy itself is not certified" in out, out[-4000:]

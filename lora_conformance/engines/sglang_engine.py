@@ -290,8 +290,10 @@ class SGLangEngine(Engine):
         if req.prompt_logprobs:
             raw = list(meta.get("input_top_logprobs") or ())
             prompt_lps = [self._top(e, req.top_k) for e in raw[1:]]  # raw[0] is None
+        cached = meta.get("cached_tokens")
         return GenerationResult(token_ids=ids, text=out.get("text", ""), logprobs=steps,
-                                prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps)
+                                prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps,
+                                cached_tokens=None if cached is None else int(cached))
 
     def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
         if not self.is_encoder:

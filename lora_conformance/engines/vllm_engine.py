@@ -181,11 +181,30 @@ class VllmEngine(Engine):
         return LoRARequest(name, self._ids[name], str(self._infos[name].path))
 
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
+        """Transactional: the shared validator and the feature checks run before vLLM sees the
+        adapter; a reload that vLLM still refuses restores the previous adapter."""
+        from lora_conformance.adapters.validate import validate_adapter, validate_name
+
         self._alive()
+        validate_name(name)
+        validate_adapter(Path(path), self.model_dir, self.max_lora_rank)
         info = read_adapter_info(Path(path))
         self._check_adapter(name, info)
+        old = self._infos.get(name)
         if name in self._ids:
             self.unload_adapter(name)  # a new id, or vLLM would keep serving the cached weights
+        try:
+            self._add(name, info, pinned)
+        except EngineError:
+            if old is not None and self._dead is None:
+                try:
+                    self._add(name, old, False)
+                except EngineError as exc:
+                    raise EngineFailure(f"reloading {name!r} from {path} was refused and the previous adapter "
+                                        f"from {old.path} could not be restored: {exc}") from exc
+            raise
+
+    def _add(self, name: str, info: AdapterInfo, pinned: bool) -> None:
         self._ids[name], self._infos[name] = self._next_id, info
         self._next_id += 1
         engine = self.llm.llm_engine
@@ -198,7 +217,7 @@ class VllmEngine(Engine):
             raise
         except Exception as exc:
             self._forget(name)
-            raise self._map_error(exc, f"loading adapter {name!r} from {path}") from exc
+            raise self._map_error(exc, f"loading adapter {name!r} from {info.path}") from exc
 
     def _forget(self, name: str) -> None:
         lora_id = self._ids.pop(name, None)
@@ -278,6 +297,7 @@ class VllmEngine(Engine):
             logprobs=[self._topk(e, req.top_k) for e in steps],
             prompt_token_ids=[int(t) for t in out.prompt_token_ids],
             prompt_logprobs=prompt_lps,
+            cached_tokens=getattr(out, "num_cached_tokens", None),
         )
 
     def _decode(self, ids: list[int], fallback: str) -> str:
