@@ -60,18 +60,20 @@ FAMILIES = {
 VARIATIONS = ("default", "rescale:3", "rescale:0.25", "preround", "reverse", "one_at_a_time", "peft")
 
 
-class Reversed:
+class _Wrapper:
     def __init__(self, engine):
         self.engine = engine
 
+    def __getattr__(self, name):  # limits, capabilities, load_adapter, ...: the wrapped engine's
+        return getattr(self.engine, name)
+
+
+class Reversed(_Wrapper):
     def generate(self, reqs):
         return list(reversed(self.engine.generate(list(reversed(reqs)))))
 
 
-class OneAtATime:
-    def __init__(self, engine):
-        self.engine = engine
-
+class OneAtATime(_Wrapper):
     def generate(self, reqs):
         return [self.engine.generate([r])[0] for r in reqs]
 

@@ -176,11 +176,17 @@ def _judge(a: EffectAnalysis, tol: Tolerance, required: Optional[set] = None) ->
                           "reference's barely overlap")
         return
     for f in a.fits:
-        if f.separation < MIN_SEPARATION:
+        # Separable at this dtype's calibrated noise, and with this run's own noise (its gamma's
+        # standard error puts 0.5 at least MIN_SEPARATION / 2 standard errors from either side).
+        weak_here = f.se > GAMMA_MAX * 2 / MIN_SEPARATION
+        if f.separation < MIN_SEPARATION or weak_here:
             f.judged = False
             if required is None or f.name in required:
-                a.defects.append(f"{f.name!r} is {f.separation:.1f} noise units from the correct hypothesis "
-                                 f"(< {MIN_SEPARATION:g} at {tol.dtype})")
+                why = (f"{f.separation:.1f} noise units from the correct hypothesis (< {MIN_SEPARATION:g} at "
+                       f"{tol.dtype})" if f.separation < MIN_SEPARATION else
+                       f"not separable with this run's noise (gamma standard error {f.se:.2f} > "
+                       f"{GAMMA_MAX * 2 / MIN_SEPARATION:g})")
+                a.defects.append(f"{f.name!r} is {why}")
     if a.residual_max > tol.effect_gross_atol:
         a.failures.append(f"an effect differs from the reference's by {a.residual_max:.3g} > gross bound "
                           f"{tol.effect_gross_atol:g}")
