@@ -8,7 +8,6 @@ other), the reference, and comparison helpers that apply the dtype's tolerance.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import OrderedDict
 from pathlib import Path
@@ -185,21 +184,6 @@ def check_loaded_limit(engine, needed: int, evicting: bool = False) -> None:
         limit_too_small("loaded adapters", needed, allowed)
 
 
-@contextlib.contextmanager
-def refused_configuration_not_certified(args: Mapping[str, Any]):
-    """An engine that refuses the configuration a test asks for (UnsupportedFeatureError, e.g.
-    SGLang's max_loaded_loras >= max_loras_per_batch counted with the base) has not shown the
-    feature: not certified (outcomes.REFUSED), with the engine's reason."""
-    from lora_conformance.engines.base import UnsupportedFeatureError
-    from lora_conformance.outcomes import REFUSED, not_certified
-
-    try:
-        yield
-    except UnsupportedFeatureError as exc:
-        asked = ", ".join(f"{k}={v}" for k, v in args.items()) or "the default configuration"
-        not_certified(REFUSED, f"engine refused {asked}: {exc}")
-
-
 AdapterRef = Union[str, Path, Any]  # a DEFAULT_ADAPTERS name, a PEFT directory, or an AdapterSpec
 
 
@@ -227,13 +211,11 @@ class TestContext:
 
     def engine_with(self, **args):
         """A shared engine with these engine args on top of the user's."""
-        with refused_configuration_not_certified(args):
-            return self.harness.shared_engine(self.model_dir, self.dtype, args)
+        return self.harness.shared_engine(self.model_dir, self.dtype, args)
 
     def fresh_engine(self, **args):
         """A new engine for this test alone (closed at teardown): for lifecycle and cache state."""
-        with refused_configuration_not_certified(args):
-            engine = self.harness.create_engine(self.model_dir, self.dtype, args)
+        engine = self.harness.create_engine(self.model_dir, self.dtype, args)
         self._own_engines.append(engine)
         return engine
 
@@ -279,10 +261,11 @@ class TestContext:
         return [GenerationRequest(prompt=ps[i % len(ps)], adapter=a, max_new_tokens=max_new_tokens,
                                   top_k=top_k, prompt_logprobs=prompt_logprobs) for i, a in enumerate(adapters)]
 
-    def reference(self, requests: Sequence[GenerationRequest],
-                  adapters: Mapping[str, AdapterRef] = {}) -> list[GenerationResult]:
+    def reference(self, requests: Sequence[GenerationRequest], adapters: Mapping[str, AdapterRef] = {},
+                  others: Mapping[str, AdapterRef] = {}) -> list[GenerationResult]:
         """Isolated HF+PEFT outputs; ``adapters`` maps request adapter names to their refs
-        (names absent from it are taken from DEFAULT_ADAPTERS)."""
+        (names absent from it are taken from DEFAULT_ADAPTERS); ``others`` adds adapters no
+        request names (given to the reference runner as well)."""
         names = {r.adapter for r in requests if r.adapter is not None}
         paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
         return self.harness.reference(self.model_dir).generate(requests, paths)
