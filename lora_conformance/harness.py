@@ -261,11 +261,10 @@ class TestContext:
         return [GenerationRequest(prompt=ps[i % len(ps)], adapter=a, max_new_tokens=max_new_tokens,
                                   top_k=top_k, prompt_logprobs=prompt_logprobs) for i, a in enumerate(adapters)]
 
-    def reference(self, requests: Sequence[GenerationRequest], adapters: Mapping[str, AdapterRef] = {},
-                  others: Mapping[str, AdapterRef] = {}) -> list[GenerationResult]:
+    def reference(self, requests: Sequence[GenerationRequest],
+                  adapters: Mapping[str, AdapterRef] = {}) -> list[GenerationResult]:
         """Isolated HF+PEFT outputs; ``adapters`` maps request adapter names to their refs
-        (names absent from it are taken from DEFAULT_ADAPTERS); ``others`` adds adapters no
-        request names (given to the reference runner as well)."""
+        (names absent from it are taken from DEFAULT_ADAPTERS)."""
         names = {r.adapter for r in requests if r.adapter is not None}
         paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
         return self.harness.reference(self.model_dir).generate(requests, paths)
