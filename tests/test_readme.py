@@ -28,12 +28,12 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 def fault_row(fault: str) -> str:
     """README's fault-table row for ``fault``, from the detection test's data."""
-    from test_detection_power import CATCHERS, DTYPES, NOT_YET_SHOWN_ON_GPU, SHOWN_ON_GPU_IN, UNCAUGHT
+    from test_detection_power import CATCHERS, NOT_YET_SHOWN_ON_GPU, SHOWN_ON_CPU_IN, SHOWN_ON_GPU_IN, UNCAUGHT
 
     from lora_conformance.engines.builtin.faults import DEVICE_ONLY_FAULTS, DTYPE_ONLY_FAULTS, FAULTS
 
     catch = ", ".join(f"`{c.replace('test_', '', 1).replace('.py::test_', '::')}`" for c in CATCHERS[fault])
-    dtypes = DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS else DTYPES
+    dtypes = DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS else SHOWN_ON_CPU_IN
     caught = [d for d in dtypes if (fault, d) not in UNCAUGHT]
     missed = [d for d in dtypes if (fault, d) in UNCAUGHT]
     gpu = [] if fault in NOT_YET_SHOWN_ON_GPU else [d for d in caught if d in SHOWN_ON_GPU_IN]

@@ -30,6 +30,10 @@ FAULTS: dict[str, str] = {
     "moe_down_proj_dropped": "the MoE experts' down_proj LoRA is silently dropped (gate_up_proj kept)",
     "embedding_adapter_misrouted": "an embedding batch's rows get the adapter of the next request in the batch",
     "prefix_cache_keyed_by_name": "prefix cache blocks are keyed by adapter name: a name reloaded with new weights hits stale KV",
+    "chunk_continuation_drops_adapter": "prefill chunks after a prompt's first run without its adapter",
+    "inflight_no_drain": "load / unload / reload of an adapter that running requests use neither waits nor refuses",
+    "rotary_assumes_head_dim_64": "rotary frequencies are computed for head_dim 64 whatever the model's head_dim",
+    "masked_prefill_padded_rows": "masked prefill routes packed token t by padded row t // longest (unequal prompts take a neighbour's adapter)",
 }
 
 # One fault per linear target module, its LoRA silently dropped (the module is still targeted in

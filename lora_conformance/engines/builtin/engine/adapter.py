@@ -54,18 +54,6 @@ class HostAdapter:
         return max((m.rank for m in self.modules.values()), default=0)
 
 
-def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], bytes]:
-    st = path / "adapter_model.safetensors"
-    if st.exists():
-        from safetensors.torch import load_file
-
-        return load_file(str(st)), st.read_bytes()
-    binf = path / "adapter_model.bin"
-    if binf.exists():
-        return torch.load(str(binf), map_location="cpu", weights_only=True), binf.read_bytes()
-    raise AdapterIncompatibleError(f"adapter {path}: no adapter_model.safetensors (or .bin) found")
-
-
 def _check_config(cfg: dict, path: Path) -> None:
     where = f"{path}/adapter_config.json"
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -97,16 +85,19 @@ def _split_key(key: str) -> tuple[str, str, int]:
 
 
 def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, faults, dtype,
-                     pin: bool, variant: Variant = Variant()) -> HostAdapter:
+                     pin: bool, model_dir: Path, variant: Variant = Variant()) -> HostAdapter:
     """model_modules: our module name -> ('linear'|'embedding'|'expert', module); variant: how
-    the factors are stored (variants.py: rescale, preround)."""
+    the factors are stored (variants.py: rescale, preround).
+
+    The shared validator (adapters/validate.py) runs first: malformed files, shapes of another
+    model, non-finite values, config/tensor rank mismatches and ranks over max_rank are refused
+    with AdapterFormatError before anything is packed."""
+    from lora_conformance.adapters.validate import validate_adapter
+
     path = Path(path)
-    cfg_file = path / "adapter_config.json"
-    if not cfg_file.exists():
-        raise AdapterIncompatibleError(f"adapter {path}: adapter_config.json not found")
-    cfg = json.loads(cfg_file.read_text())
+    checked = validate_adapter(path, model_dir, max_rank)
+    cfg, tensors, raw = checked.config, checked.tensors, checked.raw
     _check_config(cfg, path)
-    tensors, raw = _read_tensors(path)
     if any(k.endswith("lora_magnitude_vector") for k in tensors):
         raise UnsupportedFeatureError(f"DoRA magnitude vectors in {path} are not supported by the builtin engine")
 

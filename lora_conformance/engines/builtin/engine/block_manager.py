@@ -66,6 +66,7 @@ class BlockManager:
             table.append(self._take())
         seq.block_table = table
         seq.num_cached = seq.num_computed = len(cached) * self.block_size
+        seq.cached_reported = max(seq.cached_reported, seq.num_cached)
 
     def _take(self) -> int:
         b = self.free.popleft()
