@@ -3,8 +3,10 @@
 #   part "bench":  the throughput benchmark (GPU workload), its per-step op counts, and the built-in
 #                  engine's time per phase with the fused kernels and without (kernels=torch);
 #   part "suites": certify the built-in engine (bfloat16, graphs on) into $OUT/report-graphs,
-#                  then graphs off, then every fault of the catalogue against the suites on the GPU.
-# Usage: bash bench/gpu_validation.sh bench|suites|detect   (OUT is the folder whose files come back)
+#                  then graphs off, then every fault of the catalogue against the suites on the GPU;
+#                  certify picks its worker count (printed) and each worker its share of the cores;
+#   part "time":   bench/certify_time.py: certify's wall time serial and with 8 and 16 workers, warm then cold.
+# Usage: bash bench/gpu_validation.sh bench|suites|detect|time   (OUT is the folder whose files come back)
 # The last step of suites/detect runs the overlap fault on purpose, only to print the race report.
 set -uo pipefail
 part=${1:?bench or suites}
@@ -13,7 +15,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed; using PYTHONPATH"
-export OMP_NUM_THREADS=2 PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1  # no OMP_NUM_THREADS: the plugin gives each pytest-xdist worker its share
 nvidia-smi -L
 # The race detector's report on the overlap fault (the detection test only counts that it fails).
 race_report() {
@@ -22,6 +24,7 @@ race_report() {
 }
 case "$part" in
   bench)
+    export OMP_NUM_THREADS=2
     python3 bench/engine_throughput.py --config gpu --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log"
     python3 bench/engine_throughput.py --config gpu --count-ops --json "$OUT/ops_gpu.json" 2>&1 | grep -E "kernel ops|^ +[0-9]+ +(aten|lora)" | tee -a "$OUT/bench_gpu.log"
     for k in triton torch; do
@@ -36,12 +39,18 @@ case "$part" in
     ;;
   suites)
     cache=/tmp/lora-cache
+    start=$SECONDS
     python3 -m lora_conformance.cli certify --device cuda --engine-arg graphs=1 --report "$OUT/report-graphs" \
-      -- -n 8 -p no:cacheprovider --lora-cache "$cache" -q -rfE 2>&1 | tail -40 | tee "$OUT/suites_graphs.log"
+      -- -p no:cacheprovider --lora-cache "$cache" -q -rfE 2>&1 | tee "$OUT/suites_graphs.log" | tail -40
+    echo "certify (cold cache, automatic workers): $((SECONDS - start)) s wall" | tee -a "$OUT/suites_graphs.log"
     python3 -m pytest suites --device=cuda --engine-arg graphs=0 -n 8 -p no:cacheprovider --lora-cache "$cache" -q -rfE \
       2>&1 | tail -25 | tee "$OUT/suites_eager.log"
     python3 -m pytest tests/test_detection_power.py --device=cuda --lora-cache "$cache" -p no:cacheprovider -q -rfE \
       -n 8 2>&1 | tail -25 | tee "$OUT/detection_gpu.log"
     race_report "$cache"
+    ;;
+  time)
+    python3 bench/certify_time.py --device cuda --engine-arg graphs=1 --workers 1,8,16 --cold-workers 8,16 \
+      --json "$OUT/certify_time.json" 2>&1 | tee "$OUT/certify_time.log"
     ;;
 esac

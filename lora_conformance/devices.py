@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
+import mmap
 import multiprocessing
 import os
 from dataclasses import dataclass
@@ -164,6 +166,26 @@ def empty_cache(device: str) -> None:
     mod = device_module(device)
     if device_type(device) != "cpu" and hasattr(mod, "empty_cache"):
         mod.empty_cache()
+
+
+# Below this a plain torch.zeros is as cheap (a few pages); above it the lazy mapping pays off.
+LAZY_ZERO_MIN_BYTES = 1 << 20
+
+
+def zeros(shape: tuple[int, ...], dtype: Any, device: str):
+    """``torch.zeros``, except that on cpu a large tensor lives in an anonymous memory mapping:
+    the kernel hands out zero pages only where they are first written (calloc's trick), so a KV
+    cache sized for the longest batch costs memory and time only for the blocks a run uses.
+    (torch.zeros writes every byte: 134 MB and 0.14 s of cpu per built-in engine start.)"""
+    torch = _torch()
+    if device_type(device) != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes < LAZY_ZERO_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor holds the mapping (buffer protocol) and unmaps it when it is freed.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(shape)
 
 
 @dataclass

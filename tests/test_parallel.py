@@ -186,3 +186,9 @@ def test_certify_prints_its_choice_and_passes_it_to_pytest(tmp_path, capsys, mon
 def test_certify_one_worker_runs_without_xdist(tmp_path):
     cmd = certify.pytest_command(parse("--device", "cpu", "--report", str(tmp_path)), workers=1)
     assert "-n" not in cmd, cmd
+
+
+def test_certify_refuses_a_bad_worker_count_before_running(tmp_path, capsys):
+    ran = []
+    assert certify.run(parse("--device", "cpu", "-n", "many", "--report", str(tmp_path)), runner=ran.append) == 2
+    assert not ran and "-n/--workers 'many': expected a positive integer or auto" in capsys.readouterr().err

@@ -8,6 +8,7 @@ hash, so two adapters never share PEFT state and a re-synthesised name is never 
 from __future__ import annotations
 
 import copy
+import functools
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -18,12 +19,16 @@ from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 RUNNER_VERSION = 3  # 3: keys use models.content_hash / adapters.adapter_hash
 
 
+@functools.lru_cache(maxsize=1)
 def _versions() -> dict[str, str]:
-    import peft
-    import torch
-    import transformers
+    """Library versions for cache keys, without importing what is not loaded yet: a warm cache hit
+    must not pay for importing PEFT (about 2 s of cpu per process). A loaded module's own
+    ``__version__`` wins; otherwise the installed distribution's, which is the same string."""
+    import sys
+    from importlib.metadata import version
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+    return {name: getattr(sys.modules.get(name), "__version__", None) or version(name)
+            for name in ("torch", "transformers", "peft")}
 
 
 def _topk(logprobs_row, k: int, extra: Optional[int] = None) -> TopK:

@@ -121,15 +121,15 @@ def badge_line(report_dir: Path) -> Optional[str]:
 
 
 def run(args, runner=subprocess.call) -> int:
-    report_dir = Path(args.report).resolve()
-    # A stale report from an earlier run must never pass for this one's.
-    for name in REPORT_FILES:
-        (report_dir / name).unlink(missing_ok=True)
     try:
         choice = choose_workers(args)
     except ValueError as exc:
         print(f"lora-conformance certify: error: {exc}", file=sys.stderr)
         return 2
+    report_dir = Path(args.report).resolve()
+    # A stale report from an earlier run must never pass for this one's.
+    for name in REPORT_FILES:
+        (report_dir / name).unlink(missing_ok=True)
     if choice is None:
         print("workers: as the pytest arguments after -- say", flush=True)
     else:

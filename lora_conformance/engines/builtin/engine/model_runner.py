@@ -39,7 +39,7 @@ class ModelRunner:
         self._inflight: list = []  # host tensors of copies that may still be running
         if spec.kind != "encoder":
             shape = (num_blocks, self.block_size, 2, spec.num_kv_heads, spec.head_dim)
-            model.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+            model.kv_caches = [devices.zeros(shape, dtype, device) for _ in range(spec.num_layers)]
         # How prefill routes LoRA rows. On cpu, FLOPs dominate and launches are cheap: one
         # shrink/expand per adapter segment. On accelerators, launches dominate: every slot at
         # once, masked (a few wasted FLOPs, no per-segment host loop). Decode is always masked.

@@ -1,0 +1,140 @@
+"""Wall time of ``lora-conformance certify`` serial and with 2, 4, ... pytest-xdist workers, warm then cold.
+
+    python bench/certify_time.py                         # cpu: workers 1, 2, 4, ... up to the cores; warm, then cold
+    python bench/certify_time.py --workers 1,2 --skip-cold
+    python bench/certify_time.py --device cuda --workers 1,8,16 --warm-cache /tmp/lora-cache
+    python bench/certify_time.py --unshared              # also each N > 1 with every worker at all cores' threads
+
+Warm: one untimed run fills a cache (or ``--warm-cache DIR`` names a filled one), then every worker
+count is timed against it. Cold: every worker count starts from an empty cache of its own (models,
+adapters and references are built again). Each row has the wall time, the speed-up over the serial
+row of the same cache state, the cpu seconds of the whole process tree, the 1-minute load average
+before and after (on a shared machine wall times mean little without it), and certify's exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lora_conformance import parallel  # noqa: E402  (stdlib only)
+
+
+def default_worker_counts(cores: int) -> list[int]:
+    counts, n = [1], 2
+    while n <= cores:
+        counts.append(n)
+        n *= 2
+    if counts[-1] != cores and cores > 1:
+        counts.append(cores)
+    return counts
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+def certify(a, workers: int, cache: Path, report: Path, threads: str | None) -> dict:
+    cmd = [sys.executable, "-m", "lora_conformance.cli", "certify", "--device", a.device, "--engine", a.engine,
+           "-n", str(workers), "--report", str(report)]
+    cmd += [f"--engine-arg={e}" for e in a.engine_arg]
+    if a.dtype:
+        cmd += ["--dtype", a.dtype]
+    cmd += ["--", f"--lora-cache={cache}", "-p", "no:cacheprovider", "-q"]
+    if threads:
+        cmd.append(f"--lora-threads={threads}")
+    cmd += a.pytest_args
+    before_load, before_cpu = load1(), children_cpu()
+    start = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - start
+    tail = [ln for ln in out.stdout.splitlines() if " passed" in ln or " failed" in ln or "badge:" in ln]
+    return {"workers": workers, "threads": threads or "share", "wall_s": round(wall, 2),
+            "cpu_s": round(children_cpu() - before_cpu, 2), "load_before": round(before_load, 2),
+            "load_after": round(load1(), 2), "exit": out.returncode, "summary": tail[-2:] if tail else
+            [(out.stdout + out.stderr).strip().splitlines()[-1:] or ["(no output)"]][0]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--engine", default="builtin")
+    p.add_argument("--engine-arg", action="append", default=[])
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--workers", default=None, help="comma-separated counts (default: 1, 2, 4, ... up to the cores)")
+    p.add_argument("--cold-workers", default=None, help="counts for the cold runs (default: those of --workers)")
+    p.add_argument("--warm-cache", type=Path, default=None, help="an already filled cache: no priming run")
+    p.add_argument("--skip-cold", action="store_true")
+    p.add_argument("--skip-warm", action="store_true")
+    p.add_argument("--unshared", action="store_true",
+                   help="also run each N > 1 with --lora-threads=<cores> (every worker at all cores: before issue 17)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: extra pytest arguments")
+    a = p.parse_args()
+    a.pytest_args = a.pytest_args[1:] if a.pytest_args[:1] == ["--"] else a.pytest_args
+    cores = parallel.cpu_cores()
+    counts = [int(x) for x in a.workers.split(",")] if a.workers else default_worker_counts(cores)
+    work = Path(tempfile.mkdtemp(prefix="certify-time-"))
+    print(f"certify_time: device={a.device} engine={a.engine} cores={cores} workers={counts} "
+          f"load(1m)={load1():.2f} work={work}", flush=True)
+    rows: list[dict] = []
+
+    cold_counts = [int(x) for x in a.cold_workers.split(",")] if a.cold_workers else counts
+
+    def timed(state: str, cache_for, counts: list[int]) -> None:
+        serial = None
+        for n in counts:
+            variants = [None] + ([str(cores)] if a.unshared and n > 1 else [])
+            for threads in variants:
+                row = certify(a, n, cache_for(n, threads), work / f"report-{state}-{n}-{threads}", threads)
+                row["cache"] = state
+                if n == 1 and threads is None:
+                    serial = row["wall_s"]
+                row["speedup"] = round(serial / row["wall_s"], 2) if serial else None  # None: no serial row
+                rows.append(row)
+                print(fmt(row), flush=True)
+
+    print(header(), flush=True)
+    if not a.skip_warm:
+        warm = a.warm_cache
+        if warm is None:
+            warm = work / "warm-cache"
+            prime = certify(a, max(counts), warm, work / "report-prime", None)
+            print(f"(priming run: {prime['wall_s']} s, exit {prime['exit']})", flush=True)
+        timed("warm", lambda n, t: warm, counts)
+    if not a.skip_cold:
+        timed("cold", lambda n, t: work / f"cold-cache-{n}-{t}", cold_counts)
+    if a.json:
+        a.json.write_text(json.dumps({"cores": cores, "device": a.device, "rows": rows}, indent=2))
+    return 0 if all(r["exit"] == 0 for r in rows) else 1
+
+
+def header() -> str:
+    return (f"{'cache':6} {'workers':>7} {'threads':>8} {'wall s':>8} {'speed-up':>8} {'cpu s':>8} "
+            f"{'load 1m before/after':>21}  exit  summary")
+
+
+def fmt(r: dict) -> str:
+    speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+    load = f"{r['load_before']:.1f} / {r['load_after']:.1f}"
+    return (f"{r['cache']:6} {r['workers']:>7} {r['threads']:>8} {r['wall_s']:>8.1f} {speed:>8} {r['cpu_s']:>8.1f} "
+            f"{load:>21}  {r['exit']:>4}  {' | '.join(r['summary'])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
