@@ -24,7 +24,7 @@ from lora_conformance.compare.effects import EffectAnalysis, EffectSample, analy
 from lora_conformance.types import GenerationRequest
 
 CONTEXTS_PER_PROMPT = 8
-ENGINE_TOP_K = 10
+ENGINE_TOP_K = 20  # vLLM's default max_logprobs
 REFERENCE_TOP = 32
 MIN_COMMON_IDS = 3
 BASE_LABEL = "base"
@@ -47,6 +47,7 @@ class Plan:
     prompts: list[str]
     adapters: dict[str, Path]
     alternatives: dict[str, list[hyps.Hypothesis]]
+    required: Optional[dict[str, set]] = None  # per label: hypotheses the test certifies (None: all)
     contexts_per_prompt: int = CONTEXTS_PER_PROMPT
     top_k: int = ENGINE_TOP_K
 
@@ -96,34 +97,44 @@ def run(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
         idx = [i for i, r in enumerate(rows) if r.label == label]
         name = label or BASE_LABEL
         path = plan.adapters.get(label) if label else None
-        seqs, poss = [rows[i].sequence for i in idx], [rows[i].positions for i in idx]
-        top = runner.context_logprobs(seqs, poss, path, top=REFERENCE_TOP)
-        ids = [[sorted(t) for t in seq_rows] for seq_rows in top]
-        r_base = runner.context_logprobs(seqs, poss, None, hyps.base(), ids=ids) if path else top
         alts = plan.alternatives.get(name, [])
-        h_rows = {}
-        for h in alts:
-            if h.kind == hyps.BASE:
-                h_rows[h.name] = r_base
-            elif h.kind == "served_as":
-                h_rows[h.name] = runner.context_logprobs(seqs, poss, plan.adapters[h.adapter], ids=ids)
-            else:
-                h_rows[h.name] = runner.context_logprobs(seqs, poss, path, h, ids=ids)
-        sample = EffectSample(name)
+        # One reference call per row: rows recur across tests and runs, so the disk cache is hit.
+        top, r_base, h_rows = [], [], {h.name: [] for h in alts}
+        for i in idx:
+            score = _row_scorer(runner, rows[i])
+            t = score(path, None, None)
+            ids = [sorted(x) for x in t]
+            top.append(t)
+            r_base.append(score(None, hyps.base(), ids) if path else t)
+            for h in alts:
+                if h.kind == hyps.BASE:
+                    h_rows[h.name].append(r_base[-1])
+                elif h.kind == "served_as":
+                    h_rows[h.name].append(score(plan.adapters[h.adapter], None, ids))
+                else:
+                    h_rows[h.name].append(score(path, h, ids))
+        sample = EffectSample(name, required=(plan.required or {}).get(name))
         for k, i in enumerate(idx):
             for j in range(plan.contexts_per_prompt):
                 if (i, j) not in got_a:
                     sample.contexts_skipped += 1
                     continue
-                ea, eb, ra = got_a[(i, j)], got_b[(i, j)], top[k][j]
+                ea, eb, ra, rb = got_a[(i, j)], got_b[(i, j)], top[k][j], r_base[k][j]
+                # Paired (engine minus engine base) where the base run reports the ids; else the
+                # engine's adapted logprobs against the reference base (a strong adapter moves the
+                # top-k so far that the two runs share few ids).
+                ids_a = sorted(ea.keys() & ra.keys())
                 common = sorted(ea.keys() & eb.keys() & ra.keys())
+                paired = len(common) >= MIN_COMMON_IDS and 2 * len(common) >= len(ids_a)
+                if not paired:
+                    common = ids_a
                 if len(common) < MIN_COMMON_IDS:
                     sample.contexts_skipped += 1
                     continue
                 cid = sample.contexts
                 sample.contexts += 1
-                rb = r_base[k][j]
-                e = [x - y for x, y in zip(_centred(ea, common), _centred(eb, common))]
+                sample.contexts_unpaired += not paired
+                e = [x - y for x, y in zip(_centred(ea, common), _centred(eb if paired else rb, common))]
                 r = [x - y for x, y in zip(_centred(ra, common), _centred(rb, common))] if path else [0.0] * len(common)
                 sample.E += e
                 sample.R += r
@@ -136,14 +147,28 @@ def run(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
     return [analyse(s, tol) for s in samples.values()]
 
 
+def _row_scorer(runner, row: Row):
+    def score(path, hyp, ids):
+        return runner.context_logprobs([row.sequence], [row.positions], path, hyp,
+                                       ids=None if ids is None else [ids], top=REFERENCE_TOP)[0]
+    return score
+
+
+def required_hypotheses(alternatives: Mapping[str, list[hyps.Hypothesis]],
+                        modules: bool = False) -> dict[str, set]:
+    """What a test certifies: every alternative except single modules dropped, unless ``modules``
+    (the target-set tests, whose adapters make every module's effect visible)."""
+    return {l: {h.name for h in alts if modules or h.kind != "drop"} for l, alts in alternatives.items()}
+
+
 def default_alternatives(labels: Sequence[Optional[str]], adapters: Mapping[str, Path],
-                         routing: bool = True) -> dict[str, list[hyps.Hypothesis]]:
+                         routing: bool = True, extra: Sequence[str] = ()) -> dict[str, list[hyps.Hypothesis]]:
     """Per label: ``hypotheses.standard`` (with "served as" each other adapter of the test when
     ``routing``); base rows: "served as" each adapter."""
     names = [l for l in dict.fromkeys(labels) if l]
     out = {}
     for l in names:
-        others = [o for o in names if o != l] if routing else []
+        others = ([o for o in names if o != l] if routing else []) + [e for e in extra if e != l]
         out[l] = hyps.standard(adapters[l], others)
     if None in labels and names:
         out[BASE_LABEL] = [hyps.served_as(o) for o in names]

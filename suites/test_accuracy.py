@@ -8,11 +8,12 @@ for only by the test that certifies them.
 
 import pytest
 
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 
 register_cpu_ci(est_time=25, suite="per-commit")
 register_cuda_ci(est_time=20, suite="per-commit")
 register_xpu_ci(est_time=30, suite="per-commit")
+register_npu_ci(est_time=30, suite="per-commit")
 
 ADAPTERS = ("A", "B", "C", "D")
 

@@ -2,7 +2,9 @@
 
 from lora_conformance.engines.base import (
     ALL_CAPABILITIES,
+    AdapterFormatError,
     AdapterIncompatibleError,
+    AdapterInUseError,
     AdapterNotLoadedError,
     CapacityError,
     Capability,
@@ -10,13 +12,16 @@ from lora_conformance.engines.base import (
     EngineError,
     EngineFailure,
     Limits,
+    RequestHandle,
     UnsupportedFeatureError,
 )
 from lora_conformance.engines.registry import available_engines, create_engine, engine_class
 
 __all__ = [
     "ALL_CAPABILITIES",
+    "AdapterFormatError",
     "AdapterIncompatibleError",
+    "AdapterInUseError",
     "AdapterNotLoadedError",
     "CapacityError",
     "Capability",
@@ -24,6 +29,7 @@ __all__ = [
     "EngineError",
     "EngineFailure",
     "Limits",
+    "RequestHandle",
     "UnsupportedFeatureError",
     "available_engines",
     "create_engine",

@@ -36,7 +36,7 @@ def _topk(logprobs_row, k: int, extra: Optional[int] = None) -> TopK:
 
 class ReferenceRunner:
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32",
-                 cache: Optional[ReferenceCache] = None, max_models: int = 2):
+                 cache: Optional[ReferenceCache] = None, max_models: int = 4):
         self.model_dir = Path(model_dir)
         self.device = device
         self.dtype = dtype
@@ -153,13 +153,13 @@ class ReferenceRunner:
         if self.cache is None:
             return self._compute(req, adapter_path)
         key = self._cache_key(req, adapter_path, "generate")
-        hit = self.cache.get(key)
+        hit = self.cache.get(key, GenerationResult.from_dict)
         if hit is not None:
-            return GenerationResult.from_dict(hit)
+            return hit
         with self.cache.lock(key):
-            hit = self.cache.get(key)  # another worker may have filled it while we waited
+            hit = self.cache.get(key, GenerationResult.from_dict)  # another worker may have filled it meanwhile
             if hit is not None:
-                return GenerationResult.from_dict(hit)
+                return hit
             self.cache.misses += 1
             result = self._compute(req, adapter_path)
             self.cache.put(key, result.to_dict())
@@ -266,7 +266,7 @@ class ReferenceRunner:
         for text in texts:
             req = GenerationRequest(prompt=text, max_new_tokens=0)
             key = self._cache_key(req, adapter_path, "embed") if self.cache is not None else None
-            hit = self.cache.get(key) if key else None
+            hit = self.cache.get(key, _embedding_entry) if key else None
             if hit is None:
                 vec = self._embed_one(text, adapter_path)
                 if key:
@@ -274,7 +274,7 @@ class ReferenceRunner:
                         self.cache.misses += 1
                         self.cache.put(key, {"embedding": vec})
             else:
-                vec = hit["embedding"]
+                vec = hit
             out.append(vec)
         return out
 
@@ -289,3 +289,11 @@ class ReferenceRunner:
         mask = enc["attention_mask"][0].float().unsqueeze(-1)
         pooled = (hidden * mask).sum(0) / mask.sum()
         return torch.nn.functional.normalize(pooled, dim=-1).tolist()
+
+
+def _embedding_entry(value) -> list[float]:
+    """A cached embedding entry's vector; raises on any other shape (the cache discards it)."""
+    vec = [float(x) for x in value["embedding"]]
+    if not vec:
+        raise ValueError("empty embedding")
+    return vec
