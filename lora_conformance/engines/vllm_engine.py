@@ -167,10 +167,10 @@ class VllmEngine(Engine):
         if info.target_parameters and self.dev_type == "cpu":
             refused.append("MoE expert LoRA (target_parameters) on CPU")
         if refused:
-            raise UnsupportedFeatureError(f"vLLM does not serve adapter {name!r}: {', '.join(refused)}")
+            raise UnsupportedFeatureError(f"vLLM does not serve adapter {name!r} ({info.path}): {', '.join(refused)}")
         if info.max_rank > self.max_lora_rank:
             raise AdapterIncompatibleError(
-                f"adapter {name!r}: rank {info.max_rank} exceeds max_lora_rank {self.max_lora_rank} "
+                f"adapter {name!r} ({info.path}): rank {info.max_rank} exceeds max_lora_rank {self.max_lora_rank} "
                 "(engine arg max_lora_rank)"
             )
 
