@@ -55,7 +55,7 @@ def test_capabilities_limits_version(setup):
         assert eng.capabilities == {Capability(c) for c in (
             "mixed_batch", "dynamic_loading", "pinning", "eviction_lru", "eviction_fifo", "max_loaded",
             "prefix_cache", "overlap_loading", "rslora", "rank_pattern", "embed_tokens", "lm_head",
-            "prompt_logprobs")}
+            "prompt_logprobs", "chunked_prefill", "inflight_lifecycle")}
         assert (eng.limits.max_loras_per_batch, eng.limits.max_loaded_loras, eng.limits.max_rank) == (3, 8, 32)
         assert eng.version().startswith("lora-conformance builtin ")
     with BuiltinEngine(base, "cpu", "float32", {"prefix_cache": "0", "overlap_loading": "0"}) as eng:
@@ -65,7 +65,7 @@ def test_capabilities_limits_version(setup):
 def test_adapter_errors(setup, tmp_path):
     base, ads, _ = setup
     with BuiltinEngine(base, "cpu", "float32", {"max_rank": "4"}) as eng:
-        with pytest.raises(AdapterIncompatibleError, match=rf"{ads['a1']}.*rank 5.*\br\b.*max_rank=4"):
+        with pytest.raises(AdapterIncompatibleError, match=rf"{ads['a1']}.*\br\b.*rank 5.*max_rank=4"):
             eng.load_adapter("big", ads["a1"])
         eng.load_adapter("ok", ads["a0"])
         with pytest.raises(AdapterNotLoadedError, match="'missing'"):

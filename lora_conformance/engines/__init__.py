@@ -4,6 +4,7 @@ from lora_conformance.engines.base import (
     ALL_CAPABILITIES,
     AdapterFormatError,
     AdapterIncompatibleError,
+    AdapterInUseError,
     AdapterNotLoadedError,
     CapacityError,
     Capability,
@@ -11,6 +12,7 @@ from lora_conformance.engines.base import (
     EngineError,
     EngineFailure,
     Limits,
+    RequestHandle,
     UnsupportedFeatureError,
 )
 from lora_conformance.engines.registry import available_engines, create_engine, engine_class
@@ -19,6 +21,7 @@ __all__ = [
     "ALL_CAPABILITIES",
     "AdapterFormatError",
     "AdapterIncompatibleError",
+    "AdapterInUseError",
     "AdapterNotLoadedError",
     "CapacityError",
     "Capability",
@@ -26,6 +29,7 @@ __all__ = [
     "EngineError",
     "EngineFailure",
     "Limits",
+    "RequestHandle",
     "UnsupportedFeatureError",
     "available_engines",
     "create_engine",

@@ -39,6 +39,9 @@ class Capability(str, enum.Enum):
     MODULES_TO_SAVE = "modules_to_save"
     PROMPT_LOGPROBS = "prompt_logprobs"
     LORA_BIAS = "lora_bias"
+    TENSOR_PARALLEL = "tensor_parallel"  # shards the model (and its LoRA) over several devices
+    CHUNKED_PREFILL = "chunked_prefill"  # honours the standard arg chunked_prefill_size
+    INFLIGHT_LIFECYCLE = "inflight_lifecycle"  # submit(); load / unload / reload while requests run
 
     @classmethod
     def parse(cls, value: "str | Capability") -> "Capability":
@@ -59,6 +62,7 @@ class Limits:
     max_loras_per_batch: int  # adapters (not counting the base) active in one forward
     max_loaded_loras: int  # adapters held by the engine at once (>= max_loras_per_batch)
     max_rank: int
+    max_top_k: Optional[int] = None  # logprobs returned per generated token (None: as many as asked)
 
 
 # ---- typed errors -------------------------------------------------------------------
@@ -105,11 +109,37 @@ class EngineFailure(EngineError, RuntimeError):
     """The engine broke (crashed worker, server error, timeout)."""
 
 
+class AdapterInUseError(EngineError, RuntimeError):
+    """Unloading or replacing an adapter that running requests use is refused (an engine may wait instead)."""
+
+    def __init__(self, name: str, requests: int):
+        self.name, self.requests = name, requests
+        super().__init__(f"adapter {name!r} is used by {requests} running request(s); retry when they finish")
+
+
+class RequestHandle(ABC):
+    """Requests submitted with ``Engine.submit``: running while the caller does other things."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Every request of the handle has finished."""
+
+    @abstractmethod
+    def wait_started(self, timeout: float) -> bool:
+        """Block until every request has produced its first token (or finished); False on timeout."""
+
+    @abstractmethod
+    def result(self, timeout: float) -> list[GenerationResult]:
+        """The results in request order; raises EngineFailure on timeout."""
+
+
 # ---- standard engine args -------------------------------------------------------------
 
 # Suites ask for engine configurations in these words; each plugin maps them onto its own.
 STANDARD_ARGS = ("max_loras_per_batch", "max_loaded_loras", "max_rank", "eviction", "prefix_cache",
-                 "overlap_loading", "graphs")
+                 "overlap_loading", "graphs", "tensor_parallel", "lora_backend", "chunked_prefill_size")
+# tensor_parallel: devices the model is sharded over (1: none); lora_backend: the engine's own LoRA
+# kernel backend name; chunked_prefill_size: tokens per prefill chunk.
 
 
 def translate_standard_args(engine: str, args: Mapping[str, str],
@@ -165,12 +195,33 @@ class Engine(ABC):
     @abstractmethod
     def list_adapters(self) -> list[str]: ...
 
+    def resident_adapters(self) -> Optional[list[str]]:
+        """Names whose weights the engine holds now, within ``max_loaded_loras`` (what an eviction
+        policy decides), or None when the engine cannot say: the eviction suites then do not
+        certify the policy itself."""
+        return None
+
     # inference
     @abstractmethod
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Serve all requests (as one batch where the engine can); results in request order."""
 
+    def submit(self, requests: Sequence[GenerationRequest]) -> RequestHandle:
+        """Start serving ``requests`` and return at once (capability ``inflight_lifecycle``). While
+        they run, other threads may submit, load, unload and reload adapters: every request is
+        served entirely by the adapter weights registered when it was submitted; unloading or
+        replacing a name that running requests use either waits for them or raises AdapterInUseError."""
+        raise UnsupportedFeatureError(f"engine {self.name!r} does not serve requests concurrently (submit)")
+
+    @classmethod
+    def backends(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
+        """The compute backends this engine can run on ``device_type``: engine-arg key -> the values
+        it accepts (e.g. ``{"lora_backend": ("triton", "csgmv")}``). The backend suite runs each."""
+        return {}
+
     def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
+        """L2-normalised embeddings of ``texts`` under ``adapter`` (None: the base model). An
+        encoder engine that declares ``mixed_batch`` also takes a list, one adapter (or None) per text."""
         raise UnsupportedFeatureError(f"engine {self.name!r} does not produce embeddings")
 
     def close(self) -> None:

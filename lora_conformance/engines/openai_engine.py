@@ -389,8 +389,10 @@ class OpenAIEngine(Engine):
                 text = text[len(req.prompt):]
         else:
             prompt_ids, prompt_tops = self._prompt_ids(req.prompt), None
+        details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return GenerationResult(token_ids=tokens, text=text, logprobs=[t or {} for t in tops],
-                                prompt_token_ids=prompt_ids,
+                                prompt_token_ids=prompt_ids, cached_tokens=None if cached is None else int(cached),
                                 prompt_logprobs=None if prompt_tops is None else [t or {} for t in prompt_tops])
 
     def _top(self, entries: Mapping[str, float], k: int) -> TopK:

@@ -18,7 +18,7 @@ guard their entry point with ``if __name__ == "__main__":``. On CPU set
 
 Engine args (``--engine-arg KEY=VALUE``): max_loras, max_cpu_loras, max_lora_rank,
 prefix_cache, enforce_eager, gpu_memory_utilization, max_model_len, max_num_seqs,
-max_num_batched_tokens, kv_cache_space_gb, seed, tensor_parallel_size.
+max_num_batched_tokens, kv_cache_space_gb, seed, tensor_parallel_size (standard arg tensor_parallel).
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class VllmEngine(Engine):
             "prefix_cache": lambda v: {"prefix_cache": v},
             "overlap_loading": only(self.name, "overlap_loading", "0"),
             "graphs": lambda v: {"enforce_eager": "0" if v == "1" else "1"},
+            "tensor_parallel": lambda v: {"tensor_parallel_size": v},
         })
         check_known_args(self.name, self.args, self.KNOWN_ARGS)
         a, n = self.args, self.name
@@ -121,6 +122,8 @@ class VllmEngine(Engine):
             value = arg_int(n, a, key, None)
             if value is not None:
                 kwargs[key] = value
+        if kwargs.get("tensor_parallel_size", 1) < 1:
+            raise EngineError(f"engine 'vllm': tensor_parallel_size={kwargs['tensor_parallel_size']}; expected >= 1")
         if "max_model_len" not in kwargs:
             # The suites use short prompts; a small window keeps the KV cache small.
             kwargs["max_model_len"] = min(512, _config_max_positions(self.model_dir) or 512)
@@ -140,7 +143,7 @@ class VllmEngine(Engine):
         caps = {
             Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.PINNING, Capability.MAX_LOADED,
             Capability.EVICTION_LRU, Capability.RSLORA, Capability.RANK_PATTERN, Capability.EMBED_TOKENS,
-            Capability.LM_HEAD, Capability.PROMPT_LOGPROBS,
+            Capability.LM_HEAD, Capability.PROMPT_LOGPROBS, Capability.TENSOR_PARALLEL,
         }
         if self.prefix_cache:
             caps.add(Capability.PREFIX_CACHE)
@@ -297,6 +300,7 @@ class VllmEngine(Engine):
             logprobs=[self._topk(e, req.top_k) for e in steps],
             prompt_token_ids=[int(t) for t in out.prompt_token_ids],
             prompt_logprobs=prompt_lps,
+            cached_tokens=getattr(out, "num_cached_tokens", None),
         )
 
     def _decode(self, ids: list[int], fallback: str) -> str:

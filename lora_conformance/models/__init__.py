@@ -12,7 +12,8 @@ from typing import Union
 
 from lora_conformance.settings import fixtures_dir
 
-SYNTHETIC_KINDS = ("llama", "moe", "encoder")
+# (stdlib only: the plugin validates --base-model with it) synthetic.DECODER_KINDS + encoder
+SYNTHETIC_KINDS = ("llama", "moe", "encoder", "llama-hd128", "llama-hd256", "qwen2")
 HASH_FILE = ".content_hash"
 _HASHED = ("config.json", "tokenizer.json", "tokenizer_config.json")
 

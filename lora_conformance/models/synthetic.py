@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from lora_conformance.models import design
-from lora_conformance.models.tokenizer import build_tokenizer, load_words
+from lora_conformance.models.tokenizer import build_tokenizer, load_words, words_as_added_tokens
 
 # Bump when the generated weights change for the same recipe: it is part of the cache key.
 CODE_VERSION = 1
@@ -68,9 +68,28 @@ class DecoderRecipe:
     init_std: float = 0.02
     experts: int = 0  # > 0: Mixtral-style MoE, top-2
     expert_intermediate: int = 256
+    # Qwen2-style: q/k/v biases of this std and tied embeddings (see tied_embedding, current_token_heads)
+    arch: str = "llama"
+    tied: bool = False
+    qkv_bias_std: float = 0.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # Fields added later are left out at their defaults: the older kinds keep their cache keys.
+        d = asdict(self)
+        for k, default in (("arch", "llama"), ("tied", False), ("qkv_bias_std", 0.0)):
+            if d[k] == default:
+                del d[k]
+        return d
+
+
+# synthetic:<kind> -> the decoder recipe's non-default fields (encoder is built apart).
+DECODER_KINDS: dict[str, dict] = {
+    "llama": {},
+    "moe": {"experts": 4},
+    "llama-hd128": {"head_dim": 128},  # the fused rotary paths' head sizes (ours are 64 otherwise)
+    "llama-hd256": {"head_dim": 256},
+    "qwen2": {"arch": "qwen2", "tied": True, "qkv_bias_std": 0.1},
+}
 
 
 def _gen(seed: int, stream: int) -> torch.Generator:
@@ -89,11 +108,15 @@ def decoder_state(r: DecoderRecipe, vocab_size: int) -> dict[str, torch.Tensor]:
     ids = torch.arange(vocab_size)
     cls, mem = ids // G, ids % G
 
-    # Embeddings: same norm for every token; filler fills the remaining norm.
-    filler = rest @ torch.randn(rest.shape[1], vocab_size, generator=_gen(r.seed, 2), dtype=torch.float64)
-    filler = filler / filler.norm(dim=0, keepdim=True)
-    f_norm = math.sqrt(H - r.bias_norm**2 - r.class_norm**2 - r.member_norm**2)
-    emb = (r.bias_norm * d[:, None] + r.class_norm * X[:, cls] + r.member_norm * Y[:, mem] + f_norm * filler).T
+    if r.tied:
+        Xi, Yi = rest[:, :G], rest[:, G: 2 * G]  # input codes of the tied embedding
+        emb, cn_in = tied_embedding(r, d, X, Y, Z, W, Xi, Yi, cls, mem)
+    else:
+        # Embeddings: same norm for every token; filler fills the remaining norm.
+        filler = rest @ torch.randn(rest.shape[1], vocab_size, generator=_gen(r.seed, 2), dtype=torch.float64)
+        filler = filler / filler.norm(dim=0, keepdim=True)
+        f_norm = math.sqrt(H - r.bias_norm**2 - r.class_norm**2 - r.member_norm**2)
+        emb = (r.bias_norm * d[:, None] + r.class_norm * X[:, cls] + r.member_norm * Y[:, mem] + f_norm * filler).T
 
     # Successor maps (class 0 holds the specials and is never predicted) and vote tables.
     g = _gen(r.seed, 3)
@@ -122,8 +145,9 @@ def decoder_state(r: DecoderRecipe, vocab_size: int) -> dict[str, torch.Tensor]:
             qv, kv = design.previous_token_rotary(hd, r.rope_theta, r.rotary_pairs, r.attn_peak)
             qv, kv = qv * r.q_scale / qv.norm(), kv * (r.attn_peak * math.sqrt(hd) / (r.q_scale * kv.norm()))
             # kv head 0 -> heads 0, 1 carry the previous class; kv head 1 -> heads 2, 3 the member.
-            for kvh, (code, ncode, votes, kappa, target) in enumerate(
-                [(X, r.class_norm, vote_c, kappa_c, Z), (Y, r.member_norm, vote_m, kappa_m, W)]
+            codes = [(X, r.class_norm), (Y, r.member_norm)] if not r.tied else [(Xi, cn_in), (Yi, cn_in)]
+            for kvh, ((code, ncode), votes, kappa, target) in enumerate(
+                [(codes[0], vote_c, kappa_c, Z), (codes[1], vote_m, kappa_m, W)]
             ):
                 k[kvh * hd : (kvh + 1) * hd] = torch.outer(kv, d) / r.bias_norm
                 v[kvh * hd : kvh * hd + G] = code.T * (r.value_scale / ncode)
@@ -137,13 +161,24 @@ def decoder_state(r: DecoderRecipe, vocab_size: int) -> dict[str, torch.Tensor]:
                 h = kvh * group
                 o[:, h * hd : (h + 1) * hd] = 0
                 o[:, h * hd : h * hd + G] = target[:, votes] * (kappa * unit / r.value_scale)
+                if r.tied:  # the group's second head reads the current token: successor, cancellations
+                    succ, out_code = (succ_c, X) if kvh == 0 else (succ_m, Y)
+                    current_token_heads(r, q, o, h + 1, qv, d, out_code, target, code, cn_in, succ, unit)
+        _biases(sd, p, r, layer, randn)
         sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"] = q, k
         sd[p + "self_attn.v_proj.weight"], sd[p + "self_attn.o_proj.weight"] = v, o
         sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.float64)
         sd[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.float64)
         _mlp(sd, p, r, randn, unit)
+        if r.tied:  # tied readout reads the input codes at norm cn_in: keep the random writers' noise off them
+            Pin = torch.cat([Xi, Yi], dim=1)
+            for key in ([p + "self_attn.o_proj.weight"] if layer else []) + [p + "mlp.down_proj.weight"]:
+                sd[key] = sd[key] - Pin @ (Pin.T @ sd[key])
 
     sd["model.norm.weight"] = torch.ones(H, dtype=torch.float64)
+    if r.tied:
+        sd["lm_head.weight"] = emb
+        return {k: v.float().contiguous() for k, v in sd.items()}
     # lm_head: successor terms read X/Y, vote terms read Z/W; class 0 is pushed far down via d.
     inv_c = torch.argsort(succ_c)
     inv_m = torch.argsort(succ_m)
@@ -154,6 +189,53 @@ def decoder_state(r: DecoderRecipe, vocab_size: int) -> dict[str, torch.Tensor]:
     head[cls == 0] -= d * (4 * r.logit_scale * (r.vote_strong + 1) * unit / r.bias_norm)
     sd["lm_head.weight"] = head
     return {k: v.float().contiguous() for k, v in sd.items()}
+
+
+def tied_embedding(r: DecoderRecipe, d, X, Y, Z, W, Xi, Yi, cls, mem):
+    """One matrix for embed_tokens and lm_head (Qwen2's tie_word_embeddings). Token u's row holds
+    input codes Xi[c_u], Yi[m_u] (what layer 0 reads), readout codes rho * (X + Z)[c_u] and
+    rho * (Y + W)[m_u] (what its logit reads: rho = logit_scale / unit, as the untied lm_head) and
+    the bias direction d; no filler, whose self-overlap would favour repeating the current token.
+    The input codes take the norm that is left, so every row has norm sqrt(hidden)."""
+    rho = r.logit_scale / r.class_norm
+    cn_in = math.sqrt((r.hidden - r.bias_norm**2 - 4 * rho**2) / 2)
+    rows = (r.bias_norm * d[:, None] + cn_in * (Xi[:, cls] + Yi[:, mem])
+            + rho * (X[:, cls] + Z[:, cls] + Y[:, mem] + W[:, mem]))
+    return rows.T, cn_in
+
+
+def current_token_heads(r: DecoderRecipe, q, o, h, qv, d, out_code, vote_code, in_code, cn_in, succ, unit) -> None:
+    """Head h of layer 0 (tied kinds) attends to the current token and writes, per input class c:
+    unit * out_code[succ(c)] (the successor term the untied lm_head's permutation makes), minus the
+    token's own readout and input codes (tied, they would score the current token itself) and a
+    bias shift that puts the likely winners' logits near 0, as the untied lm_head's d term does."""
+    G, hd, pairs = design.GRID, r.head_dim, r.rotary_pairs
+    qc = torch.zeros_like(qv)
+    qc[:pairs] = 1.0  # RoPE score sum_i cos(delta * w_i): peak at distance 0
+    q[h * hd:(h + 1) * hd] = torch.outer(qc * (r.q_scale / qc.norm()), d) / r.bias_norm
+    rho = r.logit_scale / r.class_norm
+    shift = -(r.logit_shift * r.logit_scale / r.bias_norm + r.bias_norm) / 2  # per head (two of them)
+    cols = unit * out_code[:, succ[:G]] - rho * (out_code + vote_code) - cn_in * in_code + shift * d[:, None]
+    o[:, h * hd:(h + 1) * hd] = 0
+    o[:, h * hd:h * hd + G] = cols / r.value_scale
+
+
+def _biases(sd, p, r: DecoderRecipe, layer: int, randn) -> None:
+    """q/k/v biases (Qwen2). Layer 0's stay off its rotary pairs and off the value codes, so the
+    previous- and current-token heads attend and write exactly as designed."""
+    if not r.qkv_bias_std:
+        return
+    hd, half, pairs, G = r.head_dim, r.head_dim // 2, r.rotary_pairs, design.GRID
+    for name, heads in (("q", r.heads), ("k", r.kv_heads), ("v", r.kv_heads)):
+        b = randn(heads * hd, std=r.qkv_bias_std)
+        if layer == 0:
+            per_head = b.view(heads, hd)
+            if name == "v":
+                per_head[:, :G] = 0
+            else:
+                per_head[:, :pairs] = 0
+                per_head[:, half:half + pairs] = 0
+        sd[p + f"self_attn.{name}_proj.bias"] = b
 
 
 def _mlp(sd, p, r: DecoderRecipe, randn, unit) -> None:
@@ -184,7 +266,7 @@ def decoder_config(r: DecoderRecipe, vocab_size: int):
         max_position_embeddings=r.max_positions,
         rms_norm_eps=1e-6,
         rope_theta=r.rope_theta,
-        tie_word_embeddings=False,
+        tie_word_embeddings=r.tied,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -201,6 +283,10 @@ def decoder_config(r: DecoderRecipe, vocab_size: int):
             sliding_window=None,
             **common,
         )
+    if r.arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(intermediate_size=r.intermediate, use_sliding_window=False, **common)
     from transformers import LlamaConfig
 
     return LlamaConfig(intermediate_size=r.intermediate, attention_bias=False, mlp_bias=False, **common)
@@ -217,6 +303,8 @@ def build_decoder(r: DecoderRecipe, out: Path) -> None:
     model.generation_config.do_sample = False
     model.save_pretrained(out)
     save_tokenizer(words, "decoder", out)
+    if r.arch == "qwen2":
+        words_as_added_tokens(out)
     (out / "synthetic.json").write_text(json.dumps({"recipe": r.to_dict(), "code_version": CODE_VERSION}, indent=2))
 
 
@@ -240,7 +328,7 @@ def recipe_for(kind: str, seed: int = 0) -> dict:
     if kind == "encoder":
         r = encoder_recipe(seed)
     else:
-        r = (DecoderRecipe(seed=seed) if kind == "llama" else DecoderRecipe(seed=seed, experts=4)).to_dict()
+        r = DecoderRecipe(seed=seed, **DECODER_KINDS[kind]).to_dict()
     from lora_conformance.settings import fixtures_dir
 
     words = fixtures_dir() / "words.txt"
@@ -258,7 +346,7 @@ def build(kind: str, out: Path, seed: int = 0) -> None:
     if kind == "encoder":
         build_encoder(seed, out)
     else:
-        build_decoder(DecoderRecipe(seed=seed, experts=4 if kind == "moe" else 0), out)
+        build_decoder(DecoderRecipe(seed=seed, **DECODER_KINDS[kind]), out)
 
 
 def build_encoder(seed: int, out: Path) -> None:

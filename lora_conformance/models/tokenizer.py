@@ -56,3 +56,23 @@ def build_tokenizer(words: list[str], kind: str):
         model_max_length=512,
         **extra,
     )
+
+
+def words_as_added_tokens(out: Path) -> None:
+    """Make a saved word-level ``tokenizer.json`` tokenise the same under Qwen2Tokenizer.
+
+    transformers 5 loads every ``model_type: qwen2`` checkpoint with Qwen2Tokenizer (a byte-level
+    BPE built from the file's vocab and merges), whatever ``tokenizer_class`` says; our vocab has
+    no merges, so words would vanish. Added tokens are matched before the BPE runs: each word as
+    a non-special added token with its own id (``lstrip`` takes the space before it) gives the
+    word-level ids. Decoding joins added tokens without spaces; engines and the reference share it.
+    """
+    import json
+
+    path = Path(out) / "tokenizer.json"
+    tj = json.loads(path.read_text())
+    specials = {t["content"] for t in tj["added_tokens"]}
+    words = sorted(((w, i) for w, i in tj["model"]["vocab"].items() if w not in specials), key=lambda x: x[1])
+    tj["added_tokens"] += [{"id": i, "content": w, "single_word": True, "lstrip": True, "rstrip": False,
+                            "normalized": False, "special": False} for w, i in words]
+    path.write_text(json.dumps(tj, ensure_ascii=False))

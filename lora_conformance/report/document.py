@@ -31,7 +31,8 @@ class ReportDigestError(ReportFormatError):
 
 # record field -> the JSON types it may hold (None allowed for all but nodeid and phases)
 RECORD_FIELDS = {"nodeid": (str,), "phases": (dict,), "wasxfail": (str,), "skip_reason": (str,), "message": (str,),
-                 "evidence": (dict,), "repro": (str,), "longrepr": (str,), "duration": (int, float)}
+                 "evidence": (dict,), "repro": (str,), "longrepr": (str,), "duration": (int, float),
+                 "effects": (list,), "notes": (list,)}
 PHASES = ("collect", "setup", "call", "teardown")
 OUTCOMES = ("passed", "failed", "skipped")
 

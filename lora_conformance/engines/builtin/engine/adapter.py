@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from lora_conformance.engines.base import AdapterIncompatibleError, UnsupportedFeatureError
+from lora_conformance.engines.builtin.variants import Variant
 
 PREFIX = "base_model.model."
 
@@ -83,8 +84,9 @@ def _split_key(key: str) -> tuple[str, str, int]:
 
 
 def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, faults, dtype,
-                     pin: bool, model_dir: Path) -> HostAdapter:
-    """model_modules: our module name -> ('linear'|'embedding'|'expert', module).
+                     pin: bool, model_dir: Path, variant: Variant = Variant()) -> HostAdapter:
+    """model_modules: our module name -> ('linear'|'embedding'|'expert', module); variant: how
+    the factors are stored (variants.py: rescale, preround).
 
     The shared validator (adapters/validate.py) runs first: malformed files, shapes of another
     model, non-finite values, config/tensor rank mismatches and ranks over max_rank are refused
@@ -127,11 +129,7 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
                 f"adapter {path}: target_modules/target_parameters names module {mod!r}, which this model lacks"
             )
         kind_m, module = model_modules[target]
-        if faults.on("drop_v_proj") and target.endswith("v_proj"):
-            continue
-        if faults.on("lm_head_dropped") and target.endswith("lm_head"):
-            continue
-        if faults.on("embed_tokens_dropped") and kind_m == "embedding":
+        if faults.drops(target, kind_m):  # drop_<module>, lm_head / embed_tokens / moe_down_proj dropped
             continue
         A, B = (ts.get("embA"), ts.get("embB")) if kind_m == "embedding" else (ts.get("A"), ts.get("B"))
         if A is None or B is None:
@@ -150,7 +148,10 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
             rm, am = r0, alpha0
         use_rs = rs and not faults.on("rslora_ignored")
         scale = am if faults.on("scaling_alpha_not_over_r") else am / (math.sqrt(rm) if use_rs else rm)
-        ad.modules[target] = _pack(kind_m, module, A.float(), B.float(), r, E, scale, max_rank, dtype, path, target)
+        if faults.on("delta_x1_1"):
+            scale *= 1.1
+        A, B = _stored_factors(A.float(), B.float(), variant, dtype)
+        ad.modules[target] = _pack(kind_m, module, A, B, r, E, scale, max_rank, dtype, path, target)
     if pin:
         for m in ad.modules.values():
             m.A, m.Bt = m.A.pin_memory(), m.Bt.pin_memory()
@@ -177,6 +178,17 @@ def _expert_target(mod: str, ts: dict, tparams: list[str], model_modules: dict) 
         if A.shape[1] == in_f and B.shape[0] == out_f and A.shape[0] % E == 0:
             return cand
     return mod
+
+
+def _stored_factors(A: torch.Tensor, B: torch.Tensor, variant: Variant, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 factors to pack. Variants (benign: B @ A is unchanged in exact arithmetic):
+    rescale:C stores (C*A, B/C); preround rounds both to the model dtype first, so B is rounded
+    again once the scaling is folded in."""
+    if variant.on("rescale"):
+        return A * variant.factor, B / variant.factor
+    if variant.on("preround"):
+        return A.to(dtype).float(), B.to(dtype).float()
+    return A, B
 
 
 def _pack(kind, module, A, B, r, E, scale, R, dtype, path, target) -> PackedLora:

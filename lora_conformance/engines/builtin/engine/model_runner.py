@@ -27,6 +27,9 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.num_slots, self.rank = args.max_loras_per_batch, args.max_rank
         self.block_size = args.kv_block_size
+        # The dtype of the LoRA delta when it is not the model's: fault lora_fp16, variant fp32_delta.
+        delta = torch.float16 if faults.on("lora_fp16") else torch.float32 if args.variant.on("fp32_delta") else None
+        self.delta_dtype = None if delta == dtype else delta
         self.lora_modules = model_lora_modules(model)
         # The widest pool layout is q/k/v's three parts; every LoRA mask is a prefix of its columns.
         self.col_slots = column_slots(self.num_slots, self.rank, 3, device)
@@ -40,7 +43,9 @@ class ModelRunner:
         # How prefill routes LoRA rows. On cpu, FLOPs dominate and launches are cheap: one
         # shrink/expand per adapter segment. On accelerators, launches dominate: every slot at
         # once, masked (a few wasted FLOPs, no per-segment host loop). Decode is always masked.
-        self.segmented_prefill = devices.device_type(device) == "cpu"
+        # The engine arg lora_backend picks one of the two explicitly.
+        backend = getattr(args, "lora_backend", "auto")
+        self.segmented_prefill = backend == "segmented" or backend == "auto" and devices.device_type(device) == "cpu"
         self.graphs = None
         if args.graphs and spec.kind == "decoder":
             from lora_conformance.engines.builtin.engine.graph_runner import DecodeGraphs
@@ -94,6 +99,7 @@ class ModelRunner:
                 devices.wait_event(self.device, event, compute)
         self._inflight = self._inflight[-2 * self.num_slots:]
 
+    @torch.inference_mode()
     def clear_slot(self, slot: int) -> None:
         """Zero a freed slot in every pool (in stream order with queued work that reads it)."""
         for _, mod in self.lora_modules.values():
@@ -113,7 +119,10 @@ class ModelRunner:
 
     # ---- routing ---------------------------------------------------------------------
     def row_slots(self, seqs: list[Sequence]) -> list[int]:
-        slots = [s.slot for s in seqs]
+        return self.route([s.slot for s in seqs])
+
+    def route(self, slots: list[int]) -> list[int]:
+        """Each row's adapter slot as the LoRA layers read it (-1: base), from the rows' own slots."""
         if self.faults.on("adapter_index_off_by_one"):
             slots = [x + 1 if x >= 0 else x for x in slots]
         if self.faults.on("base_gets_last_adapter"):
@@ -122,41 +131,55 @@ class ModelRunner:
                 slots = [x if x >= 0 else max(used) for x in slots]
         return slots
 
-    def row_slots_for(self, slot: int) -> int:
-        """Fault-aware slot for a single-adapter batch (embeddings)."""
-        return self.row_slots([type("S", (), {"slot": slot})()])[0]
+    def embed_row_slots(self, slots: list[int]) -> list[int]:
+        """route() for an embedding batch, one slot per text."""
+        rows = self.route(slots)
+        if self.faults.on("embedding_adapter_misrouted") and rows:
+            rows = rows[1:] + rows[:1]  # each text gets the next text's adapter
+        return rows
 
     def lora_batch(self, token_slots: torch.Tensor, segments) -> LoraBatch:
         return LoraBatch.build(token_slots, self.num_slots, self.dtype, segments,
-                               fp16=self.faults.on("lora_fp16"), times=2 if self.faults.on("delta_twice") else 1,
+                               delta_dtype=self.delta_dtype, times=2 if self.faults.on("delta_twice") else 1,
                                col_slots=self.col_slots, col_rank=self.rank)
 
     def _t(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     # ---- prefill -----------------------------------------------------------------------
+    def prefill_slots(self, seqs: list[Sequence]) -> list[int]:
+        slots = self.row_slots(seqs)
+        if self.faults.on("chunk_continuation_drops_adapter"):  # a chunk after the prompt's first: base
+            slots = [-1 if s.num_computed > s.num_cached else x for s, x in zip(seqs, slots)]
+        return slots
+
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> dict[int, StepOutput]:
-        seqs = sorted(seqs, key=lambda s: s.slot)  # contiguous per-adapter segments (SGMV)
+        """Compute each sequence's tokens [num_computed, chunk_end). The chunk that ends the
+        sequence samples its next token; prompt-logprob rows come from every chunk."""
+        # contiguous per-adapter segments (SGMV); variant reverse: in the opposite order
+        seqs = sorted(seqs, key=lambda s: s.slot, reverse=self.args.variant.on("reverse"))
         bs = self.block_size
         ids, pos, smap, tok_slots, q_lens, ctx_lens, logit_rows = [], [], [], [], [], [], []
         q_index, out_index = [], []
-        slots = self.row_slots(seqs)
-        Lq = max(len(s) - s.num_cached for s in seqs)
+        slots = self.prefill_slots(seqs)
+        Lq = max(s.chunk_end - s.num_computed for s in seqs)
         for b, (s, slot) in enumerate(zip(seqs, slots)):
-            start, toks = s.num_cached, s.tokens
-            n = len(toks) - start
+            start, end, toks = s.num_computed, s.chunk_end, s.tokens
+            n = end - start
             t0 = len(ids)
-            ids += toks[start:]
-            pos += range(start, len(toks))
-            smap += [s.block_table[p // bs] * bs + p % bs for p in range(start, len(toks))]
+            ids += toks[start:end]
+            pos += range(start, end)
+            smap += [s.block_table[p // bs] * bs + p % bs for p in range(start, end)]
             tok_slots += [slot] * n
             q_lens.append(n)
-            ctx_lens.append(len(toks))
+            ctx_lens.append(end)
             q_index.append(list(range(t0, t0 + n)) + [-1] * (Lq - n))
             out_index += [b * Lq + i for i in range(n)]
-            want_prompt = s.want_prompt_logprobs and s.prompt_logprobs is None
-            logit_rows += list(range(t0, t0 + n)) if want_prompt else [t0 + n - 1]
+            if self._want_prompt(s):
+                logit_rows += range(t0, t0 + n)
+            elif end == len(toks):
+                logit_rows.append(t0 + n - 1)
         T = len(ids)
         q_index = [[T if i < 0 else i for i in row] for row in q_index]
         W = max(len(s.block_table) for s in seqs)
@@ -164,26 +187,37 @@ class ModelRunner:
         ctx_t, q_t = self._t(ctx_lens), self._t(q_lens)
         meta = AttentionMetadata(self._t(smap), self._t(tables), self._t(q_index), self._t(out_index),
                                  additive_mask(build_mask(ctx_t, q_t, Lq, W * bs), self.dtype))
+        seg = self.segmented_prefill
+        if not seg and self.faults.on("masked_prefill_padded_rows"):  # packed row t read as padded row t // Lq
+            tok_slots = [slots[min(t // Lq, len(seqs) - 1)] for t in range(T)]
         slots_t = self._t(tok_slots)
         rows_t = self._t(logit_rows)
-        seg = self.segmented_prefill
         lora = self.lora_batch(slots_t, segments_of(tok_slots) if seg else None)
         row_slot_list = [tok_slots[r] for r in logit_rows]
         lora_logits = lora.rows(rows_t, segments_of(row_slot_list) if seg else None)
         logits = self.model(self._t(ids), self._t(pos), meta, lora, rows_t, lora_logits)
         k = max(max(s.top_k for s in seqs), 1)
-        nxt, top_ids, top_lp = greedy_with_topk(logits, k)
-        top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
+        top_ids, top_lp = [], []
+        if logit_rows:
+            _, top_ids, top_lp = greedy_with_topk(logits, k)
+            top_ids, top_lp = top_ids.tolist(), top_lp.tolist()
         out: dict[int, StepOutput] = {}
         r = 0
         for s in seqs:
-            want_prompt = s.want_prompt_logprobs and s.prompt_logprobs is None
-            n = len(s) - s.num_cached if want_prompt else 1
+            final = s.chunk_end == len(s)
+            want_prompt = self._want_prompt(s)
+            n = s.chunk_end - s.num_computed if want_prompt else int(final)
             rows = [list(zip(top_ids[r + i][: s.top_k], top_lp[r + i][: s.top_k])) for i in range(n)]
-            last = r + n - 1
-            out[s.seq_id] = (top_ids[last][0], rows[-1], rows[:-1] if want_prompt else None)
+            if final:
+                out[s.seq_id] = (top_ids[r + n - 1][0], rows[-1], rows[:-1] if want_prompt else None)
+            else:  # a chunk of a longer prefill: nothing sampled yet
+                out[s.seq_id] = (None, None, rows if want_prompt else None)
             r += n
         return out
+
+    @staticmethod
+    def _want_prompt(s: Sequence) -> bool:
+        return s.want_prompt_logprobs and s.prompt_logprobs is None
 
     # ---- decode ------------------------------------------------------------------------
     def decode_inputs(self, seqs: list[Sequence]):

@@ -11,8 +11,9 @@ from torch import nn
 from lora_conformance.engines.base import UnsupportedFeatureError
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict], exponent_dim: int = 0) -> torch.Tensor:
+    """``exponent_dim``: the dimension in theta's exponent (0: head_dim; fault rotary_assumes_head_dim_64)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / (exponent_dim or head_dim)))
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if kind == "default":
         return inv
@@ -37,9 +38,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict]) ->
 class RotaryEmbedding(nn.Module):
     """cos/sin tables; ``lookup`` once per forward, ``apply`` per layer (three kernels for q and k)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict], max_len: int, device, dtype):
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict], max_len: int, device, dtype,
+                 faults=None):
         super().__init__()
-        inv = inverse_frequencies(head_dim, theta, scaling).to(device)
+        wrong = faults is not None and faults.on("rotary_assumes_head_dim_64")
+        inv = inverse_frequencies(head_dim, theta, scaling, 64 if wrong else 0).to(device)
         pos = torch.arange(max_len, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv)  # exact products, as HF's (d,1)@(1,L) matmul
         emb = torch.cat([freqs, freqs], dim=-1)

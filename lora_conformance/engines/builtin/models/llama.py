@@ -145,7 +145,8 @@ class CausalLM(nn.Module):
         self.lora_ctx = LoraContext()
         self.model = DecoderBody(spec, self.lora_ctx, faults)
         self.lm_head = LoraLinear(spec.hidden_size, spec.vocab_size, False, self.lora_ctx)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, device, dtype)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, device, dtype,
+                                      faults)
         self.kv_caches: list[torch.Tensor] = []  # per layer (num_blocks, block_size, 2, KVH, D)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, lora: Optional[LoraBatch],

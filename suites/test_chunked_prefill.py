@@ -1,0 +1,73 @@
+"""Chunked prefill: prompts longer than the prefill chunk, adapters changing inside chunks and at
+chunk boundaries, mixed with base rows. Every row (prompt logprobs and decode) must match its own
+isolated reference: a chunk that continues a prompt must run with that prompt's adapter and see
+the KV its earlier chunks wrote.
+"""
+
+import pytest
+
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.types import GenerationRequest
+
+register_cpu_ci(est_time=15, suite="per-commit")
+register_cuda_ci(est_time=10, suite="per-commit")
+register_xpu_ci(est_time=20, suite="per-commit")
+
+pytestmark = pytest.mark.requires("mixed_batch", "prompt_logprobs")
+
+LABELS = ["A", None, "B", "A", None]
+
+
+def long_prompts(lora, n=len(LABELS)):
+    """Six default prompts joined (about 60 tokens): several chunks each at the chunk sizes below."""
+    ps = lora.prompts
+    return [" ".join(ps[(3 * i + j) % len(ps)] for j in range(6)) for i in range(n)]
+
+
+def requests(prompts, labels):
+    return [GenerationRequest(prompt=p, adapter=a, max_new_tokens=10, prompt_logprobs=True)
+            for p, a in zip(prompts, labels)]
+
+
+def check(lora, engine, reqs, label, spanning=None):
+    """``spanning``: the requests whose prompts must span three chunks (default: all)."""
+    for name in {r.adapter for r in reqs if r.adapter}:
+        lora.load(engine, name)
+    refs = lora.reference(reqs)
+    lora.assert_adapter_visible(refs, reqs, label=f"{label}: adapters vs base")
+    chunk = int(engine.args.get("chunked_prefill_size", 0) or 0)
+    lengths = [len(r.prompt_token_ids) for r in refs]
+    spanning = range(len(reqs)) if spanning is None else spanning
+    assert all(lengths[i] > 2 * chunk for i in spanning), (
+        f"{label}: prompts {list(spanning)} must span three chunks of {chunk} tokens; prompt lengths {lengths} "
+        "(suite defect: lengthen them)")
+    lora.assert_matches_reference(engine.generate(reqs), refs, reqs, label=label)
+
+
+@pytest.mark.feature("chunked_prefill/long_prompts_match_reference",
+                     "prompts longer than the prefill chunk, mixed adapters and base rows, match the reference",
+                     requires=("chunked_prefill",))
+@pytest.mark.parametrize("chunk", [16, 13])
+def test_long_prompts_match_reference(lora, device, dtype, chunk):
+    """16: chunks on KV-block boundaries; 13: chunks that end inside a block."""
+    engine = lora.fresh_engine(chunked_prefill_size=chunk)
+    reqs = requests(long_prompts(lora), LABELS)
+    check(lora, engine, reqs, f"chunk {chunk}")
+
+
+@pytest.mark.feature("chunked_prefill/adapter_changes_at_chunk_boundary",
+                     "a chunk boundary falls where one request's prompt ends and another adapter's begins",
+                     requires=("chunked_prefill",))
+@pytest.mark.parametrize("first", ["A", None])
+def test_adapter_changes_at_chunk_boundary(lora, device, dtype, first):
+    """The chunk size is the first prompt's exact token count: an engine that packs prompts in
+    request order ends its first chunk exactly where the next request (another adapter) starts,
+    and later boundaries fall inside prompts of other lengths."""
+    labels = [first, "B", None if first else "A", "B"]
+    # A short first prompt (one default prompt) sets the chunk; the later ones span several chunks.
+    prompts = [lora.prompts[5]] + long_prompts(lora, len(labels) - 1)
+    probe = lora.reference(requests(prompts[:1], labels[:1]))[0]
+    chunk = len(probe.prompt_token_ids)
+    engine = lora.fresh_engine(chunked_prefill_size=chunk)
+    check(lora, engine, requests(prompts, labels), f"chunk {chunk} (first = {first or 'base'})",
+          spanning=range(1, len(labels)))

@@ -1,0 +1,120 @@
+"""In-flight lifecycle: adapters loaded, unloaded and reloaded while requests run (``Engine.submit``).
+
+A request is served entirely by the weights its adapter name had when it was submitted: an
+unload or a reload of that name must wait for it (SGLang drains) or be refused with
+``AdapterInUseError``, never swap weights under it; loading another name meanwhile must not
+disturb it. Each test waits until the running requests have produced their first token, so the
+change lands while they run; their generations are long enough (48 steps) that they do.
+"""
+
+import threading
+
+import pytest
+
+from lora_conformance.adapters import AdapterSpec
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.engines import AdapterInUseError
+
+register_cpu_ci(est_time=20, suite="per-commit")
+register_cuda_ci(est_time=10, suite="per-commit")
+register_xpu_ci(est_time=20, suite="per-commit")
+
+pytestmark = pytest.mark.requires("dynamic_loading", "mixed_batch")
+
+STEPS = 48
+TIMEOUT = 300.0
+SPECS = {"A": AdapterSpec(seed=9), "B": AdapterSpec(seed=19)}
+
+
+def long_requests(lora, labels, offset=0):
+    return lora.requests(labels, prompts=lora.prompts[offset:] + lora.prompts[:offset], max_new_tokens=STEPS)
+
+
+def start(lora, engine, reqs):
+    handle = engine.submit(reqs)
+    assert handle.wait_started(TIMEOUT), f"submitted requests produced no token within {TIMEOUT} s"
+    return handle
+
+
+def change_while_running(handle, change, what):
+    """Run ``change`` (a load / unload of a name the handle's requests use): it must wait for them or
+    refuse with AdapterInUseError (then it is retried once they are done). Returns how it went."""
+    try:
+        change()
+    except AdapterInUseError:
+        handle.result(TIMEOUT)
+        change()
+        return "refused"
+    assert handle.done(), (f"{what} returned while requests using the adapter were still running: it must wait "
+                           "for them or raise AdapterInUseError")
+    return "waited"
+
+
+@pytest.mark.feature("inflight_lifecycle/unload_while_requests_run",
+                     "unloading an adapter that running requests use waits for them or is refused; they keep its weights",
+                     requires=("inflight_lifecycle",))
+def test_unload_while_requests_run(lora, device, dtype):
+    engine = lora.fresh_engine()
+    lora.load(engine, "X", SPECS["A"])
+    running_reqs = long_requests(lora, ["X", None, "X"])
+    running = start(lora, engine, running_reqs)
+    change_while_running(running, lambda: engine.unload_adapter("X"), "unload_adapter('X')")
+    assert "X" not in engine.list_adapters(), f"X still listed after unload: {engine.list_adapters()}"
+    # The slot X used is free now: another adapter moves in and serves at once.
+    lora.load(engine, "Y", SPECS["B"])
+    after_reqs = long_requests(lora, ["Y", "Y"], offset=3)
+    after = engine.submit(after_reqs)
+    lora.assert_matches_reference(running.result(TIMEOUT), lora.reference(running_reqs, {"X": SPECS["A"]}),
+                                  running_reqs, label="requests running across the unload (X = A)")
+    lora.assert_matches_reference(after.result(TIMEOUT), lora.reference(after_reqs, {"Y": SPECS["B"]}),
+                                  after_reqs, label="requests after the unload (Y = B)")
+
+
+@pytest.mark.feature("inflight_lifecycle/reload_while_requests_run",
+                     "reloading a name that running requests use never serves them the new weights",
+                     requires=("inflight_lifecycle",))
+def test_reload_while_requests_run(lora, device, dtype):
+    engine = lora.fresh_engine()
+    lora.load(engine, "X", SPECS["A"])
+    old_reqs = long_requests(lora, ["X", None, "X"])
+    refs_old = lora.reference(old_reqs, {"X": SPECS["A"]})
+    lora.assert_adapter_visible(refs_old, old_reqs, label="X = A vs base",
+                                others=lora.reference(old_reqs, {"X": SPECS["B"]}))
+    old = start(lora, engine, old_reqs)
+    change_while_running(old, lambda: lora.load(engine, "X", SPECS["B"]), "load_adapter('X') over X")
+    new_reqs = long_requests(lora, ["X", "X"], offset=5)
+    new = engine.submit(new_reqs)
+    lora.assert_matches_reference(old.result(TIMEOUT), refs_old, old_reqs,
+                                  label="requests running across the reload (X = A)")
+    lora.assert_matches_reference(new.result(TIMEOUT), lora.reference(new_reqs, {"X": SPECS["B"]}), new_reqs,
+                                  label="requests after the reload (X = B)")
+
+
+@pytest.mark.feature("inflight_lifecycle/concurrent_submissions_match_reference",
+                     "requests submitted from several threads, while another adapter loads, match the reference",
+                     requires=("inflight_lifecycle",))
+def test_concurrent_submissions_match_reference(lora, device, dtype):
+    engine = lora.fresh_engine()
+    lora.load(engine, "A", SPECS["A"])
+    groups = [long_requests(lora, labels, offset=i) for i, labels in enumerate([["A", None], [None, "A"], ["A"]])]
+    handles, errors = [None] * len(groups), []
+
+    def submit(i):
+        try:
+            handles[i] = engine.submit(groups[i])
+        except Exception as exc:  # reported below, with the group
+            errors.append((i, exc))
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(groups))]
+    for t in threads:
+        t.start()
+    lora.load(engine, "B", SPECS["B"])  # a new name while the others run
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not errors, f"submit from a thread failed: {errors}"
+    late = long_requests(lora, ["B", "A"], offset=7)
+    groups.append(late)
+    handles.append(engine.submit(late))
+    for i, (reqs, handle) in enumerate(zip(groups, handles)):
+        lora.assert_matches_reference(handle.result(TIMEOUT), lora.reference(reqs, SPECS), reqs,
+                                      label=f"submission {i}")
