@@ -44,6 +44,9 @@ def fuzz_engine(name, model, good, device, budget, seed_value):
         with tempfile.TemporaryDirectory() as tmp:
             outcome, detail = try_input(engine, before, apply_mutations(good, Path(tmp) / "f", ops))
         counts[outcome] += 1
+        if sum(counts.values()) % 50 == 0:  # progress, so a long run that is cut short still says something
+            print(f"[{name}] {sum(counts.values())} tried: " + ", ".join(f"{o} {counts[o]}" for o in OUTCOMES),
+                  flush=True)
         if outcome in ("damaged", "untyped") and len(examples[outcome]) < 5:
             examples[outcome].append((ops, detail))
 

@@ -143,7 +143,7 @@ def test_peft_failed_reload_keeps_the_old_adapter(llama, adapters, tmp_path, no_
     _same(before, engine.generate(probe_requests([None, "X"])), "after a failed reload")
 
 
-def test_validated_adapter_is_needed_for_peft_nan(llama, adapters, tmp_path):
+def test_peft_refuses_non_finite_weights(llama, adapters, tmp_path):
     engine = create_engine("peft", llama, "cpu", "float32", {})
     err = _refused(engine, "N", make_malformed("inf_value", adapters["A"], tmp_path / "n", 64))
     assert "non-finite" in str(err)

@@ -293,7 +293,7 @@ def check_tensors(tensors: dict, f: Path, cfg: dict, base: BaseShapes, max_rank:
         if expert is None and rank != want_r:
             bad(field, f"{want_r} in {f.parent / CONFIG}, but {ka} has rank {rank}")
         if max_rank is not None and rank > max_rank:
-            bad(field, f"rank {rank} of {hf_mod} exceeds this engine's max_rank={max_rank}")
+            bad(field, f"rank {rank} of {hf_mod} ({field} in {CONFIG}) exceeds this engine's max_rank={max_rank}")
 
 
 def _check_other(key: str, mod: str, t, base: BaseShapes, bad) -> None:

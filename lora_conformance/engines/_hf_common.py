@@ -87,6 +87,8 @@ def read_adapter_info(path: Path) -> AdapterInfo:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as exc:
         raise AdapterIncompatibleError(f"{cfg_file}: unreadable adapter config ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterIncompatibleError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterIncompatibleError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
     r = int(cfg.get("r", 8))

@@ -1,8 +1,7 @@
 """Read a PEFT LoRA adapter directory into host tensors packed for the slot pool.
 
-Validation happens here, once, with errors that name the adapter path and the field:
-unsupported features (DoRA, modules_to_save, bias) -> UnsupportedFeatureError; rank above
-max_rank, unknown target modules, shape mismatches -> AdapterIncompatibleError.
+Format is checked first by the shared validator (adapters/validate.py: AdapterFormatError naming
+file and field); then unsupported features (DoRA, modules_to_save, bias) -> UnsupportedFeatureError.
 """
 
 from __future__ import annotations
