@@ -49,6 +49,12 @@ CATCHERS: dict[str, list[str]] = {
 EXTRA_ARGS: dict[str, list[str]] = {"graph_stale_indices": ["--engine-arg", "graphs=1"]}
 
 
+# Faults shown caught on cpu only so far: their README row says so until the GPU run (the lead's
+# `bash bench/gpu_validation.sh suites`) has shown them there too; then remove them here.
+NOT_YET_SHOWN_ON_GPU: set[str] = {"chunk_continuation_drops_adapter", "inflight_no_drain", "rotary_assumes_head_dim_64",
+                                  "masked_prefill_padded_rows"}
+
+
 # Known gaps in detection power, measured, with the reason (the test still runs up to here).
 UNCAUGHT: dict[str, str] = {}
 

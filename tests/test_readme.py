@@ -27,12 +27,14 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_readme_fault_table_is_the_detection_test_data():
-    from test_detection_power import CATCHERS
+    from test_detection_power import CATCHERS, NOT_YET_SHOWN_ON_GPU
 
     from lora_conformance.engines.builtin.faults import DEVICE_ONLY_FAULTS, DTYPE_ONLY_FAULTS, FAULTS
 
     for fault in FAULTS:
         catch = ", ".join(f"`{c.replace('test_', '', 1).replace('.py::test_', '::')}`" for c in CATCHERS[fault])
         where = f"GPU ({DEVICE_ONLY_FAULTS[fault]})" if fault in DEVICE_ONLY_FAULTS else "cpu, GPU"
+        if fault in NOT_YET_SHOWN_ON_GPU:
+            where = "cpu (GPU not yet run)"
         where += "; " + ", ".join(DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS else ("float32", "bfloat16"))
         assert f"| `{fault}` | {FAULTS[fault]} | {catch} | {where} |" in README, f"README row for {fault}"
