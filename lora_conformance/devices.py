@@ -118,6 +118,10 @@ def resolve_device(spec: str, worker_index: Optional[int] = None) -> str:
     return f"{dev.type}:{index}"
 
 
+# Device types OpenVINO serves besides cpu (its engine maps them onto GPU / NPU plugins).
+OPENVINO_DEVICE_TYPES = ("xpu", "gpu", "npu")
+
+
 def device_type(device: str) -> str:
     return device.split(":", 1)[0]
 

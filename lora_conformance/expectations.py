@@ -1,22 +1,33 @@
-"""Expectation files: known engine failures as data, matched by test-id prefix.
+"""Expectation files: known engine failures as data, matched by feature id.
 
 A vendor keeps one TOML file per engine (and device type), in the style of array-api-tests'
 skips/xfails files and ONNX backend-test filters::
 
     # ---- prompt logprobs with LoRA in multi-request batches (vLLM CPU) ----
     [[expect]]
-    id = "suites/test_logprobs.py::test_prompt_logprobs[mixed"
+    feature = "accuracy/prefill_logprobs_with_adapter"   # a suite test's feature id (its marker)
+    # case = "bfloat16"       # optional: only these parametrisations (see below)
     status = "xfail"          # "xfail" (strict: an unexpected pass fails) or "skip" (not run)
     # strict = false          # optional, xfail only: the failure depends on engine state
     reason = "LogitsProcessorWithLoRA indexes prompt rows per request"
     link = "https://github.com/vllm-project/vllm/issues/NNNN"   # or ""
 
-Matching: an entry applies to every collected test whose node id equals ``id`` or starts
-with it at a boundary (the id ends with ``/ : [ - ]``, or the next character of the node
-id is one of ``/ : [ -``), so ``...::test_x`` never catches ``...::test_x_other``.
-When several entries match, the longest id wins. Entries matching nothing are reported
-(a pytest warning and a terminal-summary line) when their file was part of the run or
-does not exist, so stale entries surface without noise from partial runs.
+Matching: ``feature`` names the feature a test certifies (``@pytest.mark.feature(id, ...)``;
+a test without the marker has the id its report row has, ``suite/function``), so renaming
+a test function renames nothing. ``case`` narrows it to the parametrisations whose id
+(``cpu-bfloat16-A``, what pytest shows in brackets) is ``case`` or holds it as a run of
+whole ``-``-separated parts: ``case = "bfloat16"`` matches ``cpu-bfloat16`` and
+``cpu-bfloat16-A``, never ``cpu-bfloat16x``. An entry with a case beats one without.
+
+Deprecated, still working: ``id = "<node-id prefix>"`` instead of ``feature``. It applies
+to every collected test whose node id equals ``id`` or starts with it at a boundary (the id
+ends with ``/ : [ - ]``, or the next character of the node id is one of ``/ : [ -``); the
+longest id wins; each such entry that matches draws an ``ExpectationNodeIdDeprecationWarning``
+naming the ``feature`` (and ``case``) to write instead. A feature entry beats an id entry.
+
+Entries matching nothing are reported (a pytest warning and a terminal-summary line) when
+their suite was part of the run (an ``id`` entry: its file was, or does not exist), so stale
+entries surface without noise from partial runs.
 
 Which file: ``--expectations FILE`` (or LORA_CONFORMANCE_EXPECTATIONS / the ini key);
 otherwise the packaged ``expectations/<engine>-<device type>.toml`` if present, else
@@ -35,7 +46,7 @@ from typing import Any, Optional
 import pytest
 
 STATUSES = ("xfail", "skip")
-FIELDS = ("id", "status", "reason", "link", "strict")
+FIELDS = ("feature", "case", "id", "status", "reason", "link", "strict")
 PACKAGED_DIR = Path(__file__).parent / "expectations"
 _BOUNDARY_END = "/:[-]"
 _BOUNDARY_NEXT = "/:[-"
@@ -45,9 +56,13 @@ class UnmatchedExpectationWarning(pytest.PytestWarning):
     """An expectation entry matched no collected test (stale or misspelled id)."""
 
 
+class ExpectationNodeIdDeprecationWarning(pytest.PytestDeprecationWarning):
+    """An entry matched by node-id prefix (``id = ...``): write ``feature = ...`` (+ ``case``) instead."""
+
+
 @dataclass(frozen=True)
 class Expectation:
-    id: str
+    id: str  # deprecated node-id prefix; "" for a feature entry
     status: str
     reason: str
     link: str
@@ -55,16 +70,66 @@ class Expectation:
     # xfail only: False for a failure that depends on engine state (an unexpected pass is reported,
     # not failed). Default True.
     strict: bool = True
+    feature: str = ""  # a feature id (suite/name)
+    case: str = ""  # optional, with feature: a parametrisation id or a run of its '-'-separated parts
 
-    def matches(self, nodeid: str) -> bool:
+    @property
+    def key(self) -> tuple[str, ...]:
+        return ("feature", self.feature, self.case) if self.feature else ("id", self.id)
+
+    @property
+    def label(self) -> str:
+        if not self.feature:
+            return self.id
+        return self.feature + (f" [case {self.case}]" if self.case else "")
+
+    def matches_nodeid(self, nodeid: str) -> bool:
+        if not self.id:
+            return False
         if nodeid == self.id:
             return True
         if not nodeid.startswith(self.id):
             return False
         return self.id[-1] in _BOUNDARY_END or nodeid[len(self.id)] in _BOUNDARY_NEXT
 
+    def matches(self, nodeid: str, feature: str = "", case: str = "") -> bool:
+        """Does this entry apply to a test with this node id, feature id and parametrisation id?"""
+        if not self.feature:
+            return self.matches_nodeid(nodeid)
+        return feature == self.feature and (not self.case or case_matches(self.case, case))
+
+    def rank(self) -> tuple[int, int]:
+        """Specificity: feature + case > feature > node id; then the longer case or id."""
+        if self.feature:
+            return (2 if self.case else 1, len(self.case))
+        return (0, len(self.id))
+
     def describe(self) -> str:
         return f"expected: {self.reason}" + (f" ({self.link})" if self.link else "")
+
+
+def case_matches(wanted: str, param_id: str) -> bool:
+    """``wanted`` is the parametrisation id or a run of its whole '-'-separated parts."""
+    if not param_id:
+        return False
+    if wanted == param_id:
+        return True
+    parts, want = param_id.split("-"), wanted.split("-")
+    return any(parts[i:i + len(want)] == want for i in range(len(parts) - len(want) + 1))
+
+
+def item_feature_and_case(item: Any) -> tuple[str, str]:
+    """(feature id, parametrisation id) of a collected item: its marker's id, else ``suite/function``."""
+    from lora_conformance.features import FeatureMarkerError, feature_of_item
+    from lora_conformance.report.verify import feature_of
+
+    try:
+        feature = feature_of_item(item)
+    except FeatureMarkerError:
+        feature = None  # the lora-conformance plugin reports it as a usage error
+    fid = feature.id if feature is not None else feature_of(item.nodeid)[1]
+    callspec = getattr(item, "callspec", None)
+    return fid, (callspec.id if callspec is not None else "")
 
 
 def _bad(path: Path, where: str, problem: str) -> pytest.UsageError:
@@ -75,7 +140,9 @@ def load_expectations(path: Path) -> list[Expectation]:
     """Parse and validate a file; every problem is a UsageError naming file, entry and field."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise pytest.UsageError(f"expectations file {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise pytest.UsageError(f"expectations file {path}: cannot be read ({exc.strerror or exc})") from None
     except tomllib.TOMLDecodeError as exc:
@@ -87,25 +154,42 @@ def load_expectations(path: Path) -> list[Expectation]:
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise _bad(path, "top level", "'expect' must be an array of tables, written [[expect]]")
     out: list[Expectation] = []
-    seen: dict[str, int] = {}
+    seen: dict[tuple[str, ...], int] = {}
     for i, raw in enumerate(entries, start=1):
-        out.append(_entry(path, i, raw))
-        if out[-1].id in seen:
-            raise _bad(path, f"entry {i}", f"field 'id': {out[-1].id!r} repeats entry {seen[out[-1].id]}")
-        seen[out[-1].id] = i
+        e = _entry(path, i, raw)
+        if e.key in seen:
+            field = "feature' and 'case" if e.case else ("feature" if e.feature else "id")
+            raise _bad(path, f"entry {i}", f"field '{field}': {e.label!r} repeats entry {seen[e.key]}")
+        seen[e.key] = i
+        out.append(e)
     return out
 
 
 def _entry(path: Path, i: int, raw: dict[str, Any]) -> Expectation:
+    from lora_conformance.features import FEATURE_ID
+
     where = f"entry {i}"
     unknown = sorted(set(raw) - set(FIELDS))
     if unknown:
         raise _bad(path, where, f"unknown field(s) {', '.join(unknown)}; expected fields: {', '.join(FIELDS)}")
-    for field in ("id", "status", "reason"):
+    if ("feature" in raw) == ("id" in raw):
+        raise _bad(path, where, "expected exactly one of 'feature' (a feature id, suite/name) and 'id' "
+                                f"(a node-id prefix, deprecated); got {'both' if 'id' in raw else 'neither'}")
+    for field in ("feature" if "feature" in raw else "id", "status", "reason"):
         value = raw.get(field)
         if not isinstance(value, str) or not value.strip():
             raise _bad(path, where, f"field {field!r} is {'missing' if value is None else repr(value)}; "
                                     f"expected a non-empty string")
+    feature = raw.get("feature", "").strip()
+    if feature and not FEATURE_ID.match(feature):
+        raise _bad(path, where, f"field 'feature' is {feature!r}; expected a feature id of the form suite/name "
+                                "(lower case letters, digits, '_', '.', '-'), as in the report's rows")
+    case = raw.get("case", "")
+    if "case" in raw and not feature:
+        raise _bad(path, where, "field 'case' goes with 'feature', not with 'id'")
+    if not isinstance(case, str) or ("case" in raw and not case.strip()):
+        raise _bad(path, where, f"field 'case' is {case!r}; expected a parametrisation id such as 'cpu-bfloat16' "
+                                "or a part of it such as 'bfloat16'")
     if raw["status"] not in STATUSES:
         raise _bad(path, where, f"field 'status' is {raw['status']!r}; expected one of {', '.join(STATUSES)}")
     link = raw.get("link", "")
@@ -114,8 +198,8 @@ def _entry(path: Path, i: int, raw: dict[str, Any]) -> Expectation:
     strict = raw.get("strict", True)
     if not isinstance(strict, bool) or (not strict and raw["status"] != "xfail"):
         raise _bad(path, where, f"field 'strict' is {strict!r}; expected true or false (false only with status xfail)")
-    return Expectation(id=raw["id"].strip(), status=raw["status"], reason=raw["reason"].strip(), link=link, index=i,
-                       strict=strict)
+    return Expectation(id=str(raw.get("id", "")).strip(), status=raw["status"], reason=raw["reason"].strip(),
+                       link=link, index=i, strict=strict, feature=feature, case=case.strip())
 
 
 def default_expectations_path(engine: str, device_type: str) -> Optional[Path]:
@@ -139,12 +223,9 @@ class ExpectationsPlugin:
         self.unmatched: list[Expectation] = []
         self.collected = False
 
-    def lookup(self, nodeid: str) -> Optional[Expectation]:
-        best = None
-        for e in self.entries:
-            if e.matches(nodeid) and (best is None or len(e.id) > len(best.id)):
-                best = e
-        return best
+    def lookup(self, nodeid: str, feature: str = "", case: str = "") -> Optional[Expectation]:
+        hits = [e for e in self.entries if e.matches(nodeid, feature, case)]
+        return max(hits, key=Expectation.rank) if hits else None
 
     def pytest_report_header(self, config: pytest.Config) -> str:
         return f"lora-conformance: expectations {self.path} ({len(self.entries)} entries)"
@@ -154,27 +235,46 @@ class ExpectationsPlugin:
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config, items) -> None:
         self.collected = True
         used: set[int] = set()
+        suggestions: dict[int, set[str]] = {}  # id entry -> the feature (and case) lines to write instead
+        suites: set[str] = set()
         for item in items:
-            hits = [e for e in self.entries if e.matches(item.nodeid)]
+            feature, case = item_feature_and_case(item)
+            suites.add(feature.split("/", 1)[0])
+            hits = [e for e in self.entries if e.matches(item.nodeid, feature, case)]
             if not hits:
                 continue
             used.update(e.index for e in hits)
-            e = max(hits, key=lambda h: len(h.id))
+            for e in hits:
+                if not e.feature:  # an id up to the function (or its "[") covers the whole feature
+                    whole = "[" not in e.id.rstrip("[") or not case
+                    suggestions.setdefault(e.index, set()).add(
+                        f'feature = "{feature}"' + ("" if whole else f', case = "{case}"'))
+            e = max(hits, key=Expectation.rank)
             if e.status == "xfail":
                 item.add_marker(pytest.mark.xfail(reason=e.describe(), strict=e.strict))
             else:
                 item.add_marker(pytest.mark.skip(reason=e.describe()))
             self.applied[e.status] += 1
+        for index, lines in sorted(suggestions.items()):
+            e = self.entries[index - 1]
+            warnings.warn(ExpectationNodeIdDeprecationWarning(
+                f"{self.path} entry {index}: id = {e.id!r} matches by node id, which is deprecated; "
+                f"write {' or '.join(sorted(lines))} instead"))
         files = {item.nodeid.split("::", 1)[0] for item in items}
         for e in self.entries:
             if e.index in used:
                 continue
-            file_part = e.id.split("::", 1)[0]
-            in_run = any(f == file_part or f.startswith(file_part.rstrip("/") + "/") for f in files)
-            if in_run or not (config.rootpath / file_part).exists():
+            if e.feature:
+                in_run, exists = e.feature.split("/", 1)[0] in suites, True
+            else:
+                file_part = e.id.split("::", 1)[0]
+                in_run = any(f == file_part or f.startswith(file_part.rstrip("/") + "/") for f in files)
+                exists = (config.rootpath / file_part).exists()
+            if in_run or not exists:
                 self.unmatched.append(e)
                 warnings.warn(UnmatchedExpectationWarning(
-                    f"{self.path} entry {e.index}: id {e.id!r} matches no collected test"
+                    f"{self.path} entry {e.index}: {'feature' if e.feature else 'id'} {e.label!r} "
+                    "matches no collected test"
                 ))
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
@@ -187,4 +287,4 @@ class ExpectationsPlugin:
             f"{len(self.unmatched)} unmatched"
         )
         for e in self.unmatched:
-            tr.write_line(f"  unmatched entry {e.index}: {e.id}")
+            tr.write_line(f"  unmatched entry {e.index}: {e.label}")

@@ -83,9 +83,18 @@ class Harness:
         return {**self.settings.engine_args, **{k: str(v) for k, v in extra.items()}}
 
     def create_engine(self, model_dir: Path, dtype: str, extra: Mapping[str, Any]):
-        from lora_conformance.engines import create_engine
+        """A new engine; an engine that refuses to start with this model, dtype or these args
+        (UnsupportedFeatureError) makes the test *not certified* (cause ``refused``), not failed."""
+        from lora_conformance.engines import UnsupportedFeatureError, create_engine
+        from lora_conformance.outcomes import REFUSED, not_certified
 
-        return create_engine(self.settings.engine, model_dir, self.settings.device, dtype, self.engine_args(extra))
+        args = self.engine_args(extra)
+        try:
+            return create_engine(self.settings.engine, model_dir, self.settings.device, dtype, args)
+        except UnsupportedFeatureError as exc:
+            shown = ", ".join(f"{k}={v}" for k, v in sorted(args.items())) or "no engine args"
+            not_certified(REFUSED, f"engine {self.settings.engine!r} refused to start ({model_dir.name}, {dtype}, "
+                                   f"{shown}): {exc}")
 
     def shared_engine(self, model_dir: Path, dtype: str, extra: Mapping[str, Any] = {}):
         """An engine shared by the tests that ask for the same model, dtype and args."""
@@ -98,10 +107,12 @@ class Harness:
         while len(self._engines) >= MAX_LIVE_ENGINES:
             _, old = self._engines.popitem(last=False)
             old.close()
+        from lora_conformance.outcomes import NotCertified
+
         try:
             engine = self.create_engine(model_dir, dtype, extra)
-        except Exception as exc:
-            self._engine_failures[key] = exc  # do not retry a failing start for every test
+        except (Exception, NotCertified) as exc:  # NotCertified is a pytest skip, a BaseException
+            self._engine_failures[key] = exc  # do not retry a failing start (or a refusal) for every test
             raise
         self._engines[key] = engine
         self._record(engine)
@@ -116,14 +127,11 @@ class Harness:
             }
 
     def missing_capabilities(self, request: pytest.FixtureRequest, needed: Iterable[str]) -> list[str]:
-        from lora_conformance.engines.base import Capability, UnsupportedFeatureError
-        from lora_conformance.outcomes import REFUSED, not_certified
+        from lora_conformance.engines.base import Capability
 
         model_dir = self.model_dir(self.model_spec(_marker_kind(request.node)))
-        try:
-            engine = self.shared_engine(model_dir, _item_dtype(request, self.settings))
-        except UnsupportedFeatureError as exc:
-            not_certified(REFUSED, f"engine refused the model {model_dir.name} needed for {', '.join(needed)}: {exc}")
+        # A refusal to start with this model (UnsupportedFeatureError) is raised as not certified.
+        engine = self.shared_engine(model_dir, _item_dtype(request, self.settings))
         return [c for c in needed if Capability.parse(c) not in engine.capabilities]
 
     def discard_engines(self) -> None:
@@ -152,6 +160,28 @@ def _item_dtype(request: pytest.FixtureRequest, settings: Settings) -> str:
     if callspec is not None and "dtype" in callspec.params:
         return callspec.params["dtype"]
     return settings.dtype
+
+
+# ---- the engine's declared limits ------------------------------------------------------
+
+
+def tests_eviction(node: pytest.Item) -> bool:
+    """The test certifies eviction past ``max_loaded_loras`` (it requires ``max_loaded``): loading
+    more adapters than the engine holds is then the point, not a mistake."""
+    from lora_conformance.features import required_capabilities
+
+    return "max_loaded" in required_capabilities(node)
+
+
+def check_loaded_limit(engine, needed: int, evicting: bool = False) -> None:
+    """Not certified (outcomes.LIMIT) when a test needs more adapters loaded at once than the
+    engine's declared ``max_loaded_loras``: on such an engine the test would fail for its own
+    reason, not the engine's. ``evicting``: the test is about evicting past the limit."""
+    from lora_conformance.outcomes import limit_too_small
+
+    allowed = engine.limits.max_loaded_loras
+    if needed > allowed and not evicting:
+        limit_too_small("loaded adapters", needed, allowed)
 
 
 AdapterRef = Union[str, Path, Any]  # a DEFAULT_ADAPTERS name, a PEFT directory, or an AdapterSpec
@@ -203,11 +233,18 @@ class TestContext:
         return self.harness.adapter_path(self.model_dir, ref)
 
     def load(self, engine, name: str, ref: Optional[AdapterRef] = None, pinned: bool = False) -> Path:
-        """Load adapter ``ref`` (default: the default adapter called ``name``) as ``name``."""
+        """Load adapter ``ref`` (default: the default adapter called ``name``) as ``name``.
+        Past the engine's ``max_loaded_loras`` the test is not certified (check_loaded_limit)."""
         path = self.adapter_path(name if ref is None else ref)
+        self.require_loaded(engine, len(set(engine.list_adapters()) | {name}))
         engine.load_adapter(name, path, pinned=pinned)
         self._loaded.append((engine, name))
         return path
+
+    def require_loaded(self, engine, needed: int) -> None:
+        """The test needs ``needed`` adapters loaded at once on ``engine``: not certified when
+        the engine holds fewer, unless the test is about eviction past that limit."""
+        check_loaded_limit(engine, needed, tests_eviction(self.request.node))
 
     # ---- requests, references, comparisons ---------------------------------------------
 
@@ -267,17 +304,67 @@ class TestContext:
             f"(prefill {tol.prefill_atol}, decode {tol.decode_atol}) for every request: this test could not tell "
             "an engine that ignores them from a correct one (suite defect: strengthen the adapter)")
 
+    def note(self, text: str) -> None:
+        """A remark the report shows beside this test's verdict (what the test could not establish)."""
+        self.request.node.user_properties.append(("lora_note", text))
+
+    def assert_conforms(self, engine, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef] = {},
+                        prompts: Optional[Sequence[str]] = None, *, alternatives: Optional[Mapping] = None,
+                        routing: bool = True, free_running: bool = True, certify_modules: bool = False,
+                        others: Mapping[str, AdapterRef] = {}, label: str = "") -> list:
+        """The paired, teacher-forced verdict (``lora_conformance.conformance``): for each adapter label,
+        the engine's effect (adapter minus base, both from the engine) must match the reference's and be
+        nearest the correct hypothesis among the alternatives (default: ``hypotheses.standard`` and,
+        with ``routing``, "served as" each other adapter of the test). Requests are made in the order of
+        ``labels`` (None = a base row), so a test's batch composition is what the engine sees.
+        ``free_running`` adds the greedy decode check (tie-aware tokens, ROUGE-L): the decode path.
+        Every alternative must be separable at this dtype (else a suite defect), except single
+        modules dropped, which only ``certify_modules`` tests must separate (elsewhere they are
+        judged where separable and reported otherwise). ``others`` names adapters no request uses
+        that each row might wrongly get (old weights of a reloaded name): "served as" alternatives.
+        Returns the analyses; raises SuiteDefectError when the test cannot separate a hypothesis."""
+        from lora_conformance import conformance
+        from lora_conformance.compare.effects import assert_effects_conform
+
+        names = [n for n in dict.fromkeys(labels) if n]
+        paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
+        paths.update({n: self.adapter_path(ref) for n, ref in others.items()})
+        ps = list(prompts or self.prompts)
+        row_prompts = [ps[i % len(ps)] for i in range(len(labels))]
+        alts = dict(alternatives) if alternatives is not None else conformance.default_alternatives(
+            labels, paths, routing, extra=list(others))
+        plan = conformance.Plan(list(labels), row_prompts, paths, alts,
+                                conformance.required_hypotheses(alts, certify_modules))
+        runner = self.harness.reference(self.model_dir)
+        analyses = conformance.run(plan, engine, runner, self.tolerance)
+        import json
+
+        self.request.node.user_properties.append(
+            ("lora_effects", json.dumps([a.as_evidence() for a in analyses], default=str)))
+        assert_effects_conform(analyses, label=label or ", ".join(names) or "base")
+        if free_running:
+            from dataclasses import replace
+
+            tol = self.tolerance
+            gross = replace(tol, decode_atol=max(tol.decode_atol, tol.free_running_atol),
+                            tie_margin=max(tol.tie_margin, tol.free_running_atol))
+            reqs = self.requests(list(labels), prompts=ps)
+            self.assert_matches_reference(engine.generate(reqs), self.reference(reqs, {**adapters, **others}), reqs,
+                                          label=label, tolerance=gross)
+        return analyses
+
     def assert_matches_reference(self, outputs: Sequence[GenerationResult], references: Sequence[GenerationResult],
-                                 requests: Sequence[GenerationRequest], label: str = "") -> None:
+                                 requests: Sequence[GenerationRequest], label: str = "", tolerance=None) -> None:
         """Logprobs (prefill and decode, tie-aware) and ROUGE-L of every output against its reference."""
         from lora_conformance.compare import assert_logprobs_close, assert_rouge_l
 
         assert len(outputs) == len(references) == len(requests), "one output per request"
         for i, (out, ref, req) in enumerate(zip(outputs, references, requests)):
             what = f"{label + ' ' if label else ''}slot {i} (adapter={req.adapter or 'base'})"
-            agreement = assert_logprobs_close(out, ref, self.tolerance, label=what, decode=self.decode)
+            tol = tolerance or self.tolerance
+            agreement = assert_logprobs_close(out, ref, tol, label=what, decode=self.decode)
             if agreement.tie_at is None:
-                assert_rouge_l(out.text, ref.text, self.tolerance.rouge_l_min, label=what)
+                assert_rouge_l(out.text, ref.text, tol.rouge_l_min, label=what)
 
     def close(self) -> None:
         from lora_conformance.engines.base import EngineError

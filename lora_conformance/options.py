@@ -51,6 +51,8 @@ OPTIONS: tuple[Option, ...] = (
            "(default: the user cache directory)", None),
     Option("lora_refresh_references", "--lora-refresh-references", "recompute cached reference outputs",
            False, is_flag=True),
+    Option("lora_threads", "--lora-threads", "torch intra-op threads per process: a number, or auto (cores // "
+           "pytest-xdist workers; OMP_NUM_THREADS, when set, is then left to torch)", "auto"),
     Option("lora_report", "--lora-report", "write report.json/md/html and badge.svg to this directory", None),
     Option("expectations", "--expectations", "expectations file (test-id prefix -> xfail/skip with reason)", None),
     Option("ci_hw", "--ci-hw", "run only suite files registered for this hardware (cpu, cuda, xpu, npu, ...)", None),

@@ -20,7 +20,11 @@ import pytest
 
 CAPABILITY, LIMIT, REFUSED = "capability", "limit", "refused"
 CAUSES = (CAPABILITY, LIMIT, REFUSED)
-OUTCOME_PROPERTY = "lora_outcome"  # user property carrying {"status": "not certified", "cause", "detail"}
+# User properties the plugin sets on every suite test's reports (JSON strings), read by the report:
+OUTCOME_PROPERTY = "lora_outcome"  # {"status": "not certified", "cause", "detail"}
+FEATURE_PROPERTY = "lora_feature"  # {"id", "description"}: the test's feature marker
+FAILURE_PROPERTY = "lora_failure"  # {"type", "message"}: the exception that failed (or xfailed) the test
+MAX_FAILURE_MESSAGE = 2000
 
 
 class NotCertified(pytest.skip.Exception):  # type: ignore[misc,name-defined]
@@ -35,6 +39,11 @@ class NotCertified(pytest.skip.Exception):  # type: ignore[misc,name-defined]
 
     def as_dict(self) -> dict[str, str]:
         return {"status": "not certified", "cause": self.cause, "detail": self.detail}
+
+
+def failure_facts(exc: BaseException) -> dict[str, str]:
+    """What the report groups failures by: the exception's type and its message (bounded)."""
+    return {"type": type(exc).__name__, "message": str(exc)[:MAX_FAILURE_MESSAGE]}
 
 
 def not_certified(cause: str, detail: str) -> NoReturn:

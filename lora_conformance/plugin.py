@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from lora_conformance import options
+from lora_conformance import options, parallel
 from lora_conformance.devices import SHORTHAND_TYPES
 from lora_conformance.features import MARKER_HELP as FEATURE_MARKER_HELP
 from lora_conformance.settings import SETTINGS_KEY, Settings, default_cache_dir, get_settings
@@ -75,6 +75,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
         "engine_arg": options.parse_engine_args,
         "engine": _check_engine,
         "base_model": _check_base_model,
+        "lora_threads": parallel.parse_threads,
     })
     try:
         device = check_device(r["device"])
@@ -100,6 +101,8 @@ def resolve_settings(config: pytest.Config) -> Settings:
         ci_partition=r["ci_partition"],
         ci_durations=Path(r["ci_durations"]) if r["ci_durations"] else None,
         sources=dict(r.sources),
+        threads=parallel.thread_share(parallel.cpu_cores(), parallel.xdist_workers(config), r["lora_threads"],
+                                      r.source("lora_threads")),
     )
 
 
@@ -142,6 +145,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"lora-conformance: reference={s.reference_device}/{s.reference_dtype} cache={s.cache_dir} "
         f"engine-args={json.dumps(s.engine_args, sort_keys=True)}",
         "lora-conformance: " + " ".join(f"{k}={versions[k]}" for k in ("torch", "transformers", "peft")),
+        f"lora-conformance: processes={parallel.xdist_workers(config)} {s.threads.describe()} per process",
     ]
     non_default = {k: v for k, v in s.sources.items() if v != "default"}
     if non_default:
@@ -213,6 +217,8 @@ def _harness(config: pytest.Config):
         from lora_conformance.harness import Harness
         from lora_conformance.report.recorder import ENV_KEY
 
+        # Before the first engine or reference: a worker gets its share of the cores.
+        parallel.apply_thread_share(get_settings(config).threads)
         environment = config.stash.setdefault(ENV_KEY, {})
         config.stash[HARNESS_KEY] = Harness(get_settings(config), environment)
     return config.stash[HARNESS_KEY]
@@ -283,11 +289,33 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    # Structured facts travel as user properties (JSON strings: they cross from xdist workers):
+    # the feature the test certifies, a not-certified outcome with its cause, and the type and
+    # message of the exception that failed it (for the report's root causes).
+    from lora_conformance.outcomes import FAILURE_PROPERTY, FEATURE_PROPERTY, OUTCOME_PROPERTY
+
+    names = {p[0] for p in item.user_properties if isinstance(p, tuple) and len(p) == 2}
+    if FEATURE_PROPERTY not in names:
+        from lora_conformance.features import FeatureMarkerError, feature_of_item
+
+        try:
+            feature = feature_of_item(item)
+        except FeatureMarkerError:
+            feature = None  # reported as a usage error at collection
+        if feature is not None:
+            item.user_properties.append((FEATURE_PROPERTY, json.dumps(
+                {"id": feature.id, "description": feature.description})))
     if call.excinfo is not None:
         from lora_conformance.compare.errors import ConformanceAssertionError
         from lora_conformance.engines.base import EngineFailure
+        from lora_conformance.outcomes import NotCertified, failure_facts
 
         exc = call.excinfo.value
+        if isinstance(exc, NotCertified):
+            if OUTCOME_PROPERTY not in names:
+                item.user_properties.append((OUTCOME_PROPERTY, json.dumps(exc.as_dict())))
+        elif not isinstance(exc, pytest.skip.Exception) and FAILURE_PROPERTY not in names:
+            item.user_properties.append((FAILURE_PROPERTY, json.dumps(failure_facts(exc), default=str)))
         if isinstance(exc, ConformanceAssertionError):
             item.user_properties.append(("lora_evidence", json.dumps(exc.evidence, default=str)))
         if isinstance(exc, EngineFailure) and HARNESS_KEY in item.config.stash:

@@ -31,6 +31,7 @@ class Settings:
     ci_nightly: bool = False
     ci_partition: Optional[str] = None
     ci_durations: Optional[Path] = None
+    threads: Any = None  # parallel.ThreadShare: torch threads of this process, and why
     sources: dict[str, str] = field(default_factory=dict)
 
     @property

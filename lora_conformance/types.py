@@ -41,6 +41,9 @@ class GenerationResult:
     # One entry per prompt position after the first (the distribution that predicted it),
     # or None when not requested / not supported.
     prompt_logprobs: Optional[list[TopK]] = None
+    # Prompt tokens whose KV came from a prefix cache, as the engine reports it; None: the engine
+    # cannot say (a prefix-cache test then cannot prove that a hit happened, and says so).
+    cached_tokens: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -58,6 +61,7 @@ class GenerationResult:
             logprobs=[_topk_from_json(t) for t in d.get("logprobs", [])],
             prompt_token_ids=[int(t) for t in d.get("prompt_token_ids", [])],
             prompt_logprobs=None if pl is None else [_topk_from_json(t) for t in pl],
+            cached_tokens=None if d.get("cached_tokens") is None else int(d["cached_tokens"]),
         )
 
 

@@ -7,25 +7,25 @@ the adapter with a clear error. Loading it and silently ignoring part of it is a
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close
 from lora_conformance.engines import AdapterIncompatibleError, EngineError, UnsupportedFeatureError
 
 register_cpu_ci(est_time=35, suite="per-commit")
 register_cuda_ci(est_time=25, suite="per-commit")
 register_xpu_ci(est_time=40, suite="per-commit")
+register_npu_ci(est_time=40, suite="per-commit")
 
 PROMPTS = slice(0, 6)
 
 
-def _check(lora, engine, name, spec, labels=None):
+def _check(lora, engine, name, spec, labels=None, prompts=PROMPTS, certify_modules=False):
+    """The paired effect verdict (every certified alternative separable at this dtype, else a suite
+    defect) and the free-running decode check."""
     lora.load(engine, name, spec)
-    labels = labels or [name] * 6
-    reqs = lora.requests(labels, prompts=lora.prompts[PROMPTS],
-                         prompt_logprobs=engine.supports("prompt_logprobs"))
-    refs = lora.reference(reqs, {name: spec})
-    lora.assert_adapter_visible(refs, reqs, label=name)
-    lora.assert_matches_reference(engine.generate(reqs), refs, reqs, label=name)
+    ps = lora.prompts[prompts]
+    lora.assert_conforms(engine, labels or [name] * len(ps), {name: spec}, prompts=ps, label=name,
+                         certify_modules=certify_modules)
 
 
 @pytest.mark.feature("adapter_semantics/rank",
@@ -51,7 +51,12 @@ def test_rank_above_engine_max_is_refused(lora, device, dtype):
     with pytest.raises(EngineError) as exc:
         lora.load(engine, "too_big", AdapterSpec(seed=12, rank=too_big))
     assert isinstance(exc.value, (AdapterIncompatibleError, UnsupportedFeatureError)), type(exc.value)
-    assert str(exc.value).strip(), "the refusal must say why"
+    message = str(exc.value)
+    import re
+
+    numbers = set(re.findall(r"\d+", message))
+    assert "rank" in message.lower() and numbers & {str(too_big), str(engine.limits.max_rank)}, (
+        f"the refusal must name the rank ({too_big}) or the limit ({engine.limits.max_rank}): {message!r}")
 
 
 @pytest.mark.feature("adapter_semantics/mixed_ranks_in_one_batch",
@@ -62,8 +67,7 @@ def test_mixed_ranks_in_one_batch(lora, device, dtype):
              "r32": AdapterSpec(seed=23, rank=min(32, engine.limits.max_rank), alpha=16)}
     for name, spec in specs.items():
         lora.load(engine, name, spec)
-    reqs = lora.requests(["r2", "r16", None, "r32", "r2", "r16"])
-    lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, specs), reqs, label="mixed ranks")
+    lora.assert_conforms(engine, ["r2", "r16", None, "r32", "r2", "r16"], specs, label="mixed ranks")
 
 
 @pytest.mark.feature("adapter_semantics/alpha_scaling", "the delta is scaled by lora_alpha / r")
@@ -90,7 +94,11 @@ def test_rank_and_alpha_patterns(lora, device, dtype):
                       "attention, MLP and all-linear target sets: every targeted module's delta is applied")
 @pytest.mark.parametrize("targets", ["attention", "mlp", "all-linear"])
 def test_target_set(lora, device, dtype, targets):
-    _check(lora, lora.engine, f"t-{targets}", AdapterSpec(seed=61, targets=targets))
+    """Each targeted module dropped is an alternative the test must separate, in every dtype: q_proj and
+    k_proj move the output little at the default B std (bfloat16 could not tell them dropped), so
+    their B is 5x stronger here, and 12 prompts pool enough contexts for down_proj."""
+    spec = AdapterSpec(seed=61, targets=targets, b_std_pattern={"q_proj": 0.15, "k_proj": 0.15})
+    _check(lora, lora.engine, f"t-{targets}", spec, prompts=slice(0, 12), certify_modules=True)
 
 
 @pytest.mark.feature("adapter_semantics/embed_tokens", "embed_tokens LoRA is applied", requires=("embed_tokens",))
@@ -134,16 +142,16 @@ def test_matches_or_refuses(lora, device, dtype, feature):
     """Either the engine serves the adapter exactly as PEFT does, or it refuses it with a clear error."""
     engine = lora.engine
     spec = REFUSABLE[feature]
+    refusals = (AdapterIncompatibleError, UnsupportedFeatureError)  # a crash (EngineFailure) is no refusal
     try:
         lora.load(engine, feature, spec)
-    except EngineError as exc:
+    except refusals as exc:
         assert str(exc).strip(), f"{feature}: refused without a reason"
         return
-    reqs = lora.requests([feature] * 4, prompts=lora.prompts[:4])
     try:
-        outs = engine.generate(reqs)
+        engine.generate(lora.requests([feature], prompts=lora.prompts[:1], max_new_tokens=1))
     except UnsupportedFeatureError as exc:  # refusing at first use is a refusal too
         assert str(exc).strip(), f"{feature}: refused without a reason"
         return
-    lora.assert_matches_reference(outs, lora.reference(reqs, {feature: spec}), reqs,
-                                  label=f"{feature} (accepted, so it must match)")
+    lora.assert_conforms(engine, [feature] * 4, {feature: spec}, prompts=lora.prompts[:4],
+                         label=f"{feature} (accepted, so it must match)")

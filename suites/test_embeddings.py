@@ -3,13 +3,15 @@
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_embeddings_close, cosine
+from lora_conformance.compare.embeddings import assert_embedding_effects_close
 from lora_conformance.compare.embeddings import norm
 
 register_cpu_ci(est_time=10, suite="per-commit")
 register_cuda_ci(est_time=10, suite="per-commit")
 register_xpu_ci(est_time=10, suite="per-commit")
+register_npu_ci(est_time=10, suite="per-commit")
 
 pytestmark = [pytest.mark.base_model("encoder"), pytest.mark.requires("embeddings")]
 
@@ -57,11 +59,53 @@ def test_distinct_adapters_differ(lora, encoder, device, dtype):
     assert max(cos) < CHANGED_MAX_COS, f"EA and EB give the same embedding (cosines {cos})"
 
 
+def _reference_effects(lora):
+    ref_runner = lora.harness.reference(lora.model_dir)
+    base = ref_runner.embed(lora.prompts, None)
+    return {n: [[x - y for x, y in zip(u, v)] for u, v in
+                zip(ref_runner.embed(lora.prompts, lora.adapter_path(spec)), base)] for n, spec in SPECS.items()}
+
+
 @pytest.mark.feature("embeddings/matches_reference",
                       "encoder embeddings with and without an adapter match the reference")
 @pytest.mark.parametrize("adapter", [None, "EA", "EB"])
 def test_matches_reference(lora, encoder, device, dtype, adapter):
-    ref_runner = lora.harness.reference(lora.model_dir)
-    path = None if adapter is None else lora.adapter_path(SPECS[adapter])
-    assert_embeddings_close(encoder.embed(lora.prompts, adapter), ref_runner.embed(lora.prompts, path),
-                            lora.tolerance.embedding_cos_min, label=f"adapter={adapter}")
+    """Base: cosine to the reference. Adapters: the adapter-induced change (adapted minus base, from the
+    engine) against the reference's, pooled over the texts, and nearest its own adapter's change."""
+    tol = lora.tolerance
+    base = encoder.embed(lora.prompts, None)
+    if adapter is None:
+        ref_runner = lora.harness.reference(lora.model_dir)
+        assert_embeddings_close(base, ref_runner.embed(lora.prompts, None), tol.embedding_cos_min, label="base")
+        return
+    assert_embedding_effects_close(encoder.embed(lora.prompts, adapter), base, _reference_effects(lora), adapter,
+                                   tol.embedding_effect_rel_max, tol.effect_slope_margin, label=f"adapter={adapter}")
+
+
+MIXED = ["EA", None, "EB", "EB", "EA", None]
+
+
+@pytest.mark.feature("embeddings/mixed_adapters_in_one_batch",
+                      "texts with different adapters (and none) in one embed call each get their own adapter",
+                      requires=("mixed_batch",))
+def test_mixed_adapters_in_one_batch(lora, encoder, device, dtype):
+    """One embed call, one adapter per text: each text's adapter-induced change (against the engine's
+    own base embedding) matches its adapter's reference change and is nearest it; base rows show no
+    change (nearer zero than any adapter's)."""
+    texts = lora.prompts[: len(MIXED)]
+    outs = encoder.embed(texts, MIXED)
+    assert len(outs) == len(texts), f"{len(outs)} embeddings for {len(texts)} texts"
+    base = encoder.embed(texts, None)
+    effects = {n: eff[: len(MIXED)] for n, eff in _reference_effects(lora).items()}
+    tol = lora.tolerance
+    for own in SPECS:
+        rows = [i for i, a in enumerate(MIXED) if a == own]
+        assert_embedding_effects_close([outs[i] for i in rows], [base[i] for i in rows],
+                                       {n: [eff[i] for i in rows] for n, eff in effects.items()}, own,
+                                       tol.embedding_effect_rel_max, tol.effect_slope_margin,
+                                       label=f"{own} rows {rows} of the mixed batch {MIXED}")
+    for i in [i for i, a in enumerate(MIXED) if a is None]:
+        change = norm([x - y for x, y in zip(outs[i], base[i])])
+        smallest = min(norm(eff[i]) for eff in effects.values())
+        assert change < 0.5 * smallest, (f"base row {i} of the mixed batch {MIXED}: changed by {change:.3g}, "
+                                         f"an adapter's change is {smallest:.3g} (an adapter leaked into it)")

@@ -7,13 +7,14 @@ loaded slot is ordered after its copy (lora_conformance.races watches the device
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
-from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close, assert_same_output
 from lora_conformance.races import RaceDetector
 
 register_cpu_ci(est_time=15, suite="per-commit")
 register_cuda_ci(est_time=30, suite="per-commit")
 register_xpu_ci(est_time=40, suite="per-commit")
+register_npu_ci(est_time=40, suite="per-commit")
 
 LABELS = ["A", None, "B", "C", "A", None, "B", "C"]
 

@@ -152,16 +152,37 @@ def test_encoder_embeddings_match_hf_mean_pooling(tmp_path):
         return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
 
     with BuiltinEngine(base, "cpu", "float32", {}) as eng:
-        assert eng.supports("embeddings") and not eng.supports("mixed_batch")
+        assert eng.supports("embeddings") and eng.supports("mixed_batch")
         eng.load_adapter("ad", ad)
         got_base = torch.tensor(eng.embed(texts))
         got_ad = torch.tensor(eng.embed(texts, adapter="ad"))
+        got_mixed = torch.tensor(eng.embed(texts, adapter=["ad", None, "ad"]))  # one adapter per text
+        with pytest.raises(ValueError, match="2 adapters for 3 texts"):
+            eng.embed(texts, adapter=["ad", None])
     ref_base = hf(AutoModel.from_pretrained(str(base)).eval())
     ref_ad = hf(PeftModel.from_pretrained(AutoModel.from_pretrained(str(base)), str(ad)).eval())
     torch.testing.assert_close(got_base, ref_base, atol=1e-5, rtol=0)
     torch.testing.assert_close(got_ad, ref_ad, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_mixed, torch.stack([ref_ad[0], ref_base[1], ref_ad[2]]), atol=1e-5, rtol=0)
     assert (got_base - got_ad).abs().max() > 1e-3
     torch.testing.assert_close(got_base.norm(dim=-1), torch.ones(3))
+
+
+def test_mixed_embedding_batch_with_more_adapters_than_slots(tmp_path):
+    """Per-text adapters beyond max_loras_per_batch: the batch is split, every text keeps its adapter."""
+    base = build_bert(tmp_path / "bert")
+    ads = {n: build_adapter(base, tmp_path / n, seed, encoder=True) for n, seed in (("e1", 3), ("e2", 4))}
+    texts = ["the cat sat", "a dog ran fast on the mat", "red", "the sun"]
+    names = ["e1", "e2", None, "e1"]
+    with BuiltinEngine(base, "cpu", "float32", {"max_loras_per_batch": "1", "max_loaded_loras": "2"}) as eng:
+        for n, p in ads.items():
+            eng.load_adapter(n, p)
+        mixed = eng.embed(texts, names)
+        alone = [eng.embed([t], n)[0] for t, n in zip(texts, names)]
+        first_with_e2 = eng.embed(texts[:1], "e2")[0]
+    torch.testing.assert_close(torch.tensor(mixed), torch.tensor(alone), atol=1e-5, rtol=0)
+    # the test's power: a text under the other adapter gives another embedding
+    assert (torch.tensor(mixed[0]) - torch.tensor(first_with_e2)).abs().max() > 1e-3
 
 
 def test_masked_prefill_matches_peft(llama):

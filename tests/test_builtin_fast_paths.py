@@ -146,7 +146,7 @@ def test_cat_layout_expand_in_the_base_gemm(bias):
         old = m.add_to(res.clone(), x)  # the two-GEMM path (prefill, lora_fp16) on the same layout
         assert torch.allclose(old.double(), ref, atol=1e-4, rtol=1e-5)
     # lora_fp16, segmented prefill and many rows keep the old path
-    ctx.batch = LoraBatch.build(slots, S, torch.float32, fp16=True)
+    ctx.batch = LoraBatch.build(slots, S, torch.float32, delta_dtype=torch.float16)
     assert g.cat_batch(T) is None
     ctx.batch = LoraBatch.build(slots, S, torch.float32, segments=[(0, 0, T)])
     assert g.cat_batch(T) is None

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from _builtin_models import build_adapter, build_decoder
+from _builtin_models import build_adapter, build_bert, build_decoder
 from lora_conformance.engines.builtin import FAULTS, BuiltinEngine
-from lora_conformance.engines.builtin.faults import DEVICE_ONLY_FAULTS, Faults
+from lora_conformance.engines.builtin.faults import DEVICE_ONLY_FAULTS, DROPPABLE_LINEAR_MODULES, Faults
 from lora_conformance.types import GenerationRequest
 
 PROMPT = "the cat sat on the mat and the dog ran fast to the big red tree"
@@ -18,8 +18,11 @@ def world(tmp_path_factory):
     d = tmp_path_factory.mktemp("builtin_faults")
     base = build_decoder(d / "base", seed=2)
     moe = build_decoder(d / "moe", arch="qwen3_moe", seed=2)
+    bert = build_bert(d / "bert", seed=2)
     return {
-        "base": base, "moe": moe,
+        "base": base, "moe": moe, "bert": bert,
+        "e1": build_adapter(bert, d / "e1", 7, encoder=True),
+        "e2": build_adapter(bert, d / "e2", 8, encoder=True),
         "a1": build_adapter(base, d / "a1", 1, r=8, alpha=16),
         "a2": build_adapter(base, d / "a2", 2, r=4, alpha=8),
         "rs": build_adapter(base, d / "rs", 3, r=16, alpha=8, use_rslora=True),
@@ -33,10 +36,10 @@ def world(tmp_path_factory):
 def scenario(w, fault, active: bool):
     """Run the scenario that exposes ``fault``, with it switched on or not; return observables."""
     args = {"fault": fault} if active else {}
-    model = w["moe"] if fault == "moe_expert_mismatch" else w["base"]
+    model = w["moe"] if fault.startswith("moe_") else w["bert"] if fault.startswith("embedding_") else w["base"]
     if fault == "evict_pinned":
         args.update(max_loras_per_batch="2", max_loaded_loras="2")
-    if fault == "prefix_cache_ignores_adapter":
+    if fault.startswith("prefix_cache_"):
         args.update(kv_block_size="4")
     if fault == "chunk_continuation_drops_adapter":
         args.update(chunked_prefill_size="4")
@@ -47,8 +50,10 @@ def scenario(w, fault, active: bool):
                 "scaling_alpha_not_over_r": ["a1"], "rslora_ignored": ["rs"], "patterns_ignored": ["pat"],
                 "drop_v_proj": ["a1"], "lm_head_dropped": ["emb"], "embed_tokens_dropped": ["emb"],
                 "lora_fp16": ["a1"], "delta_twice": ["a1"], "moe_expert_mismatch": ["moe_ad"],
-                "prefix_cache_ignores_adapter": ["a1"], "chunk_continuation_drops_adapter": ["a1"],
-                "masked_prefill_padded_rows": ["a1", "a2"], "inflight_no_drain": ["a1"]}.get(fault, [])
+                "prefix_cache_ignores_adapter": ["a1"], "delta_x1_1": ["a1"], "moe_down_proj_dropped": ["moe_ad"],
+                "embedding_adapter_misrouted": ["e1", "e2"],
+                "chunk_continuation_drops_adapter": ["a1"], "masked_prefill_padded_rows": ["a1", "a2"],
+                "inflight_no_drain": ["a1"], **{f"drop_{m}": ["a1"] for m in DROPPABLE_LINEAR_MODULES}}.get(fault, [])
         for n in load:
             eng.load_adapter(n, w[n])
         names = {"base_gets_last_adapter": [None, "a1"], "adapter_index_off_by_one": ["a1", "a2"]}.get(fault, load)
@@ -75,6 +80,14 @@ def scenario(w, fault, active: bool):
         if fault == "prefix_cache_ignores_adapter":
             gen([None])  # fills the cache with base KV for PROMPT
             return gen(["a1"])
+        if fault == "prefix_cache_keyed_by_name":
+            eng.load_adapter("x", w["a1"])
+            gen(["x"])  # fills the cache with x = a1's KV for PROMPT
+            eng.unload_adapter("x")
+            eng.load_adapter("x", w["a2"])
+            return gen(["x"])
+        if fault == "embedding_adapter_misrouted":
+            return eng.embed([PROMPT, "the dog ran", "a big red sun"], ["e1", None, "e2"])
         if fault == "evict_pinned":
             eng.load_adapter("a1", w["a1"], pinned=True)
             eng.load_adapter("a2", w["a2"])
@@ -95,7 +108,19 @@ def differ(a, b, tol: float) -> bool:
     return a != b
 
 
-HOST_FAULTS = [f for f in FAULTS if f not in DEVICE_ONLY_FAULTS]
+# Faults whose scenario needs a configuration this module's tiny models do not have (chunked
+# prefill over long prompts, concurrent submissions, head_dim 128/256, the masked prefill path over
+# unequal prompts): their change of behaviour is shown by the suites that catch them
+# (tests/test_detection_power.py, which fails when a catcher passes).
+SHOWN_BY_THE_SUITES = ("chunk_continuation_drops_adapter", "inflight_no_drain", "rotary_assumes_head_dim_64",
+                       "masked_prefill_padded_rows")
+HOST_FAULTS = [f for f in FAULTS if f not in DEVICE_ONLY_FAULTS and f not in SHOWN_BY_THE_SUITES]
+
+
+def test_faults_shown_by_the_suites_have_catchers():
+    from test_detection_power import CATCHERS
+
+    assert all(CATCHERS.get(f) for f in SHOWN_BY_THE_SUITES)
 
 
 @pytest.mark.parametrize("fault", HOST_FAULTS)
@@ -106,7 +131,7 @@ def test_fault_changes_behaviour(world, fault):
 
 
 def test_catalogue():
-    assert len(FAULTS) == 20 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait"}
+    assert len(FAULTS) == 34 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait"}
     assert Faults(None).name is None and Faults("").name is None
     assert not any(Faults(None).on(f) for f in FAULTS)
     with pytest.raises(ValueError, match="unknown fault"):

@@ -65,7 +65,7 @@ def test_capabilities_limits_version(setup):
 def test_adapter_errors(setup, tmp_path):
     base, ads, _ = setup
     with BuiltinEngine(base, "cpu", "float32", {"max_rank": "4"}) as eng:
-        with pytest.raises(AdapterIncompatibleError, match=rf"{ads['a1']}.*rank 5.*\br\b.*max_rank=4"):
+        with pytest.raises(AdapterIncompatibleError, match=rf"{ads['a1']}.*\br\b.*rank 5.*max_rank=4"):
             eng.load_adapter("big", ads["a1"])
         eng.load_adapter("ok", ads["a0"])
         with pytest.raises(AdapterNotLoadedError, match="'missing'"):

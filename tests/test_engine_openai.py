@@ -160,7 +160,7 @@ def test_refuses_non_loopback_and_unknown_args(model_dir):
 
 
 def test_vllm_flavor_requests_and_mapping(model_dir, server, tmp_path):
-    e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server})
+    e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server, "validate_adapters": "0"})  # paths are names here
     assert e.served_model == "base-model" and Capability.PROMPT_LOGPROBS in e.capabilities
     e.load_adapter("a1", tmp_path / "a1")
     e.load_adapter("a1", tmp_path / "a1-new")  # reload = unload + load, the server refuses a loaded name
@@ -215,7 +215,7 @@ def test_concurrent_requests_load_the_tokenizer_once(model_dir, server, monkeypa
 
 def test_sglang_flavor_model_names_and_token_strings(model_dir, server, tmp_path):
     StandIn.flavor = "sglang"
-    e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server, "api_flavor": "sglang"})
+    e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server, "api_flavor": "sglang", "validate_adapters": "0"})
     e.load_adapter("a1", tmp_path / "a1", pinned=True)
     assert ("/load_lora_adapter", {"lora_name": "a1", "lora_path": str(tmp_path / "a1"), "pinned": True}) in StandIn.seen
     res = e.generate([GenerationRequest("the cat sat", "a1", 3, 2)])[0]
@@ -228,7 +228,7 @@ def test_sglang_flavor_model_names_and_token_strings(model_dir, server, tmp_path
 
 
 def test_errors_are_typed_and_bounded(model_dir, server, tmp_path):
-    e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server, "request_timeout": "0.5"})
+    e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server, "request_timeout": "0.5", "validate_adapters": "0"})
     with pytest.raises(UnsupportedFeatureError, match="DoRA"):
         e.load_adapter("d", tmp_path / "dora")
     with pytest.raises(AdapterIncompatibleError, match="greater than max_lora_rank"):

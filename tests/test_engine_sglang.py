@@ -1,22 +1,21 @@
-"""The sglang engine's request and response mapping, against a stand-in ``sglang`` module.
+"""The sglang engine plugin against a stand-in ``sglang`` module (tests/_sglang_standin.py).
 
-SGLang does not run on this CPU-only machine. The stand-in follows SGLang's documented
-offline API (``sglang.Engine(**server_args)``, ``generate(prompt, sampling_params,
-lora_path, return_logprob, top_logprobs_num, logprob_start_len)`` returning dicts with
-``text``, ``output_ids`` and ``meta_info`` whose logprob entries are ``(logprob, token_id,
-text)`` tuples, ``load_lora_adapter``/``unload_lora_adapter`` returning an object with
-``success``/``error_message``, ``encode``, ``shutdown``).
+SGLang does not run here (PyPI's 0.5.23 pins torch 2.14.1 and ships CUDA kernels). The
+stand-in follows SGLang's offline API and enforces SGLang's LoRA limits with its error texts;
+these tests check the plugin's mapping, its per-release capabilities, its up-front validation,
+and how it types SGLang's answers.
 """
 
 from __future__ import annotations
 
+import json
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _sglang_standin as standin  # noqa: E402
 from _tiny_models import build_bert, build_llama  # noqa: E402
 
 from lora_conformance.engines.base import (  # noqa: E402
@@ -29,73 +28,23 @@ from lora_conformance.engines.base import (  # noqa: E402
     UnsupportedFeatureError,
 )
 from lora_conformance.engines.sglang_engine import SGLangEngine  # noqa: E402
+from lora_conformance.engines.sglang_releases import RELEASES, release_for  # noqa: E402
 from lora_conformance.types import GenerationRequest  # noqa: E402
 
 
-class FakeUpdate:
-    def __init__(self, success, error_message=None):
-        self.success, self.error_message = success, error_message
-
-
-class FakeEngine:
-    instances: list = []
-
-    def __init__(self, **kwargs):
-        self.kwargs, self.calls, self.loaded, self.closed = kwargs, [], {}, False
-        FakeEngine.instances.append(self)
-
-    def load_lora_adapter(self, lora_name, lora_path, pinned=False):
-        self.calls.append(("load", lora_name, lora_path, pinned))
-        if lora_name in self.loaded:
-            return FakeUpdate(False, f"LoRA adapter {lora_name} is already loaded")
-        if "incompatible" in lora_path:
-            return FakeUpdate(False, "LoRA adapter x is incompatible: rank 512 > max_lora_rank 64")
-        if pinned and sum(p for p in self.loaded.values()) >= self.kwargs["max_loras_per_batch"] - 2:
-            return FakeUpdate(False, "Cannot pin adapter: all slots would be pinned")
-        self.loaded[lora_name] = pinned
-        return FakeUpdate(True)
-
-    def unload_lora_adapter(self, lora_name):
-        self.calls.append(("unload", lora_name))
-        if self.loaded.pop(lora_name, None) is None:
-            return FakeUpdate(False, f"LoRA adapter {lora_name} has never been loaded")
-        return FakeUpdate(True)
-
-    def generate(self, prompt=None, sampling_params=None, lora_path=None, return_logprob=False,
-                 top_logprobs_num=None, logprob_start_len=None, **kw):
-        self.calls.append(("generate", prompt, sampling_params, lora_path, return_logprob, top_logprobs_num,
-                           logprob_start_len))
-        outs = []
-        for i, p in enumerate(prompt):
-            n, k = sampling_params[i]["max_new_tokens"], top_logprobs_num[i]
-            seed = 10 + 3 * i + (0 if lora_path[i] is None else len(lora_path[i]))
-            ids = [seed + s for s in range(n)]
-            top = lambda t: [(-0.25 * (j + 1), t + j, None) for j in range(k)]  # noqa: E731
-            meta = {"output_token_logprobs": [(-0.25, t, None) for t in ids],
-                    "output_top_logprobs": [top(t) for t in ids]}
-            if logprob_start_len[i] == 0:
-                prompt_ids = [1] + [4 + j for j in range(len(p.split()))]
-                meta["input_token_logprobs"] = [(None, prompt_ids[0], None)] + [(-1.0, t, None) for t in prompt_ids[1:]]
-                meta["input_top_logprobs"] = [None] + [top(t) for t in prompt_ids[1:]]
-            outs.append({"text": f"out{i}", "output_ids": ids, "meta_info": meta})
-        return outs
-
-    def encode(self, prompt=None, lora_path=None):
-        self.calls.append(("encode", prompt, lora_path))
-        return [{"embedding": [3.0, 4.0] if a is None else [0.0, 2.0], "meta_info": {}} for a in lora_path]
-
-    def shutdown(self):
-        self.closed = True
+@pytest.fixture
+def sglang_release(monkeypatch):
+    """Install a stand-in sglang of a given release: ``sglang_release("0.5.3")``."""
+    def install(version="0.5.23"):
+        mod = standin.module(version)
+        monkeypatch.setitem(sys.modules, "sglang", mod)
+        return mod
+    return install
 
 
 @pytest.fixture
-def fake_sglang(monkeypatch):
-    mod = types.ModuleType("sglang")
-    mod.Engine = FakeEngine
-    mod.__version__ = "0.0-standin"
-    monkeypatch.setitem(sys.modules, "sglang", mod)
-    FakeEngine.instances = []
-    return mod
+def fake_sglang(sglang_release):
+    return sglang_release("0.5.23")
 
 
 @pytest.fixture(scope="module")
@@ -103,29 +52,248 @@ def model_dir(tmp_path_factory):
     return build_llama(tmp_path_factory.mktemp("sglang") / "llama")
 
 
-def test_server_args(fake_sglang, model_dir):
-    e = SGLangEngine(model_dir, "cpu", "bfloat16", {"max_loras_per_batch": "4", "lora_backend": "triton",
-                                                    "lora_eviction_policy": "fifo", "lora_target_modules": "q_proj,v_proj"})
-    kw = FakeEngine.instances[0].kwargs
+def adapter(root: Path, name: str, r: int = 8, targets=("q_proj", "v_proj"), **extra) -> Path:
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"r": r, "lora_alpha": 16, "target_modules": list(targets),
+                                                          "peft_type": "LORA", **extra}))
+    return path
+
+
+def server(e: SGLangEngine):
+    return standin.StandInEngine.instances[-1]
+
+
+# ---- server args and standard args ---------------------------------------------------------
+
+
+def test_standard_args_in_sglangs_words(fake_sglang, model_dir):
+    e = SGLangEngine(model_dir, "cuda:1", "bfloat16", {
+        "max_loras_per_batch": "4", "max_loaded_loras": "6", "max_rank": "32", "eviction": "fifo",
+        "prefix_cache": "0", "graphs": "1", "lora_backend": "triton", "chunked_prefill_size": "64",
+        "tensor_parallel": "2", "lora_target_modules": "q_proj,v_proj"})
+    kw = server(e).kwargs
     assert kw["model_path"] == str(model_dir) and kw["enable_lora"] is True
-    assert (kw["max_loras_per_batch"], kw["max_loaded_loras"], kw["max_lora_rank"]) == (5, 16, 64)
-    assert (kw["lora_backend"], kw["lora_eviction_policy"], kw["device"], kw["dtype"]) == ("triton", "fifo", "cpu", "bfloat16")
-    assert kw["lora_target_modules"] == ["q_proj", "v_proj"]
+    assert (kw["max_loras_per_batch"], kw["max_loaded_loras"], kw["max_lora_rank"]) == (5, 6, 32)
+    assert (kw["lora_eviction_policy"], kw["disable_radix_cache"], kw["disable_cuda_graph"]) == ("fifo", True, False)
+    assert (kw["lora_backend"], kw["chunked_prefill_size"], kw["tp_size"], kw["base_gpu_id"]) == ("triton", 64, 2, 1)
+    assert (kw["device"], kw["dtype"], kw["lora_target_modules"]) == ("cuda", "bfloat16", ["q_proj", "v_proj"])
     assert e.limits.max_loras_per_batch == 4  # SGLang counts the base as one slot: it was given 5
+    assert e.limits.max_loaded_loras == 6
     assert Capability.EVICTION_FIFO in e.capabilities and Capability.EVICTION_LRU not in e.capabilities
-    assert e.version() == "sglang 0.0-standin"
+    assert Capability.PREFIX_CACHE not in e.capabilities and Capability.GRAPHS in e.capabilities
+    assert e.version() == "sglang 0.5.23"
     e.close()
     e.close()
-    assert FakeEngine.instances[0].closed
+    assert server(e).closed
     with pytest.raises(EngineFailure, match="closed"):
         e.generate([GenerationRequest("a dog")])
+
+
+def test_defaults_pass_sglangs_own_checks(fake_sglang, model_dir):
+    e = SGLangEngine(model_dir, "cpu", "float32", {"overlap_loading": "1", "max_loras_per_batch": "2"})
+    kw = server(e).kwargs  # the stand-in asserts SGLang's start-up rules on these
+    assert kw["enable_lora_overlap_loading"] is True and kw["max_loaded_loras"] == 6  # <= 2 x 3 (base counted)
+    assert "disable_radix_cache" not in kw and "lora_eviction_policy" not in kw and "tp_size" not in kw
+    assert {Capability.OVERLAP_LOADING, Capability.PREFIX_CACHE, Capability.EVICTION_LRU} <= e.capabilities
 
 
 def test_bad_args(fake_sglang, model_dir):
     with pytest.raises(EngineError, match="unknown engine argument"):
         SGLangEngine(model_dir, "cpu", "float32", {"max_loras": "4"})
-    with pytest.raises(EngineError, match="lru or fifo"):
+    with pytest.raises(EngineError, match="max_loras_per_batch.*not an integer"):
+        SGLangEngine(model_dir, "cpu", "float32", {"max_loras_per_batch": "four"})
+    with pytest.raises(UnsupportedFeatureError, match=r"invalid choice: 'random' \(choose from 'lru', 'fifo'\)"):
         SGLangEngine(model_dir, "cpu", "float32", {"lora_eviction_policy": "random"})
+    with pytest.raises(UnsupportedFeatureError, match=r"--lora-backend: invalid choice: 'cutlass'"):
+        SGLangEngine(model_dir, "cpu", "float32", {"lora_backend": "cutlass"})
+
+
+@pytest.mark.parametrize("args, text", [
+    ({"max_loras_per_batch": "2", "max_loaded_loras": "2"},
+     "max_loaded_loras should be greater than or equal to max_loras_per_batch. max_loaded_loras=2, "
+     "max_loras_per_batch=3 (SGLang's max_loras_per_batch counts the base model"),
+    ({"overlap_loading": "1", "max_loras_per_batch": "2", "max_loaded_loras": "8"},
+     "--max-loaded-loras must be less than or equal to double --max-loras-per-batch: 6"),
+    ({"lora_target_modules": "all q_proj"}, "If 'all' is specified in --lora-target-modules, it should be the only"),
+    ({"lora_target_modules": "query"}, "--lora-target-modules: invalid choice: 'query'"),
+    ({"max_rank": "0"}, "you need to specify both --max-lora-rank and --lora-target-modules"),
+])
+def test_refused_before_start_with_sglangs_text(fake_sglang, model_dir, args, text):
+    with pytest.raises(UnsupportedFeatureError) as exc:
+        SGLangEngine(model_dir, "cpu", "float32", args)
+    assert text in str(exc.value)
+    assert not standin.StandInEngine.instances, "SGLang must not be started for a refused configuration"
+
+
+def test_the_stand_in_enforces_the_same_rules():
+    """Given SGLang's kwargs directly, the stand-in refuses what the plugin refuses up front."""
+    with pytest.raises(AssertionError, match="max_loaded_loras should be greater than or equal"):
+        standin.StandInEngine(max_loras_per_batch=3, max_loaded_loras=2)
+    with pytest.raises(AssertionError, match="less than or equal to double --max-loras-per-batch: 6"):
+        standin.StandInEngine(max_loras_per_batch=3, max_loaded_loras=7, enable_lora_overlap_loading=True)
+    old = type("Engine", (standin.StandInEngine,), {"version": "0.5.3"})
+    with pytest.raises(TypeError, match="lora_eviction_policy"):
+        old(max_loras_per_batch=3, lora_eviction_policy="lru")
+
+
+# ---- releases ---------------------------------------------------------------------------------
+
+
+def test_release_rows():
+    assert [r.version for r in RELEASES] == sorted((r.version for r in RELEASES), key=lambda v: tuple(map(int, v.split("."))))
+    assert release_for("0.5.15.post1").version == "0.5.13"
+    assert release_for("0.5.24.dev3+g1a2b3c").version == "0.5.23"
+    assert release_for("0.5.8").version == "0.5.8" and release_for("0.5.7").version == "0.5.3"
+    with pytest.raises(ValueError, match="older than 0.5.1"):
+        release_for("0.4.10")
+    with pytest.raises(ValueError, match="cannot be read"):
+        release_for("0.0.0.dev0")
+
+
+@pytest.mark.parametrize("version, present, absent", [
+    ("0.5.3", {"pinning", "prefix_cache", "mixed_batch"},
+     {"max_loaded", "eviction_lru", "overlap_loading", "lm_head", "embed_tokens", "moe"}),
+    ("0.5.8", {"max_loaded", "eviction_lru", "lm_head", "embed_tokens"}, {"moe"}),
+    ("0.5.13", {"moe", "lm_head", "prefix_cache", "tensor_parallel"}, set()),
+    ("0.5.23", {"moe", "max_loaded", "pinning"}, set()),
+])
+def test_capabilities_follow_the_release(sglang_release, model_dir, version, present, absent):
+    sglang_release(version)
+    caps = {c.value for c in SGLangEngine(model_dir, "cpu", "float32", {}).capabilities}
+    assert present <= caps, f"{version}: missing {present - caps}"
+    assert not (absent & caps), f"{version}: declares {absent & caps}"
+    assert not ({"rslora", "rank_pattern", "dora", "modules_to_save", "lora_bias"} & caps)  # no release reads these
+
+
+def test_old_release_refuses_what_it_lacks(sglang_release, model_dir):
+    sglang_release("0.5.3")
+    with pytest.raises(UnsupportedFeatureError, match="no --lora-eviction-policy before 0.5.8"):
+        SGLangEngine(model_dir, "cpu", "float32", {"eviction": "fifo"})
+    with pytest.raises(UnsupportedFeatureError, match="'triton_v2'"):
+        SGLangEngine(model_dir, "cpu", "float32", {"lora_backend": "triton_v2"})
+    sglang_release("0.4.9")
+    with pytest.raises(EngineFailure, match="older than 0.5.1"):
+        SGLangEngine(model_dir, "cpu", "float32", {})
+
+
+def test_lm_head_only_when_targeted(fake_sglang, model_dir):
+    caps = SGLangEngine(model_dir, "cpu", "float32", {"lora_target_modules": "q_proj v_proj"}).capabilities
+    assert Capability.LM_HEAD not in caps and Capability.EMBED_TOKENS not in caps
+
+
+# ---- limits and lifecycle ------------------------------------------------------------------------
+
+
+def test_pinning_counts_the_base_slot(fake_sglang, model_dir, tmp_path):
+    """Standard max_loras_per_batch=2 is SGLang's 3: two adapters may be pinned, a third may not."""
+    e = SGLangEngine(model_dir, "cpu", "float32", {"max_loras_per_batch": "2", "max_loaded_loras": "4"})
+    e.load_adapter("A", adapter(tmp_path, "A"), pinned=True)
+    e.load_adapter("B", adapter(tmp_path, "B"), pinned=True)
+    with pytest.raises(CapacityError, match="It is not allowed to pin all slots"):
+        e.load_adapter("C", adapter(tmp_path, "C"), pinned=True)
+    e.load_adapter("C", adapter(tmp_path, "C"))
+    assert e.list_adapters() == ["A", "B", "C"]
+
+
+def test_loading_past_max_loaded_evicts_and_reloads_on_use(fake_sglang, model_dir, tmp_path):
+    e = SGLangEngine(model_dir, "cpu", "float32", {"max_loras_per_batch": "2", "max_loaded_loras": "3"})
+    s = server(e)
+    e.load_adapter("P", adapter(tmp_path, "P"), pinned=True)
+    for name in ("A", "B", "C"):
+        e.load_adapter(name, adapter(tmp_path, name))
+    assert s.events == [("evicted", "A")] and list(s.registry) == ["P", "B", "C"]
+    assert e.list_adapters() == ["A", "B", "C", "P"]  # evicted in SGLang, still ours to name
+    outs = e.generate([GenerationRequest("a dog", "A", 2), GenerationRequest("a dog", "P", 2)])
+    assert ("reloaded", "A") in s.events and ("evicted", "B") in s.events
+    assert outs[0].token_ids != outs[1].token_ids
+    e.unload_adapter("B")  # SGLang answers "does not exist" for an evicted name: forgotten here all the same
+    assert "B" not in e.list_adapters()
+    with pytest.raises(AdapterNotLoadedError):
+        e.generate([GenerationRequest("a dog", "B", 2)])
+
+
+def test_old_release_refuses_a_load_past_max_loaded(sglang_release, model_dir, tmp_path):
+    sglang_release("0.5.3")
+    e = SGLangEngine(model_dir, "cpu", "float32", {"max_loras_per_batch": "2", "max_loaded_loras": "3"})
+    for name in ("A", "B", "C"):
+        e.load_adapter(name, adapter(tmp_path, name))
+    with pytest.raises(CapacityError, match="Maximum number of loaded LoRA adapters is 3"):
+        e.load_adapter("D", adapter(tmp_path, "D"))
+    assert e.list_adapters() == ["A", "B", "C"]
+
+
+def test_distinct_adapters_per_call_count_the_base(fake_sglang, model_dir, tmp_path):
+    e = SGLangEngine(model_dir, "cpu", "float32", {"max_loras_per_batch": "2", "max_loaded_loras": "3"})
+    for name in ("A", "B", "C"):
+        e.load_adapter(name, adapter(tmp_path, name))
+    e.generate([GenerationRequest("a dog", a, 2) for a in ("A", "B", "C")])
+    with pytest.raises(CapacityError, match="Received request with 4 unique loras requested but max loaded loras is 3"):
+        e.generate([GenerationRequest("a dog", a, 2) for a in ("A", "B", "C", None)])
+
+
+def test_adapter_refusals_are_typed(fake_sglang, model_dir, tmp_path):
+    e = SGLangEngine(model_dir, "cpu", "float32", {"max_rank": "16", "lora_target_modules": "q_proj v_proj"})
+    with pytest.raises(AdapterIncompatibleError, match="with rank 32 is incompatible"):
+        e.load_adapter("big", adapter(tmp_path, "big", r=32))
+    with pytest.raises(AdapterIncompatibleError, match="is incompatible"):
+        e.load_adapter("mlp", adapter(tmp_path, "mlp", targets=("down_proj",)))
+    with pytest.raises(UnsupportedFeatureError, match="doesn't support DoRA"):
+        e.load_adapter("dora", adapter(tmp_path, "dora", use_dora=True))
+    assert e.list_adapters() == []
+
+
+def test_reload_of_a_name_unloads_first(fake_sglang, model_dir, tmp_path):
+    e = SGLangEngine(model_dir, "cpu", "float32", {"max_loras_per_batch": "2"})
+    e.load_adapter("X", adapter(tmp_path, "a1"), pinned=True)
+    before = e.generate([GenerationRequest("a dog", "X", 2)])[0].token_ids
+    e.load_adapter("X", adapter(tmp_path, "second"))  # SGLang refuses a loaded name: the plugin unloads first
+    assert server(e).calls[-2:] == [("unload", "X"), ("load", "X", str(tmp_path / "second"), False)]
+    assert e.generate([GenerationRequest("a dog", "X", 2)])[0].token_ids != before
+    e.unload_adapter("X")
+    with pytest.raises(AdapterNotLoadedError):
+        e.unload_adapter("X")
+
+
+def test_sglang_itself_serves_an_unloaded_name_again(fake_sglang, tmp_path):
+    """Finding recorded from SGLang's source, reproduced by the stand-in: unload never clears the
+    tokenizer manager's lora_ref_cache, so a request naming an unloaded adapter loads it again
+    (through SGLang's own API). The plugin refuses such a request itself (AdapterNotLoadedError)."""
+    s = fake_sglang.Engine(max_loras_per_batch=3, max_loaded_loras=4, max_lora_rank=8, lora_target_modules=["all"])
+    s.load_lora_adapter("A", str(adapter(tmp_path, "A")))
+    assert s.unload_lora_adapter("A").success
+    s.generate(prompt=["a dog"], sampling_params=[{"max_new_tokens": 1}], lora_path=["A"], top_logprobs_num=[1],
+               logprob_start_len=[-1])
+    assert ("reloaded", "A") in s.events and "A" in s.registry
+
+
+# ---- requests --------------------------------------------------------------------------------------
+
+
+def test_generate_mapping(fake_sglang, model_dir, tmp_path):
+    e = SGLangEngine(model_dir, "cpu", "float32", {})
+    e.load_adapter("a1", adapter(tmp_path, "a1"))
+    reqs = [GenerationRequest("the cat sat", "a1", 3, 2, prompt_logprobs=True, ignore_eos=False),
+            GenerationRequest("a dog", None, 2, 3)]
+    res = e.generate(reqs)
+    call = server(e).calls[-1]
+    assert call == ("generate", ["the cat sat", "a dog"],
+                    [{"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": False},
+                     {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True}],
+                    ["a1", None], True, [2, 3], [0, -1])
+    first = 10 + len("a1") + 100 * len("a1")
+    assert res[0].token_ids == [first, first + 1, first + 2] and res[1].token_ids == [13, 14]
+    assert res[0].logprobs[0] == {first: -0.25, first + 1: -0.5}
+    assert len(res[1].logprobs[0]) == 3
+    assert res[0].prompt_token_ids == [1, 4, 5, 6]
+    assert res[0].prompt_logprobs == [{4: -0.25, 5: -0.5}, {5: -0.25, 6: -0.5}, {6: -0.25, 7: -0.5}]
+    assert res[1].prompt_logprobs is None and res[1].prompt_token_ids == [1, 5, 7]  # local tokenizer: a=5, dog=7
+    assert res[0].text == "out0"
+    server(e).generate = lambda **kw: (_ for _ in ()).throw(RuntimeError("scheduler died"))
+    with pytest.raises(EngineFailure, match="scheduler died"):
+        e.generate([GenerationRequest("a dog")])
+    with pytest.raises(UnsupportedFeatureError):
+        e.embed(["a dog"])
 
 
 def test_missing_sglang_is_a_clear_failure(monkeypatch, model_dir):
@@ -134,55 +302,11 @@ def test_missing_sglang_is_a_clear_failure(monkeypatch, model_dir):
         SGLangEngine(model_dir, "cpu", "float32", {})
 
 
-def test_generate_mapping(fake_sglang, model_dir):
-    e = SGLangEngine(model_dir, "cpu", "float32", {})
-    e.load_adapter("a1", Path("/adapters/a1"))
-    reqs = [GenerationRequest("the cat sat", "a1", 3, 2, prompt_logprobs=True, ignore_eos=False),
-            GenerationRequest("a dog", None, 2, 3)]
-    res = e.generate(reqs)
-    call = FakeEngine.instances[0].calls[-1]
-    assert call == ("generate", ["the cat sat", "a dog"],
-                    [{"temperature": 0.0, "max_new_tokens": 3, "ignore_eos": False},
-                     {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True}],
-                    ["a1", None], True, [2, 3], [0, -1])
-    assert res[0].token_ids == [12, 13, 14] and res[1].token_ids == [13, 14]
-    assert res[0].logprobs[0] == {12: -0.25, 13: -0.5}
-    assert len(res[1].logprobs[0]) == 3
-    assert res[0].prompt_token_ids == [1, 4, 5, 6]
-    assert res[0].prompt_logprobs == [{4: -0.25, 5: -0.5}, {5: -0.25, 6: -0.5}, {6: -0.25, 7: -0.5}]
-    assert res[1].prompt_logprobs is None and res[1].prompt_token_ids == [1, 5, 7]  # local tokenizer: a=5, dog=7
-    assert res[0].text == "out0"
-
-
-def test_adapter_lifecycle_and_errors(fake_sglang, model_dir):
-    e = SGLangEngine(model_dir, "cpu", "float32", {"max_loras_per_batch": "2"})
-    fake = FakeEngine.instances[0]
-    e.load_adapter("a1", Path("/adapters/a1"), pinned=True)
-    e.load_adapter("a1", Path("/adapters/a1-v2"))  # reload: unload first, SGLang refuses a loaded name
-    assert fake.calls[-2:] == [("unload", "a1"), ("load", "a1", "/adapters/a1-v2", False)]
-    with pytest.raises(AdapterIncompatibleError, match="incompatible"):
-        e.load_adapter("bad", Path("/adapters/incompatible"))
-    e.load_adapter("p", Path("/adapters/p"), pinned=True)
-    with pytest.raises(CapacityError, match="pinned"):
-        e.load_adapter("q", Path("/adapters/q"), pinned=True)
-    assert e.list_adapters() == ["a1", "p"]
-    e.unload_adapter("a1")
-    with pytest.raises(AdapterNotLoadedError):
-        e.unload_adapter("a1")
-    with pytest.raises(AdapterNotLoadedError):
-        e.generate([GenerationRequest("a dog", "a1")])
-    fake.generate = lambda **kw: (_ for _ in ()).throw(RuntimeError("scheduler died"))
-    with pytest.raises(EngineFailure, match="scheduler died"):
-        e.generate([GenerationRequest("a dog")])
-    with pytest.raises(UnsupportedFeatureError):
-        e.embed(["a dog"])
-
-
 def test_embeddings(fake_sglang, tmp_path):
-    e = SGLangEngine(build_bert(tmp_path / "bert"), "cpu", "float32", {})
-    assert FakeEngine.instances[0].kwargs["is_embedding"] is True
+    e = SGLangEngine(build_bert(tmp_path / "bert"), "cpu", "float32", {"lora_target_modules": "all"})
+    assert server(e).kwargs["is_embedding"] is True
     assert Capability.EMBEDDINGS in e.capabilities and Capability.MIXED_BATCH not in e.capabilities
-    e.load_adapter("enc", Path("/adapters/enc"))
+    e.load_adapter("enc", adapter(tmp_path, "enc", targets=("query", "value")))
     assert e.embed(["a", "b"]) == [[0.6, 0.8], [0.6, 0.8]]
     assert e.embed(["a"], "enc") == [[0.0, 1.0]]
-    assert FakeEngine.instances[0].calls[-1] == ("encode", ["a"], ["enc"])
+    assert server(e).calls[-1] == ("encode", ["a"], ["enc"])

@@ -224,3 +224,168 @@ def test_through_the_lora_conformance_plugin(pytester):
     result = pytester.runpytest(f"--expectations={path}", "-rxXs", "--engine=builtin", "--device=cpu")
     result.assert_outcomes(passed=3, xfailed=3, skipped=1)
     result.stdout.fnmatch_lines([f"*expectations {path} (4 entries)*"])
+
+
+# ---- feature entries: matched by the feature marker's id (and a parametrisation id) ----
+
+FEATURE_TESTS = """
+    import pytest
+
+    @pytest.mark.feature("routing/base_rows", "base rows get no delta")
+    def test_renamed_function(): assert False
+
+    @pytest.mark.feature("routing/dtypes", "every dtype")
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16x"])
+    @pytest.mark.parametrize("dev", ["cpu"])
+    def test_each(dev, dtype): assert dtype != "bfloat16"
+
+    def test_unmarked(): assert False
+"""
+
+
+def run_features(pytester, entries, *args):
+    pytester.makepyfile(test_sample=textwrap.dedent(FEATURE_TESTS))
+    path = pytester.path / "exp.toml"
+    path.write_text(textwrap.dedent(entries))
+    pytester.makeconftest(f"""
+        from lora_conformance.expectations import ExpectationsPlugin
+        def pytest_configure(config):
+            config.addinivalue_line("markers", "feature(id, description): test marker")
+            config.pluginmanager.register(ExpectationsPlugin({str(path)!r}), "exp-under-test")
+    """)
+    return pytester.runpytest("-p", "no:lora_conformance", "-rxXs", *args)
+
+
+def test_feature_entries_match_by_marker_id_and_case(pytester):
+    result = run_features(pytester, """
+        [[expect]]
+        feature = "routing/base_rows"
+        status = "xfail"
+        reason = "base rows get the last slot"
+        link = ""
+
+        [[expect]]
+        feature = "routing/dtypes"
+        case = "bfloat16"
+        status = "xfail"
+        reason = "bf16 only"
+        link = ""
+
+        [[expect]]
+        feature = "sample/unmarked"
+        status = "xfail"
+        reason = "an unmarked test's feature is suite/function, as in the report"
+        link = ""
+    """)
+    # renamed function matched through its marker; case "bfloat16" matches cpu-bfloat16 but
+    # not cpu-bfloat16x (whole parts only) nor cpu-float32.
+    result.assert_outcomes(passed=2, xfailed=3)
+    result.stdout.fnmatch_lines(["*3 entries, 3 tests marked xfail, 0 skipped, 0 unmatched*"])
+    out = result.stdout.str()
+    assert "XFAIL test_sample.py::test_each[cpu-bfloat16] - expected: bf16 only" in out
+    assert "Deprecation" not in out
+
+
+def test_case_entry_beats_feature_entry_beats_node_id(tmp_path):
+    path = write(tmp_path, """
+        [[expect]]
+        id = "suites/test_x.py::test_f"
+        status = "skip"
+        reason = "by node id"
+
+        [[expect]]
+        feature = "x/f"
+        status = "xfail"
+        reason = "whole feature"
+
+        [[expect]]
+        feature = "x/f"
+        case = "cpu-bfloat16"
+        status = "xfail"
+        reason = "one case"
+    """)
+    plugin = ExpectationsPlugin(path)
+    assert plugin.lookup("suites/test_x.py::test_f[cpu-bfloat16]", "x/f", "cpu-bfloat16").reason == "one case"
+    assert plugin.lookup("suites/test_x.py::test_f[cpu-float32]", "x/f", "cpu-float32").reason == "whole feature"
+    assert plugin.lookup("suites/test_x.py::test_f[cpu-float32]", "x/renamed", "cpu-float32").reason == "by node id"
+    assert plugin.lookup("suites/test_y.py::test_f", "y/f", "") is None
+
+
+def test_node_id_entries_warn_with_the_feature_to_write(pytester):
+    result = run_features(pytester, """
+        [[expect]]
+        id = "test_sample.py::test_renamed_function"
+        status = "xfail"
+        reason = "old style"
+        link = ""
+
+        [[expect]]
+        id = "test_sample.py::test_each[cpu-bfloat16]"
+        status = "xfail"
+        reason = "old style, one case"
+        link = ""
+    """)
+    result.assert_outcomes(passed=2, failed=1, xfailed=2)  # test_unmarked is not covered
+    result.stdout.fnmatch_lines([
+        "*ExpectationNodeIdDeprecationWarning*entry 1: id = 'test_sample.py::test_renamed_function' matches by "
+        "node id, which is deprecated; write feature = \"routing/base_rows\" instead*",
+        "*ExpectationNodeIdDeprecationWarning*entry 2*write feature = \"routing/dtypes\", case = \"cpu-bfloat16\" "
+        "instead*",
+    ])
+
+
+def test_unmatched_feature_entry_of_a_suite_in_the_run_is_reported(pytester):
+    result = run_features(pytester, """
+        [[expect]]
+        feature = "routing/gone"
+        status = "xfail"
+        reason = "stale"
+        link = ""
+
+        [[expect]]
+        feature = "other_suite/not_in_this_run"
+        status = "xfail"
+        reason = "another suite"
+        link = ""
+    """)
+    result.stdout.fnmatch_lines(["*UnmatchedExpectationWarning*entry 1: feature 'routing/gone' matches no collected*",
+                                 "*2 entries, 0 tests marked xfail, 0 skipped, 1 unmatched*",
+                                 "  unmatched entry 1: routing/gone"])
+
+
+@pytest.mark.parametrize("body, expected", [
+    ('[[expect]]\nfeature = "a/b"\nid = "x"\nstatus = "skip"\nreason = "r"\n',
+     r"entry 1: expected exactly one of 'feature' .* and 'id' .*; got both"),
+    ('[[expect]]\nstatus = "skip"\nreason = "r"\n', r"entry 1: expected exactly one of .*; got neither"),
+    ('[[expect]]\nfeature = "Accuracy base"\nstatus = "skip"\nreason = "r"\n',
+     r"entry 1: field 'feature' is 'Accuracy base'; expected a feature id of the form suite/name"),
+    ('[[expect]]\nid = "x"\ncase = "cpu"\nstatus = "skip"\nreason = "r"\n',
+     r"entry 1: field 'case' goes with 'feature', not with 'id'"),
+    ('[[expect]]\nfeature = "a/b"\ncase = ""\nstatus = "skip"\nreason = "r"\n',
+     r"entry 1: field 'case' is ''; expected a parametrisation id"),
+    ('[[expect]]\nfeature = "a/b"\ncase = "c"\nstatus = "skip"\nreason = "r"\n'
+     '[[expect]]\nfeature = "a/b"\ncase = "c"\nstatus = "xfail"\nreason = "r"\n',
+     r"entry 2: field 'feature' and 'case': 'a/b \[case c\]' repeats entry 1"),
+])
+def test_bad_feature_entries_name_the_field(tmp_path, body, expected):
+    with pytest.raises(pytest.UsageError, match=expected):
+        load_expectations(write(tmp_path, body))
+
+
+def test_shipped_files_use_feature_ids_that_exist():
+    """Every packaged entry is a feature entry naming a feature some suite test declares."""
+    import ast
+
+    from lora_conformance.settings import suites_dir
+
+    declared = set()
+    for path in suites_dir().glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "feature" and node.args
+                    and isinstance(node.args[0], ast.Constant)):
+                declared.add(node.args[0].value)
+    assert len(declared) > 40, declared
+    for f in sorted(PACKAGED_DIR.glob("*.toml")):
+        for e in load_expectations(f):
+            assert e.feature, f"{f.name} entry {e.index}: still a node-id entry ({e.id!r}); write feature = ..."
+            assert e.feature in declared, f"{f.name} entry {e.index}: feature {e.feature!r} is declared by no suite test"

@@ -27,14 +27,24 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_readme_fault_table_is_the_detection_test_data():
-    from test_detection_power import CATCHERS, NOT_YET_SHOWN_ON_GPU
+    from test_detection_power import CATCHERS, DTYPES, NOT_YET_SHOWN_ON_GPU, UNCAUGHT
 
     from lora_conformance.engines.builtin.faults import DEVICE_ONLY_FAULTS, DTYPE_ONLY_FAULTS, FAULTS
 
     for fault in FAULTS:
         catch = ", ".join(f"`{c.replace('test_', '', 1).replace('.py::test_', '::')}`" for c in CATCHERS[fault])
-        where = f"GPU ({DEVICE_ONLY_FAULTS[fault]})" if fault in DEVICE_ONLY_FAULTS else "cpu, GPU"
-        if fault in NOT_YET_SHOWN_ON_GPU:
-            where = "cpu (GPU not yet run)"
-        where += "; " + ", ".join(DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS else ("float32", "bfloat16"))
+        where = (f"GPU ({DEVICE_ONLY_FAULTS[fault]})" if fault in DEVICE_ONLY_FAULTS
+                 else "cpu" if fault in NOT_YET_SHOWN_ON_GPU else "cpu, GPU")
+        dtypes = DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS else DTYPES
+        missed = [d for d in dtypes if (fault, d) in UNCAUGHT]
+        where += "; " + ", ".join(d for d in dtypes if d not in missed)
+        if missed:
+            where += f" (missed in {', '.join(missed)}: issue 11)"
         assert f"| `{fault}` | {FAULTS[fault]} | {catch} | {where} |" in README, f"README row for {fault}"
+
+
+def test_readme_variant_table_is_the_variant_catalogue():
+    from lora_conformance.engines.builtin.variants import VARIANTS
+
+    for name, what in VARIANTS.items():
+        assert f"| `{name}` | {what} |" in README, f"README row for variant {name}"

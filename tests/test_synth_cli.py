@@ -38,7 +38,7 @@ def test_model_then_adapter(base, tmp_path):
         (["--bias", "some"], "--bias"),
         (["--targets", "nope"], "--targets"),
         (["--rank-pattern", "v_proj"], "--rank-pattern"),
-        (["--b-std", "-1"], "b_std"),
+        (["--b-std", "-1"], "--b-std"),
         (["--layers", "a,b"], "--layers"),
     ],
 )

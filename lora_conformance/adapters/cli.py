@@ -86,8 +86,32 @@ def _spec(args):
         )
     except UsageError:
         raise
-    except ValueError as exc:  # AdapterSpec.validate names the field
-        raise UsageError(f"--{exc}") from None
+    except ValueError as exc:  # AdapterSpec.validate names the field (rank_pattern -> --rank-pattern)
+        field, _, rest = str(exc).partition(":")
+        raise UsageError(f"--{field.replace('_', '-')}:{rest}") from None
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out: {out} exists and is not a directory; expected a new or existing directory")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--out: {parent} is a file, so {out} cannot be created")
+            break
+
+
+def _check_layers(spec, base: Path) -> None:
+    """--layers must name layers of the base model (PEFT silently skips the others)."""
+    import json
+
+    if spec.layers_to_transform is None:
+        return
+    cfg = json.loads((Path(base) / "config.json").read_text())
+    n = int(cfg.get("num_hidden_layers") or 0)
+    outside = [i for i in spec.layers_to_transform if not 0 <= i < n]
+    if outside:
+        raise UsageError(f"--layers: {', '.join(map(str, outside))} outside the base model's layers 0..{n - 1}")
 
 
 def run(args) -> int:
@@ -97,6 +121,7 @@ def run(args) -> int:
 
             if args.kind not in SYNTHETIC_KINDS:
                 raise UsageError(f"kind: expected one of {', '.join(SYNTHETIC_KINDS)}, got {args.kind!r}")
+            _check_out(args.out)
             out = build_synthetic(args.kind, args.out, _number("--seed", args.seed))
         else:
             from lora_conformance.adapters.synth import synthesize_adapter
@@ -104,14 +129,18 @@ def run(args) -> int:
             from lora_conformance.settings import default_cache_dir
 
             spec = _spec(args)
+            _check_out(args.out)
             try:
                 base = resolve_base_model(args.base, args.cache_dir or default_cache_dir())
             except ValueError as exc:
                 raise UsageError(f"--base: {exc}") from None
+            _check_layers(spec, base)
             try:
                 out = synthesize_adapter(base, spec, args.out)
             except ValueError as exc:  # PEFT: a target that the base model does not have
                 raise UsageError(f"--targets: {str(exc).splitlines()[0]}") from None
+            except OSError as exc:
+                raise UsageError(f"--out: cannot write {args.out} ({exc.strerror or exc})") from None
     except UsageError as exc:
         print(f"lora-conformance synth: error: {exc}", file=sys.stderr)
         return 2

@@ -50,6 +50,9 @@ class AdapterSpec:
     seed: int = 0
     b_std: Optional[float] = None  # None: the calibrated default (synth.B_STD)
     target_parameters: Optional[tuple[str, ...]] = None
+    # Per-module B std (module suffix -> std), over b_std: makes a weak module's effect (q_proj,
+    # k_proj) large enough for a test to tell "that module dropped" from correct in bfloat16.
+    b_std_pattern: tuple = field(default_factory=tuple)
 
     def __post_init__(self):
         # Accept dicts/lists from callers, keep hashable tuples inside.
@@ -58,6 +61,8 @@ class AdapterSpec:
             set_("rank_pattern", _frozen(self.rank_pattern))
         if isinstance(self.alpha_pattern, Mapping):
             set_("alpha_pattern", _frozen(self.alpha_pattern))
+        if isinstance(self.b_std_pattern, Mapping):
+            set_("b_std_pattern", _frozen(self.b_std_pattern))
         for k in ("layers_to_transform", "modules_to_save", "target_parameters"):
             v = getattr(self, k)
             if v is not None and not isinstance(v, tuple):
@@ -69,17 +74,24 @@ class AdapterSpec:
     def validate(self) -> None:
         if isinstance(self.targets, str) and self.targets not in TARGET_SETS:
             raise ValueError(f"targets: unknown set {self.targets!r}; expected one of {', '.join(TARGET_SETS)}")
-        ranks = [self.rank] + [int(v) for _, v in self.rank_pattern]
-        if any(not 1 <= r <= MAX_RANK for r in ranks):
-            raise ValueError(f"rank: expected 1..{MAX_RANK}, got {ranks}")
+        if not 1 <= self.rank <= MAX_RANK:
+            raise ValueError(f"rank: expected 1..{MAX_RANK}, got {self.rank}")
+        bad = {k: v for k, v in self.rank_pattern if not 1 <= int(v) <= MAX_RANK}
+        if bad:
+            raise ValueError(f"rank_pattern: expected ranks 1..{MAX_RANK}, got {bad}")
         if self.bias not in BIAS_VALUES:
             raise ValueError(f"bias: expected one of {', '.join(BIAS_VALUES)}, got {self.bias!r}")
         if self.b_std is not None and not self.b_std >= 0:
             raise ValueError(f"b_std: expected a number >= 0, got {self.b_std!r}")
+        if any(not float(v) >= 0 for _, v in self.b_std_pattern):
+            raise ValueError(f"b_std_pattern: expected numbers >= 0, got {dict(self.b_std_pattern)!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["rank_pattern"], d["alpha_pattern"] = dict(self.rank_pattern), dict(self.alpha_pattern)
+        d["b_std_pattern"] = dict(self.b_std_pattern)
+        if not d["b_std_pattern"]:
+            del d["b_std_pattern"]  # specs without it keep their cache keys
         for k in ("targets", "layers_to_transform", "modules_to_save", "target_parameters"):
             if isinstance(d[k], tuple):
                 d[k] = list(d[k])

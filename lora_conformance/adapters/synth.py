@@ -70,6 +70,9 @@ def _fill(name: str, p: torch.Tensor, spec: AdapterSpec) -> torch.Tensor:
     # A stable per-tensor stream: the same tensor gets the same values whatever else is targeted.
     g = torch.Generator().manual_seed(spec.seed * 2654435761 % (2**31) + zlib.crc32(name.encode()))
     b_std = B_STD if spec.b_std is None else spec.b_std
+    for module, std in spec.b_std_pattern:
+        if f".{module}." in name:
+            b_std = float(std)
     if spec.zero and ("lora_B" in name or "lora_embedding_B" in name):
         return torch.zeros_like(p)
     if "lora_embedding_A" in name:

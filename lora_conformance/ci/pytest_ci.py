@@ -15,7 +15,7 @@ from typing import Optional
 import pytest
 
 from lora_conformance.ci import partition as part
-from lora_conformance.ci.registry import Registration, RegistrationError, collect_file, display_path, suites_for
+from lora_conformance.ci.registry import Registration, RegistrationError, collect_file, display_path, select, suites_for
 
 
 def _src(settings, name: str) -> str:
@@ -77,12 +77,10 @@ class CISelection:
                 regs = collect_file(path)
             except RegistrationError as exc:
                 raise pytest.UsageError(f"CI registration: {exc}") from None
-            for reg in regs:
-                if reg.matches(self.hw, self.suite, self.nightly):
-                    if reg.disabled:
-                        self.disabled[path] = reg
-                    else:
-                        estimates[path] = reg.est_time
+            # select(): one registration per file, the suite's own before an included suite's.
+            run, disabled = select({path: regs}, self.hw, self.suite, self.nightly)
+            self.disabled.update(disabled)
+            estimates.update({p: reg.est_time for p, reg in run.items()})
         keep = set(estimates)
         if self.partition and estimates:
             index, count = self.partition

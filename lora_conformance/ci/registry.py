@@ -23,6 +23,13 @@ SUITES: dict[str, tuple[str, ...]] = {
     NPU: ("per-commit", "nightly-full"),
 }
 
+# A suite that runs every file of the suites it includes besides its own registrations: the
+# nightly run is a superset of the per-commit run, so a file registered once for per-commit
+# also runs nightly (and a nightly lane is never empty while per-commit is not).
+INCLUDES: dict[str, tuple[str, ...]] = {
+    "nightly-full": ("per-commit",),
+}
+
 # function name -> hardware it fixes (None: the generic form, whose first argument is hw)
 FUNCTIONS: dict[str, Optional[str]] = {
     "register_ci": None,
@@ -37,6 +44,17 @@ _REQUIRED = ("est_time", "suite")
 
 def suites_for(hw: str) -> tuple[str, ...]:
     return SUITES.get(hw, DEFAULT_SUITES)
+
+
+def included_suites(suite: str) -> tuple[str, ...]:
+    """``suite`` and every suite it includes, transitively (its own name first)."""
+    out, todo = [], [suite]
+    while todo:
+        name = todo.pop(0)
+        if name not in out:
+            out.append(name)
+            todo.extend(INCLUDES.get(name, ()))
+    return tuple(out)
 
 
 class RegistrationError(ValueError):
@@ -54,8 +72,9 @@ class Registration:
     disabled: Optional[str] = None
 
     def matches(self, hw: str, suite: str, nightly: bool) -> bool:
-        """Registered for this run (disabled registrations match too: callers list them)."""
-        return self.hw == hw and self.suite == suite and (nightly or not self.nightly)
+        """Registered for this run (disabled registrations match too: callers list them).
+        A suite includes the registrations of the suites it includes (INCLUDES)."""
+        return self.hw == hw and self.suite in included_suites(suite) and (nightly or not self.nightly)
 
     def as_dict(self, root: Optional[Path] = None) -> dict:
         return {
@@ -206,8 +225,11 @@ def select(registry: dict[Path, list[Registration]], hw: str, suite: str,
     """(files to run, files registered but disabled) for one hw/suite, each with its registration."""
     run: dict[Path, Registration] = {}
     disabled: dict[Path, Registration] = {}
+    order = included_suites(suite)
     for path, regs in registry.items():
-        for reg in regs:
-            if reg.matches(hw, suite, nightly):
-                (disabled if reg.disabled else run)[path] = reg
+        # A file registered for the suite itself and for an included one: its own registration wins.
+        for reg in sorted((r for r in regs if r.matches(hw, suite, nightly)), key=lambda r: -order.index(r.suite)):
+            run.pop(path, None)
+            disabled.pop(path, None)
+            (disabled if reg.disabled else run)[path] = reg
     return run, disabled

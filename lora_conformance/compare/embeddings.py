@@ -38,3 +38,47 @@ def assert_embeddings_close(actual: Sequence[Sequence[float]], reference: Sequen
             {"check": "embeddings_close", "label": label, "summary": f"cosine below {min_cosine}: {detail}",
              "cosines": cosines, "min_cosine": min_cosine})
     return cosines
+
+
+def _diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> list[list[float]]:
+    return [[x - y for x, y in zip(u, v)] for u, v in zip(a, b)]
+
+
+def _sq(v: Sequence[float]) -> float:
+    return math.fsum(x * x for x in v)
+
+
+def assert_embedding_effects_close(engine_adapted: Sequence[Sequence[float]], engine_base: Sequence[Sequence[float]],
+                                   reference_effects: dict[str, Sequence[Sequence[float]]], own: str,
+                                   rel_max: float, slope_margin: float, *, label: str = "") -> dict:
+    """The adapter-induced change, not the raw vector: the engine's (adapted minus base, both from the
+    engine) against the reference's, pooled over the texts. Raw cosine cannot tell adapters apart
+    (base-to-adapted cosine is about 0.995); the change can. Checks: pooled relative residual
+    ``||dE - dR|| / ||dR||`` <= ``rel_max``; effective scale ``<dE, dR> / ||dR||^2`` within 1 ±
+    ``slope_margin``; each text's change nearest its own adapter's among ``reference_effects``
+    (a routing check). ``reference_effects`` maps adapter names to the reference's changes."""
+    dE, dR = _diff(engine_adapted, engine_base), reference_effects[own]
+    rr = math.fsum(_sq(v) for v in dR)
+    rel = math.sqrt(math.fsum(_sq([x - y for x, y in zip(u, v)]) for u, v in zip(dE, dR)) / rr)
+    slope = math.fsum(math.fsum(x * y for x, y in zip(u, v)) for u, v in zip(dE, dR)) / rr
+    nearest = []
+    for i, e in enumerate(dE):
+        dist = {n: math.sqrt(_sq([x - y for x, y in zip(e, eff[i])])) for n, eff in reference_effects.items()}
+        dist["base (no adapter)"] = math.sqrt(_sq(e))
+        nearest.append(min(dist, key=dist.get))
+    evidence = {"check": "embedding_effects", "label": label, "relative_residual": rel, "slope": slope,
+                "nearest": nearest, "rel_max": rel_max, "slope_margin": slope_margin}
+    problems = []
+    wrong = [(i, n) for i, n in enumerate(nearest) if n != own]
+    if wrong:
+        problems.append("texts nearer another hypothesis than their adapter's: " +
+                        ", ".join(f"#{i} -> {n}" for i, n in wrong))
+        evidence["hypothesis"] = {"nearest": wrong[0][1], "adapter": own}
+    if rel > rel_max:
+        problems.append(f"adapter-induced change differs from the reference's by {rel:.3g} of its size > {rel_max:g}")
+    if abs(slope - 1) > slope_margin:
+        problems.append(f"effective scale {slope:.4f} outside 1 ± {slope_margin:g}")
+    if problems:
+        raise ConformanceAssertionError(f"{label + ': ' if label else ''}" + "; ".join(problems),
+                                        {**evidence, "summary": problems[0]})
+    return evidence

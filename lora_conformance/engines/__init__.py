@@ -2,6 +2,7 @@
 
 from lora_conformance.engines.base import (
     ALL_CAPABILITIES,
+    AdapterFormatError,
     AdapterIncompatibleError,
     AdapterInUseError,
     AdapterNotLoadedError,
@@ -18,6 +19,7 @@ from lora_conformance.engines.registry import available_engines, create_engine, 
 
 __all__ = [
     "ALL_CAPABILITIES",
+    "AdapterFormatError",
     "AdapterIncompatibleError",
     "AdapterInUseError",
     "AdapterNotLoadedError",

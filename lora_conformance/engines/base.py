@@ -39,6 +39,7 @@ class Capability(str, enum.Enum):
     MODULES_TO_SAVE = "modules_to_save"
     PROMPT_LOGPROBS = "prompt_logprobs"
     LORA_BIAS = "lora_bias"
+    TENSOR_PARALLEL = "tensor_parallel"  # shards the model (and its LoRA) over several devices
     CHUNKED_PREFILL = "chunked_prefill"  # honours the standard arg chunked_prefill_size
     INFLIGHT_LIFECYCLE = "inflight_lifecycle"  # submit(); load / unload / reload while requests run
 
@@ -61,6 +62,7 @@ class Limits:
     max_loras_per_batch: int  # adapters (not counting the base) active in one forward
     max_loaded_loras: int  # adapters held by the engine at once (>= max_loras_per_batch)
     max_rank: int
+    max_top_k: Optional[int] = None  # logprobs returned per generated token (None: as many as asked)
 
 
 # ---- typed errors -------------------------------------------------------------------
@@ -82,6 +84,17 @@ class AdapterNotLoadedError(EngineError, KeyError):
 
 class AdapterIncompatibleError(EngineError, ValueError):
     """The adapter cannot be served by this engine (rank too large, unknown target module, ...)."""
+
+
+class AdapterFormatError(AdapterIncompatibleError):
+    """The adapter directory is malformed, or does not fit the base model or the engine's limits.
+
+    ``file`` is the offending file (or the directory), ``field`` the config field or tensor name.
+    """
+
+    def __init__(self, file, field: str, problem: str):
+        self.file, self.field, self.problem = str(file), field, problem
+        super().__init__(f"{self.file}: {field}: {problem}")
 
 
 class CapacityError(EngineError, RuntimeError):
@@ -124,7 +137,9 @@ class RequestHandle(ABC):
 
 # Suites ask for engine configurations in these words; each plugin maps them onto its own.
 STANDARD_ARGS = ("max_loras_per_batch", "max_loaded_loras", "max_rank", "eviction", "prefix_cache",
-                 "overlap_loading", "graphs", "chunked_prefill_size")
+                 "overlap_loading", "graphs", "tensor_parallel", "lora_backend", "chunked_prefill_size")
+# tensor_parallel: devices the model is sharded over (1: none); lora_backend: the engine's own LoRA
+# kernel backend name; chunked_prefill_size: tokens per prefill chunk.
 
 
 def translate_standard_args(engine: str, args: Mapping[str, str],
@@ -180,6 +195,12 @@ class Engine(ABC):
     @abstractmethod
     def list_adapters(self) -> list[str]: ...
 
+    def resident_adapters(self) -> Optional[list[str]]:
+        """Names whose weights the engine holds now, within ``max_loaded_loras`` (what an eviction
+        policy decides), or None when the engine cannot say: the eviction suites then do not
+        certify the policy itself."""
+        return None
+
     # inference
     @abstractmethod
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -199,6 +220,8 @@ class Engine(ABC):
         return {}
 
     def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
+        """L2-normalised embeddings of ``texts`` under ``adapter`` (None: the base model). An
+        encoder engine that declares ``mixed_batch`` also takes a list, one adapter (or None) per text."""
         raise UnsupportedFeatureError(f"engine {self.name!r} does not produce embeddings")
 
     def close(self) -> None:

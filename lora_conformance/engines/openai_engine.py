@@ -2,8 +2,11 @@
 
 Attach to a running server (``url=http://127.0.0.1:PORT``) or let the engine start one
 from a command template (``server_cmd``), which it stops (whole process group) at close().
-Servers are bound to the loopback interface only: a ``url`` naming another host, or a
-command without ``--host {host}`` / ``--host 127.0.0.1``, is refused.
+Servers are bound to the loopback interface only: a ``url`` naming another host is refused,
+and so is a command whose final argument list (after the placeholders are filled, which is
+what the server parses) sets ``--host`` to anything but a loopback address anywhere, in any
+spelling argparse accepts (``--host X``, ``--host=X``, abbreviations such as ``--hos``), or not
+at all. The engine stops the server it started on every failure path of start-up.
 
 Template placeholders: ``{model}`` (the model dir), ``{port}`` (a free port unless the
 ``port`` arg is given), ``{host}`` (127.0.0.1), ``{dtype}`` (the run's ``--dtype``; ``auto``
@@ -33,12 +36,16 @@ such strings raise EngineFailure rather than guess.
 
 Adapters load at run time through ``/v1/load_lora_adapter`` (vLLM; the engine sets
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for servers it starts) or ``/load_lora_adapter``
-(SGLang), per ``api_flavor``. Only the standard library is used (urllib), and every HTTP
-request has a timeout (``request_timeout``, default 120 s).
+(SGLang), per ``api_flavor``. Loading is transactional: the adapter directory is checked by the
+shared validator first (``validate_adapters``, default on), and a reload the server refuses
+restores the previous adapter. Only the standard library is used (http.client, never a proxy:
+the server is on loopback), and every HTTP request has one deadline for the whole exchange
+(``request_timeout``, default 120 s): a server that trickles bytes cannot hold a request longer.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shlex
@@ -48,9 +55,7 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -84,7 +89,7 @@ class OpenAIEngine(Engine):
     name = "openai"
     KNOWN_ARGS = ("url", "server_cmd", "port", "lora_modules", "api_flavor", "adapter_model_format",
                   "served_model_name", "request_timeout", "startup_timeout", "tokens_as_ids", "max_loras",
-                  "max_loaded_loras", "max_rank", "capabilities", "concurrency")
+                  "max_loaded_loras", "max_rank", "capabilities", "concurrency", "validate_adapters")
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
@@ -104,6 +109,7 @@ class OpenAIEngine(Engine):
         self.model_format = a.get("adapter_model_format") or ("{base}:{adapter}" if self.flavor == "sglang" else "{adapter}")
         self.tokens_as_ids = arg_bool(n, a, "tokens_as_ids", self.flavor == "vllm")
         self.concurrency = arg_int(n, a, "concurrency", 16)
+        self.validate_adapters = arg_bool(n, a, "validate_adapters", True)
         max_loras = arg_int(n, a, "max_loras", 8)
         self.limits = Limits(max_loras, arg_int(n, a, "max_loaded_loras", max(max_loras, 16)), arg_int(n, a, "max_rank", 64))
         self.capabilities = frozenset(
@@ -120,11 +126,19 @@ class OpenAIEngine(Engine):
         if a.get("url"):
             self.base_url = _loopback_url(a["url"])
         elif a.get("server_cmd"):
-            self.base_url = self._start_server(a["server_cmd"], arg_int(n, a, "port", None),
-                                               arg_float(n, a, "startup_timeout", 600.0))
+            port, startup = arg_int(n, a, "port", None), arg_float(n, a, "startup_timeout", 600.0)
+            try:
+                self.base_url = self._start_server(a["server_cmd"], port, startup)
+            except BaseException:
+                self.close()  # whatever failed, a server we started does not outlive us
+                raise
         else:
             raise EngineError("engine 'openai' needs url=http://127.0.0.1:PORT or server_cmd=... (see its docstring)")
-        self.served_model = a.get("served_model_name") or self._discover_model()
+        try:
+            self.served_model = a.get("served_model_name") or self._discover_model()
+        except BaseException:
+            self.close()
+            raise
 
     # ---- server lifetime ------------------------------------------------------------
 
@@ -147,10 +161,7 @@ class OpenAIEngine(Engine):
                 raise EngineError(f"engine 'openai': server_cmd placeholder {exc} is unknown; "
                                   f"known: {', '.join('{' + k + '}' for k in values)}") from None
             argv.extend(w.split() if w == modules and modules else [w])
-        host_at = argv.index("--host") + 1 if "--host" in argv else len(argv)
-        if host_at >= len(argv) or argv[host_at] not in LOOPBACK:
-            raise EngineError("engine 'openai': server_cmd must bind the loopback interface: "
-                              "add `--host {host}` (127.0.0.1)")
+        _check_binds_loopback(argv)
         env = dict(os.environ)
         if self.flavor == "vllm":
             env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
@@ -203,15 +214,51 @@ class OpenAIEngine(Engine):
     # ---- HTTP -------------------------------------------------------------------------
 
     def _http(self, method: str, url: str, body: Any = None, timeout: Optional[float] = None) -> Any:
+        """One HTTP exchange under one deadline (connect, send, headers and body together)."""
+        budget = timeout or self.timeout
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        parts = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=budget)  # no proxy, ever
+        expired = threading.Event()
+
+        def expire():  # unblocks a recv() that a trickling server keeps alive
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(budget, expire)
+        timer.daemon = True
+        timer.start()
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as exc:
-            raise self._http_error(exc.code, exc.read(), url) from None
-        except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as exc:
-            raise EngineFailure(f"{method} {url}: {getattr(exc, 'reason', exc)}") from None
+            conn.request(method, parts.path or "/", body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            chunks = []
+            while not expired.is_set():
+                chunk = resp.read1(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            if expired.is_set():
+                raise TimeoutError()
+            if resp.length:  # the server closed before sending what Content-Length promised
+                raise EngineFailure(f"{method} {url}: short answer, {resp.length} byte(s) of the body missing")
+            status, raw = resp.status, b"".join(chunks)
+        except EngineError:
+            raise
+        except (http.client.HTTPException, OSError, ValueError) as exc:
+            if expired.is_set() or isinstance(exc, (socket.timeout, TimeoutError)):
+                raise EngineFailure(f"{method} {url}: timed out (no complete answer within the "
+                                    f"{budget:g} s request deadline)") from None
+            raise EngineFailure(f"{method} {url}: {type(exc).__name__}: {exc}") from None
+        finally:
+            timer.cancel()
+            conn.close()
+        if status >= 400:
+            raise self._http_error(status, raw, url)
         text = raw.decode("utf-8", errors="replace")
         try:
             return json.loads(text) if text.strip() else None
@@ -244,7 +291,11 @@ class OpenAIEngine(Engine):
 
     def _discover_model(self) -> str:
         body = self._http("GET", self.base_url + "/v1/models")
-        models = [m for m in (body or {}).get("data", []) if isinstance(m, dict)]
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            raise EngineFailure(f"{self.base_url}/v1/models: expected an object with a 'data' list, got "
+                                f"{json.dumps(body)[:300] if not isinstance(body, str) else body[:300]!r}")
+        models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
         bases = [m["id"] for m in models if not m.get("parent") and m.get("id") not in self._adapters]
         if not bases:
             raise EngineFailure(f"{self.base_url}/v1/models lists no base model: {body!r}")
@@ -253,8 +304,26 @@ class OpenAIEngine(Engine):
     # ---- adapters ---------------------------------------------------------------------
 
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
-        if name in self._adapters:
+        from lora_conformance.adapters.validate import validate_adapter, validate_name
+
+        validate_name(name)
+        if self.validate_adapters:
+            validate_adapter(Path(path), self.model_dir, self.limits.max_rank)
+        old = self._adapters.get(name)
+        if old is not None:
             self.unload_adapter(name)  # servers refuse a loaded name; a reload must be fresh
+        try:
+            self._load_on_server(name, path, pinned)
+        except EngineError:
+            if old is not None:
+                try:
+                    self._load_on_server(name, Path(old), pinned)
+                except EngineError as exc:
+                    raise EngineFailure(f"reloading {name!r} from {path} was refused and the previous adapter "
+                                        f"from {old} could not be restored: {exc}") from exc
+            raise
+
+    def _load_on_server(self, name: str, path: Path, pinned: bool) -> None:
         if self.flavor == "vllm":
             self._http("POST", self.base_url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         else:
@@ -320,8 +389,10 @@ class OpenAIEngine(Engine):
                 text = text[len(req.prompt):]
         else:
             prompt_ids, prompt_tops = self._prompt_ids(req.prompt), None
+        details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
         return GenerationResult(token_ids=tokens, text=text, logprobs=[t or {} for t in tops],
-                                prompt_token_ids=prompt_ids,
+                                prompt_token_ids=prompt_ids, cached_tokens=None if cached is None else int(cached),
                                 prompt_logprobs=None if prompt_tops is None else [t or {} for t in prompt_tops])
 
     def _top(self, entries: Mapping[str, float], k: int) -> TopK:
@@ -374,8 +445,29 @@ def _parse_lora_modules(raw: str) -> list[tuple[str, str]]:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise EngineError(f"engine 'openai': lora_modules item {item!r} is not name=path")
+        from lora_conformance.adapters.validate import validate_name
+
+        validate_name(name)
         out.append((name, path))
     return out
+
+
+def _check_binds_loopback(argv: list[str]) -> None:
+    """Every host the server's argparse could take must be loopback, and one must be given.
+
+    argparse accepts ``--host X``, ``--host=X`` and unambiguous prefixes (``--hos X``), and the
+    last occurrence wins; so every occurrence is checked, not the first."""
+    hosts = []
+    for i, word in enumerate(argv[1:], start=1):
+        flag, eq, value = word.partition("=")
+        if len(flag) > 2 and flag.startswith("--") and "--host".startswith(flag):
+            if not eq:
+                value = argv[i + 1] if i + 1 < len(argv) else ""
+            hosts.append(value)
+    bad = [h for h in hosts if h not in LOOPBACK]
+    if not hosts or bad:
+        raise EngineError("engine 'openai': server_cmd must bind the loopback interface only: give `--host {host}` "
+                          f"(127.0.0.1) and no other host (found {', '.join(map(repr, bad)) or 'no --host'})")
 
 
 def _loopback_url(url: str) -> str:

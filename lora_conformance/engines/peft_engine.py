@@ -48,6 +48,7 @@ from lora_conformance.engines.base import (
     AdapterNotLoadedError,
     Capability,
     Engine,
+    EngineError,
     EngineFailure,
     Limits,
     UnsupportedFeatureError,
@@ -114,17 +115,38 @@ class PeftEngine(Engine):
     # ---- adapters -------------------------------------------------------------------
 
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
+        """Transactional: a refused load leaves the engine as it was (same adapters, same outputs).
+
+        The shared validator runs before PEFT sees anything; a reload of a loaded name that PEFT
+        still refuses restores the previous adapter from its directory."""
         # pinned is accepted and meaningless: nothing is ever evicted here.
-        if name == BASE:
-            raise AdapterIncompatibleError(f"{BASE!r} is reserved by PEFT for the base model")
+        from lora_conformance.adapters.validate import validate_adapter, validate_name
+
+        validate_name(name)
+        validate_adapter(Path(path), self.model_dir, MAX_RANK)
         info = read_adapter_info(Path(path))
-        if info.max_rank > MAX_RANK:
-            raise AdapterIncompatibleError(f"adapter {name!r}: rank {info.max_rank} exceeds max_rank {MAX_RANK}")
-        if name in self._adapters:
+        old = self._adapters.get(name)
+        if old is not None:
             self.unload_adapter(name)  # replace: the new weights must not mix with the old
+        try:
+            self._load_into_peft(name, Path(path), info)
+        except EngineError:
+            if old is not None:
+                try:
+                    self._load_into_peft(name, old.path, old)
+                except Exception as exc:
+                    raise EngineFailure(f"peft engine: reloading {name!r} from {path} failed and the previous "
+                                        f"adapter from {old.path} could not be restored ({exc})") from exc
+            raise
+
+    def _load_into_peft(self, name: str, path: Path, info: AdapterInfo) -> None:
         from peft import LoraConfig, PeftModel
 
-        config = LoraConfig.from_pretrained(str(path))
+        try:
+            config = LoraConfig.from_pretrained(str(path))
+        except Exception as exc:
+            raise AdapterIncompatibleError(f"adapter {name!r} from {path}: PEFT cannot read its config ({exc})") \
+                from exc
         if config.task_type is None:
             # Without a task type PeftModel has no generate() that understands adapter_names.
             config.task_type = "FEATURE_EXTRACTION" if self.is_encoder else "CAUSAL_LM"
@@ -142,9 +164,9 @@ class PeftEngine(Engine):
                     # PEFT filters missing keys by substring, so adapter "B" also "misses" adapter
                     # A's "lora_B.A.weight"; keep the keys whose dotted path names this adapter.
                     missing = [k for k in result.missing_keys if name in k.split(".")]
-            except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+            except Exception as exc:  # PEFT, safetensors and torch raise many kinds; all mean "refused"
                 self._forget_partial(name)
-                raise AdapterIncompatibleError(f"adapter {name!r} from {path}: {exc}") from exc
+                raise AdapterIncompatibleError(f"adapter {name!r} from {path}: {type(exc).__name__}: {exc}") from exc
         if missing:
             self._forget_partial(name)
             raise AdapterIncompatibleError(f"adapter {name!r} from {path}: weights missing for {missing[:3]}")
@@ -178,7 +200,20 @@ class PeftEngine(Engine):
         if name in self._model.peft_config:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                self._model.delete_adapter(name)
+                try:
+                    self._model.delete_adapter(name)
+                except Exception:
+                    # Half-injected: drop the config and whatever layers got the name.
+                    self._model.peft_config.pop(name, None)
+                    for module in self._model.modules():
+                        for attr in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "scaling", "r",
+                                     "lora_alpha", "lora_dropout"):
+                            store = getattr(module, attr, None)
+                            if isinstance(store, dict) or hasattr(store, "pop"):
+                                try:
+                                    store.pop(name, None)
+                                except TypeError:
+                                    pass
         if not self._model.peft_config:
             self._base = self._model.unload().eval()
             self._model = None

@@ -26,6 +26,7 @@ _BUILTIN = {
     "vllm": "lora_conformance.engines.vllm_engine:VllmEngine",
     "openai": "lora_conformance.engines.openai_engine:OpenAIEngine",
     "sglang": "lora_conformance.engines.sglang_engine:SGLangEngine",
+    "openvino": "lora_conformance.engines.openvino_engine:OpenVINOEngine",
 }
 
 

@@ -1,29 +1,39 @@
 """The ``sglang`` engine: SGLang's offline ``sglang.Engine`` with LoRA enabled.
 
-NOT YET RUN ON REAL HARDWARE by this project: SGLang does not run on the CPU-only machines
-it is developed on. The request and response mapping follows SGLang's source
-(python/sglang/srt/entrypoints/engine.py: ``Engine.generate`` / ``load_lora_adapter`` /
-``unload_lora_adapter`` / ``encode``; the tokenizer manager's logprob format) and is
-tested against a stand-in module (tests/test_engine_sglang.py). Treat the first real run
-as a test of this plugin too.
+NOT YET RUN ON REAL HARDWARE by this project: PyPI's SGLang (0.5.23) pins torch 2.14.1 and
+ships CUDA kernels, so it runs neither on the CPU machines this project is developed on nor
+beside the torch 2.11 of the H200 lent to it. What it declares and how it maps requests were
+read from SGLang's source (``sglang_releases.py`` lists the files and releases) and are
+tested against a stand-in that enforces SGLang's limits and answers with its error texts
+(tests/_sglang_standin.py, tests/test_engine_sglang.py). Treat the first real run as a test
+of this plugin too.
 
-Mapping:
-- one ``generate`` call per batch: ``prompt=[...]``, one sampling-params dict per request
-  (``temperature=0``, ``max_new_tokens``, ``ignore_eos``), ``lora_path=[name or None]``,
-  ``return_logprob=True``, ``top_logprobs_num=[k]``, ``logprob_start_len=[0 or -1]``
-  (0 = prompt logprobs from the first token; -1 = output only);
-- ``meta_info["output_top_logprobs"]``: per step a list of ``(logprob, token_id, text)``;
-  ``meta_info["input_top_logprobs"]``: the same per prompt position, the first one None
-  (nothing predicts the first token) -- it is dropped, so entry i predicts token i+1;
-- token ids from ``output_ids`` (or the ids inside ``output_token_logprobs``).
+Capabilities come from the installed release's row in ``sglang_releases.RELEASES``
+(``sglang.__version__``) and the configuration: the radix cache (prefix_cache) unless turned
+off, pinning, host-cache eviction past max_loaded_loras (max_loaded, 0.5.8+), the configured
+pool eviction policy, overlap loading, embed_tokens / lm_head (0.5.8+, when targeted), MoE
+(0.5.13+), graphs unless disabled, tensor parallel. Never rslora or rank_pattern: no release
+reads ``use_rslora`` or the patterns.
 
-Limits: SGLang's ``max_loras_per_batch`` counts the base model as one slot; the engine arg
-of that name means adapters per batch (as for every engine here) and is passed on + 1.
+Standard args in SGLang's words: max_loras_per_batch -> max_loras_per_batch + 1 (SGLang
+counts the base model as a slot), max_loaded_loras, max_rank -> max_lora_rank, eviction ->
+lora_eviction_policy, overlap_loading -> enable_lora_overlap_loading, prefix_cache ->
+disable_radix_cache (inverted), graphs -> disable_cuda_graph (inverted), lora_backend,
+chunked_prefill_size, tensor_parallel -> tp_size. A configuration SGLang would refuse at
+start-up is refused here first (UnsupportedFeatureError, with SGLang's message).
 
-Engine args: max_loras_per_batch, max_loaded_loras, max_lora_rank, lora_target_modules,
-lora_backend, lora_eviction_policy, enable_lora_overlap_loading, attention_backend,
-mem_fraction_static, context_length, disable_cuda_graph, random_seed, capabilities
-(an explicit list overriding the declared set, for a verified deployment).
+Requests: one ``generate`` call per batch: ``prompt=[...]``, one sampling-params dict per
+request (``temperature=0``, ``max_new_tokens``, ``ignore_eos``), ``lora_path=[name or None]``,
+``return_logprob=True``, ``top_logprobs_num=[k]``, ``logprob_start_len=[0 or -1]``;
+``meta_info["output_top_logprobs"]`` per step a list of ``(logprob, token_id, text)``;
+``meta_info["input_top_logprobs"]`` the same per prompt position, the first one None (dropped,
+so entry i predicts token i+1); token ids from ``output_ids``.
+
+Engine args: the standard ones, and max_lora_rank, lora_target_modules, lora_backend,
+lora_eviction_policy, enable_lora_overlap_loading, attention_backend, mem_fraction_static,
+context_length, disable_cuda_graph, disable_radix_cache, chunked_prefill_size, tp_size,
+random_seed, capabilities (an explicit list overriding the declared set, for a verified
+deployment).
 """
 
 from __future__ import annotations
@@ -53,9 +63,35 @@ from lora_conformance.engines.base import (
     UnsupportedFeatureError,
     translate_standard_args,
 )
+from lora_conformance.engines.sglang_releases import ConfigRefused, Release, ServerConfig, release_for, validate
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
 EVICTION = {"lru": Capability.EVICTION_LRU, "fifo": Capability.EVICTION_FIFO}
+
+# SGLang's error texts (srt/lora/lora_manager.py, lora_registry.py, managers/tokenizer_*) -> our types.
+CAPACITY_TEXTS = ("not allowed to pin all slots", "maximum number of loaded lora adapters",
+                  "didn't find any lora adapters when trying to evict", "unique loras requested")
+NOT_LOADED_TEXTS = ("never been loaded", "does not exist", "are not loaded")
+UNSUPPORTED_TEXTS = ("doesn't support dora", "add tokens to the vocabulary", "not support")
+
+
+def map_sglang_error(message: str, what: str) -> EngineError:
+    """One of our typed errors for an SGLang error message (SGLang answers with text only)."""
+    full = f"SGLang {what}: {message}"
+    low = message.lower()
+    if "unique loras requested" in low:
+        full += " (SGLang counts the base model, lora_path None, as one of them)"
+    if any(t in low for t in CAPACITY_TEXTS):
+        return CapacityError(full)
+    if any(t in low for t in NOT_LOADED_TEXTS):
+        return EngineError(full)
+    if any(t in low for t in UNSUPPORTED_TEXTS):
+        return UnsupportedFeatureError(full)
+    return AdapterIncompatibleError(full)
+
+
+def _inverted(key: str):
+    return lambda v: {key: "0" if v == "1" else "1"}
 
 
 class SGLangEngine(Engine):
@@ -63,87 +99,122 @@ class SGLangEngine(Engine):
     KNOWN_ARGS = (
         "max_loras_per_batch", "max_loaded_loras", "max_lora_rank", "lora_target_modules", "lora_backend",
         "lora_eviction_policy", "enable_lora_overlap_loading", "attention_backend", "mem_fraction_static",
-        "context_length", "disable_cuda_graph", "disable_radix_cache", "random_seed", "capabilities",
+        "context_length", "disable_cuda_graph", "disable_radix_cache", "chunked_prefill_size", "tp_size",
+        "random_seed", "capabilities",
     )
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
-        # Standard (suite) args in SGLang's words. max_loras_per_batch means adapters per batch
-        # here as everywhere in this project; SGLang counts the base model as a slot, hence + 1.
+        # max_loras_per_batch means adapters per batch here as everywhere in this project; SGLang
+        # counts the base model as a slot, hence + 1.
         self.args = translate_standard_args(self.name, self.args, {
-            "max_loras_per_batch": lambda v: {"max_loras_per_batch": str(int(v) + 1)},
+            "max_loras_per_batch": lambda v: {"max_loras_per_batch": str(
+                arg_int(self.name, {"max_loras_per_batch": v}, "max_loras_per_batch", 0) + 1)},
             "max_rank": lambda v: {"max_lora_rank": v},
             "eviction": lambda v: {"lora_eviction_policy": v},
             "overlap_loading": lambda v: {"enable_lora_overlap_loading": v},
-            "graphs": lambda v: {"disable_cuda_graph": "0" if v == "1" else "1"},
-            "prefix_cache": lambda v: {"disable_radix_cache": "0" if v == "1" else "1"},
+            "graphs": _inverted("disable_cuda_graph"),
+            "prefix_cache": _inverted("disable_radix_cache"),
+            "tensor_parallel": lambda v: {"tp_size": v},
         })
         check_known_args(self.name, self.args, self.KNOWN_ARGS)
-        a, n = self.args, self.name
-        per_batch = arg_int(n, a, "max_loras_per_batch", 8)
-        loaded = arg_int(n, a, "max_loaded_loras", max(16, per_batch))
-        rank = arg_int(n, a, "max_lora_rank", 64)
-        policy = a.get("lora_eviction_policy", "lru")
-        if policy not in EVICTION:
-            raise EngineError(f"engine 'sglang': lora_eviction_policy={policy!r}; expected lru or fifo")
-        overlap = arg_bool(n, a, "enable_lora_overlap_loading", False)
-        no_graphs = arg_bool(n, a, "disable_cuda_graph", devices.device_type(device) == "cpu")
-        self.is_encoder = is_encoder_only(self.model_dir)
-        kwargs: dict[str, Any] = dict(
-            model_path=str(self.model_dir),
-            enable_lora=True,
-            max_loras_per_batch=per_batch,
-            max_loaded_loras=loaded,
-            max_lora_rank=rank,
-            lora_target_modules=a.get("lora_target_modules", "all").replace(",", " ").split(),
-            lora_eviction_policy=policy,
-            device=devices.device_type(device),
-            dtype=dtype,
-            disable_cuda_graph=no_graphs,
-            random_seed=arg_int(n, a, "random_seed", 0),
-        )
-        if ":" in device:
-            kwargs["base_gpu_id"] = int(device.split(":", 1)[1])
-        if self.is_encoder:
-            kwargs["is_embedding"] = True
-        if overlap:
-            kwargs["enable_lora_overlap_loading"] = True
-        if arg_bool(n, a, "disable_radix_cache", False):
-            kwargs["disable_radix_cache"] = True
-        for key, parse in (("lora_backend", str), ("attention_backend", str)):
-            if a.get(key):
-                kwargs[key] = parse(a[key])
-        for key in ("mem_fraction_static",):
-            value = arg_float(n, a, key, None)
-            if value is not None:
-                kwargs[key] = value
-        if arg_int(n, a, "context_length", None):
-            kwargs["context_length"] = arg_int(n, a, "context_length", None)
-        devices.set_start_method_for(device)  # SGLang on accelerators needs spawn
         try:
             import sglang
         except ImportError as exc:
             raise EngineFailure(f"engine 'sglang' needs SGLang installed ({exc}): pip install 'lora-conformance[sglang]'") from exc
+        self._version = str(getattr(sglang, "__version__", "unknown"))
+        try:
+            self.release = release_for(self._version)
+        except ValueError as exc:
+            raise EngineFailure(f"engine 'sglang': {exc}") from None
+        self.is_encoder = is_encoder_only(self.model_dir)
+        self.config = self._server_config(self.release)
+        try:
+            validate(self.release, self.config)
+        except ConfigRefused as exc:
+            raise UnsupportedFeatureError(f"engine 'sglang' ({self._version}): {exc}") from None
+        kwargs = self._server_args(self.config)
+        devices.set_start_method_for(device)  # SGLang on accelerators needs spawn
         try:
             self.engine = sglang.Engine(**kwargs)
         except Exception as exc:  # start-up failures come in many types; all mean "cannot serve"
             raise EngineFailure(f"SGLang failed to start for {self.model_dir}: {type(exc).__name__}: {exc}") from exc
-        self._version = getattr(sglang, "__version__", "unknown")
         self._adapters: dict[str, str] = {}
         self._tokenizer = None
+        self.capabilities = frozenset(self._capabilities(self.release, self.config))
+        c = self.config
+        self.limits = Limits(max(1, c.max_loras_per_batch - 1), c.max_loaded_loras, c.max_lora_rank)
 
-        caps = {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.PINNING, Capability.MAX_LOADED,
-                EVICTION[policy], Capability.PROMPT_LOGPROBS}
-        if overlap:
-            caps.add(Capability.OVERLAP_LOADING)
-        if not no_graphs:
-            caps.add(Capability.GRAPHS)
+    def _server_config(self, release: Release) -> ServerConfig:
+        a, n = self.args, self.name
+        per_batch = arg_int(n, a, "max_loras_per_batch", 8)
+        overlap = arg_bool(n, a, "enable_lora_overlap_loading", False)
+        # With overlap loading SGLang allows at most 2 x max_loras_per_batch loaded adapters.
+        loaded = arg_int(n, a, "max_loaded_loras", 2 * per_batch if overlap else max(16, per_batch))
+        return ServerConfig(
+            max_loras_per_batch=per_batch,
+            max_loaded_loras=loaded,
+            max_lora_rank=arg_int(n, a, "max_lora_rank", 64),
+            lora_target_modules=tuple(a.get("lora_target_modules", "all").replace(",", " ").split()),
+            lora_backend=a.get("lora_backend") or None,
+            lora_eviction_policy=a.get("lora_eviction_policy") or None,
+            enable_lora_overlap_loading=overlap,
+            disable_radix_cache=arg_bool(n, a, "disable_radix_cache", not release.radix_cache),
+            chunked_prefill_size=arg_int(n, a, "chunked_prefill_size", None),
+            tp_size=arg_int(n, a, "tp_size", 1),
+        )
+
+    def _server_args(self, c: ServerConfig) -> dict[str, Any]:
+        a, n = self.args, self.name
+        kwargs: dict[str, Any] = dict(
+            model_path=str(self.model_dir),
+            enable_lora=True,
+            max_loras_per_batch=c.max_loras_per_batch,
+            max_loaded_loras=c.max_loaded_loras,
+            max_lora_rank=c.max_lora_rank,
+            lora_target_modules=list(c.lora_target_modules),
+            device=devices.device_type(self.device),
+            dtype=self.dtype,
+            disable_cuda_graph=arg_bool(n, a, "disable_cuda_graph", devices.device_type(self.device) == "cpu"),
+            random_seed=arg_int(n, a, "random_seed", 0),
+        )
+        optional = {
+            "lora_backend": c.lora_backend,
+            "lora_eviction_policy": c.lora_eviction_policy,
+            "enable_lora_overlap_loading": c.enable_lora_overlap_loading or None,
+            "disable_radix_cache": c.disable_radix_cache or None,
+            "chunked_prefill_size": c.chunked_prefill_size,
+            "tp_size": c.tp_size if c.tp_size != 1 else None,
+            "attention_backend": a.get("attention_backend") or None,
+            "mem_fraction_static": arg_float(n, a, "mem_fraction_static", None),
+            "context_length": arg_int(n, a, "context_length", None),
+            "is_embedding": True if self.is_encoder else None,
+            "base_gpu_id": int(self.device.split(":", 1)[1]) if ":" in self.device else None,
+        }
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        return kwargs
+
+    def _capabilities(self, release: Release, c: ServerConfig) -> set[Capability]:
+        policy = c.lora_eviction_policy or "lru"
+        evicts = {EVICTION[policy]} if release.eviction_policies else set()
+        if self.args.get("capabilities"):
+            return {Capability.parse(x) for x in self.args["capabilities"].replace(",", " ").split()}
         if self.is_encoder:
-            caps = {Capability.EMBEDDINGS, Capability.DYNAMIC_LOADING, EVICTION[policy]}
-        if a.get("capabilities"):
-            caps = {Capability.parse(c) for c in a["capabilities"].replace(",", " ").split()}
-        self.capabilities = frozenset(caps)
-        self.limits = Limits(max(1, per_batch - 1), loaded, rank)
+            return {Capability.EMBEDDINGS, Capability.DYNAMIC_LOADING} | evicts
+        caps = {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.PROMPT_LOGPROBS,
+                Capability.TENSOR_PARALLEL} | evicts
+        targets = set(c.lora_target_modules)
+        flags = {
+            Capability.PINNING: release.pinning,
+            Capability.MAX_LOADED: release.beyond_max_loaded == "evict",
+            Capability.OVERLAP_LOADING: c.enable_lora_overlap_loading,
+            Capability.PREFIX_CACHE: release.radix_cache and not c.disable_radix_cache,
+            Capability.GRAPHS: not self._server_args(c)["disable_cuda_graph"],
+            Capability.EMBED_TOKENS: release.embed_tokens and bool(targets & {"all", "embed_tokens"}),
+            Capability.LM_HEAD: release.lm_head and bool(targets & {"all", "lm_head"}),
+            Capability.MOE: release.moe,
+        }
+        return caps | {cap for cap, on in flags.items() if on}
 
     # ---- adapters -------------------------------------------------------------------
 
@@ -158,7 +229,14 @@ class SGLangEngine(Engine):
         if name not in self._adapters:
             raise AdapterNotLoadedError(name, self.list_adapters())
         out = self._call("unload_lora_adapter", name)
-        self._check_update(out, f"unloading adapter {name!r}")
+        try:
+            self._check_update(out, f"unloading adapter {name!r}")
+        except EngineError as exc:
+            # SGLang (0.5.8+) unregisters the least recently used adapter past max_loaded_loras and
+            # loads it again when a request names it; an explicit unload of it then answers
+            # "LoRA with name X does not exist". Ours to forget: no request of ours names it again.
+            if "does not exist" not in str(exc):
+                raise
         del self._adapters[name]
 
     def list_adapters(self) -> list[str]:
@@ -170,15 +248,7 @@ class SGLangEngine(Engine):
         if ok:
             return
         msg = (out.get("error_message") if isinstance(out, dict) else getattr(out, "error_message", "")) or ""
-        full = f"SGLang {what}: {msg}"
-        low = msg.lower()
-        if "pinned" in low or "no available" in low or "capacity" in low:
-            raise CapacityError(full)
-        if "never been loaded" in low or "not loaded" in low:
-            raise EngineError(full)
-        if "not support" in low or "dora" in low:
-            raise UnsupportedFeatureError(full)
-        raise AdapterIncompatibleError(full)
+        raise map_sglang_error(msg, what)
 
     # ---- generation -----------------------------------------------------------------
 
@@ -220,8 +290,10 @@ class SGLangEngine(Engine):
         if req.prompt_logprobs:
             raw = list(meta.get("input_top_logprobs") or ())
             prompt_lps = [self._top(e, req.top_k) for e in raw[1:]]  # raw[0] is None
+        cached = meta.get("cached_tokens")
         return GenerationResult(token_ids=ids, text=out.get("text", ""), logprobs=steps,
-                                prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps)
+                                prompt_token_ids=prompt_ids, prompt_logprobs=prompt_lps,
+                                cached_tokens=None if cached is None else int(cached))
 
     def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
         if not self.is_encoder:
@@ -251,7 +323,7 @@ class SGLangEngine(Engine):
         except (ValueError, TypeError) as exc:
             text = str(exc).lower()
             if "lora" in text or "adapter" in text:
-                raise AdapterIncompatibleError(f"SGLang {method}: {exc}") from exc
+                raise map_sglang_error(str(exc), method) from exc
             raise EngineError(f"SGLang {method}: {type(exc).__name__}: {exc}") from exc
         except Exception as exc:
             raise EngineFailure(f"SGLang {method}: {type(exc).__name__}: {exc}") from exc

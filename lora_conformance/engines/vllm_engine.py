@@ -18,7 +18,7 @@ guard their entry point with ``if __name__ == "__main__":``. On CPU set
 
 Engine args (``--engine-arg KEY=VALUE``): max_loras, max_cpu_loras, max_lora_rank,
 prefix_cache, enforce_eager, gpu_memory_utilization, max_model_len, max_num_seqs,
-max_num_batched_tokens, kv_cache_space_gb, seed, tensor_parallel_size.
+max_num_batched_tokens, kv_cache_space_gb, seed, tensor_parallel_size (standard arg tensor_parallel).
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class VllmEngine(Engine):
             "prefix_cache": lambda v: {"prefix_cache": v},
             "overlap_loading": only(self.name, "overlap_loading", "0"),
             "graphs": lambda v: {"enforce_eager": "0" if v == "1" else "1"},
+            "tensor_parallel": lambda v: {"tensor_parallel_size": v},
         })
         check_known_args(self.name, self.args, self.KNOWN_ARGS)
         a, n = self.args, self.name
@@ -119,6 +120,8 @@ class VllmEngine(Engine):
             value = arg_int(n, a, key, None)
             if value is not None:
                 kwargs[key] = value
+        if kwargs.get("tensor_parallel_size", 1) < 1:
+            raise EngineError(f"engine 'vllm': tensor_parallel_size={kwargs['tensor_parallel_size']}; expected >= 1")
         if "max_model_len" not in kwargs:
             # The suites use short prompts; a small window keeps the KV cache small.
             kwargs["max_model_len"] = min(512, _config_max_positions(self.model_dir) or 512)
@@ -138,7 +141,7 @@ class VllmEngine(Engine):
         caps = {
             Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.PINNING, Capability.MAX_LOADED,
             Capability.EVICTION_LRU, Capability.RSLORA, Capability.RANK_PATTERN, Capability.EMBED_TOKENS,
-            Capability.LM_HEAD, Capability.PROMPT_LOGPROBS,
+            Capability.LM_HEAD, Capability.PROMPT_LOGPROBS, Capability.TENSOR_PARALLEL,
         }
         if self.prefix_cache:
             caps.add(Capability.PREFIX_CACHE)
@@ -178,11 +181,30 @@ class VllmEngine(Engine):
         return LoRARequest(name, self._ids[name], str(self._infos[name].path))
 
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
+        """Transactional: the shared validator and the feature checks run before vLLM sees the
+        adapter; a reload that vLLM still refuses restores the previous adapter."""
+        from lora_conformance.adapters.validate import validate_adapter, validate_name
+
         self._alive()
+        validate_name(name)
+        validate_adapter(Path(path), self.model_dir, self.max_lora_rank)
         info = read_adapter_info(Path(path))
         self._check_adapter(name, info)
+        old = self._infos.get(name)
         if name in self._ids:
             self.unload_adapter(name)  # a new id, or vLLM would keep serving the cached weights
+        try:
+            self._add(name, info, pinned)
+        except EngineError:
+            if old is not None and self._dead is None:
+                try:
+                    self._add(name, old, False)
+                except EngineError as exc:
+                    raise EngineFailure(f"reloading {name!r} from {path} was refused and the previous adapter "
+                                        f"from {old.path} could not be restored: {exc}") from exc
+            raise
+
+    def _add(self, name: str, info: AdapterInfo, pinned: bool) -> None:
         self._ids[name], self._infos[name] = self._next_id, info
         self._next_id += 1
         engine = self.llm.llm_engine
@@ -195,7 +217,7 @@ class VllmEngine(Engine):
             raise
         except Exception as exc:
             self._forget(name)
-            raise self._map_error(exc, f"loading adapter {name!r} from {path}") from exc
+            raise self._map_error(exc, f"loading adapter {name!r} from {info.path}") from exc
 
     def _forget(self, name: str) -> None:
         lora_id = self._ids.pop(name, None)
@@ -275,6 +297,7 @@ class VllmEngine(Engine):
             logprobs=[self._topk(e, req.top_k) for e in steps],
             prompt_token_ids=[int(t) for t in out.prompt_token_ids],
             prompt_logprobs=prompt_lps,
+            cached_tokens=getattr(out, "num_cached_tokens", None),
         )
 
     def _decode(self, ids: list[int], fallback: str) -> str:

@@ -15,9 +15,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
-
-
+from typing import Any, Callable, Iterator, Optional
 
 
 def key_of(parts: dict[str, Any]) -> str:
@@ -34,19 +32,40 @@ class ReferenceCache:
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.json"
 
-    def get(self, key: str) -> Optional[dict]:
+    def get(self, key: str, parse: Optional[Callable[[Any], Any]] = None) -> Any:
+        """The entry for ``key`` (through ``parse``, which raises on a wrong shape), or None.
+
+        A corrupt entry (not UTF-8, not JSON, or refused by ``parse``) is never trusted: it is
+        deleted, with a warning naming the file, and the caller recomputes it."""
         if self.refresh:
             return None
         p = self._path(key)
         try:
-            with open(p) as f:
-                value = json.load(f)
+            raw = p.read_bytes()
         except FileNotFoundError:
             return None
-        except (json.JSONDecodeError, OSError):
-            return None  # a corrupt entry is recomputed, never trusted
+        except OSError as exc:
+            self._discard(p, exc)
+            return None
+        try:
+            value = json.loads(raw.decode("utf-8"))
+            if parse is not None:
+                value = parse(value)
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            self._discard(p, exc)
+            return None
         self.hits += 1
         return value
+
+    def _discard(self, path: Path, exc: Exception) -> None:
+        import warnings
+
+        warnings.warn(f"reference cache entry {path} is malformed ({type(exc).__name__}: {exc}); "
+                      "discarded, it will be recomputed", stacklevel=3)
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
     def put(self, key: str, value: dict) -> None:
         p = self._path(key)

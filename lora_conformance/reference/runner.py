@@ -36,7 +36,7 @@ def _topk(logprobs_row, k: int, extra: Optional[int] = None) -> TopK:
 
 class ReferenceRunner:
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32",
-                 cache: Optional[ReferenceCache] = None, max_models: int = 2):
+                 cache: Optional[ReferenceCache] = None, max_models: int = 4):
         self.model_dir = Path(model_dir)
         self.device = device
         self.dtype = dtype
@@ -153,13 +153,13 @@ class ReferenceRunner:
         if self.cache is None:
             return self._compute(req, adapter_path)
         key = self._cache_key(req, adapter_path, "generate")
-        hit = self.cache.get(key)
+        hit = self.cache.get(key, GenerationResult.from_dict)
         if hit is not None:
-            return GenerationResult.from_dict(hit)
+            return hit
         with self.cache.lock(key):
-            hit = self.cache.get(key)  # another worker may have filled it while we waited
+            hit = self.cache.get(key, GenerationResult.from_dict)  # another worker may have filled it meanwhile
             if hit is not None:
-                return GenerationResult.from_dict(hit)
+                return hit
             self.cache.misses += 1
             result = self._compute(req, adapter_path)
             self.cache.put(key, result.to_dict())
@@ -201,6 +201,63 @@ class ReferenceRunner:
             prompt_logprobs=prompt_lps,
         )
 
+    # ---- teacher-forced contexts ----------------------------------------------------
+
+    def context_logprobs(self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]],
+                         adapter_path: Optional[Path] = None, hypothesis=None, *,
+                         ids: Optional[Sequence[Sequence[Sequence[int]]]] = None, top: int = 32) -> list[list[TopK]]:
+        """Next-token logprobs after each context ``sequence[:p + 1]`` for p in ``positions`` (teacher
+        forcing: one forward pass per sequence gives every context at once).
+
+        Without ``ids``: the ``top`` most likely ids per context. With ``ids`` (one id list per
+        sequence and position): the logprobs of exactly those ids. ``hypothesis``
+        (``lora_conformance.hypotheses.Hypothesis``) transforms the adapter first; None is correct.
+        Cached like generations."""
+        from lora_conformance import hypotheses as hyps
+
+        hyp = hypothesis or hyps.correct()
+        key = None
+        if self.cache is not None:
+            key = key_of({"kind": "contexts", "runner": RUNNER_VERSION, "model": self.model_hash,
+                          "adapter": None if adapter_path is None else self.adapter_hash(adapter_path),
+                          "hypothesis": hyp.key(), "sequences": [list(map(int, s)) for s in sequences],
+                          "positions": [list(map(int, p)) for p in positions], "ids": ids, "top": top,
+                          "dtype": self.dtype, "device_type": self.device.split(":")[0], "versions": _versions()})
+            hit = self.cache.get(key)
+            if hit is not None and isinstance(hit, dict) and isinstance(hit.get("rows"), list):
+                return [[{int(k): float(v) for k, v in row.items()} for row in seq] for seq in hit["rows"]]
+        rows = self._context_rows(sequences, positions, adapter_path, hyp, ids, top)
+        if key is not None:
+            with self.cache.lock(key):
+                self.cache.misses += 1
+                self.cache.put(key, {"rows": [[{str(k): v for k, v in row.items()} for row in seq] for seq in rows]})
+        return rows
+
+    def _context_rows(self, sequences, positions, adapter_path, hyp, ids, top) -> list[list[TopK]]:
+        import torch
+
+        from lora_conformance import hypotheses as hyps
+
+        model = self._model_for(adapter_path if hyp.kind != hyps.BASE else None)
+        n = max(len(s) for s in sequences)
+        pad = self.tokenizer.pad_token_id or 0
+        batch = torch.full((len(sequences), n), pad, dtype=torch.long)
+        mask = torch.zeros((len(sequences), n), dtype=torch.long)
+        for i, s in enumerate(sequences):  # right padding: a context's last position never sees a pad
+            batch[i, :len(s)] = torch.tensor(list(s))
+            mask[i, :len(s)] = 1
+        with torch.inference_mode(), hyps.applied(model, hyp, adapter_path):
+            logits = model(input_ids=batch.to(self.device), attention_mask=mask.to(self.device)).logits
+            self.forward_passes += 1
+        out: list[list[TopK]] = []
+        for i, pos in enumerate(positions):
+            lps = torch.log_softmax(logits[i, list(pos)].float(), dim=-1).cpu()
+            if ids is None:
+                out.append([_topk(row, min(top, row.shape[0])) for row in lps])
+            else:
+                out.append([{int(t): float(row[int(t)]) for t in want} for row, want in zip(lps, ids[i])])
+        return out
+
     # ---- embeddings -----------------------------------------------------------------
 
     def embed(self, texts: Sequence[str], adapter_path: Optional[Path] = None) -> list[list[float]]:
@@ -209,7 +266,7 @@ class ReferenceRunner:
         for text in texts:
             req = GenerationRequest(prompt=text, max_new_tokens=0)
             key = self._cache_key(req, adapter_path, "embed") if self.cache is not None else None
-            hit = self.cache.get(key) if key else None
+            hit = self.cache.get(key, _embedding_entry) if key else None
             if hit is None:
                 vec = self._embed_one(text, adapter_path)
                 if key:
@@ -217,7 +274,7 @@ class ReferenceRunner:
                         self.cache.misses += 1
                         self.cache.put(key, {"embedding": vec})
             else:
-                vec = hit["embedding"]
+                vec = hit
             out.append(vec)
         return out
 
@@ -232,3 +289,11 @@ class ReferenceRunner:
         mask = enc["attention_mask"][0].float().unsqueeze(-1)
         pooled = (hidden * mask).sum(0) / mask.sum()
         return torch.nn.functional.normalize(pooled, dim=-1).tolist()
+
+
+def _embedding_entry(value) -> list[float]:
+    """A cached embedding entry's vector; raises on any other shape (the cache discards it)."""
+    vec = [float(x) for x in value["embedding"]]
+    if not vec:
+        raise ValueError("empty embedding")
+    return vec

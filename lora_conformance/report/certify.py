@@ -3,6 +3,10 @@
 A thin wrapper: it runs pytest (in a child process, so the engine's device state dies with
 it) on the suites directory with the plugin's options plus ``--lora-report DIR``, then says
 where the report is and what the badge reads. The exit code is pytest's.
+
+Unless told (``-n/--workers N``, or ``-n`` among the pytest arguments), it spreads the run over
+pytest-xdist workers chosen from the machine (``lora_conformance.parallel.choose_workers``) and
+prints that choice; each worker then takes its share of the cores (the plugin's thread share).
 """
 
 from __future__ import annotations
@@ -29,11 +33,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", type=Path, default=Path("lora-report"),
                         help="report directory (default: ./lora-report)")
     parser.add_argument("--suite-dir", type=Path, default=None, help="suites to run (default: the bundled suites/)")
+    parser.add_argument("-n", "--workers", default=None, metavar="N|auto",
+                        help="pytest-xdist worker processes (default: auto, chosen from cores, devices and memory; "
+                             "1 runs in one process)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER,
                         help="after --: extra pytest arguments (e.g. -- -n 4 -k mixed_batch)")
 
 
-def pytest_command(args) -> list[str]:
+def _extra_args(args) -> list[str]:
+    extra = list(args.pytest_args or ())
+    return extra[1:] if extra[:1] == ["--"] else extra
+
+
+def _gives_workers(extra: Sequence[str]) -> bool:
+    """Whether the pytest arguments already choose pytest-xdist workers (-n N, -nN, --numprocesses)."""
+    return any(a == "--numprocesses" or a.startswith("--numprocesses=") or (a.startswith("-n") and not a.startswith("--"))
+               for a in extra)
+
+
+def _devices_for(spec: str) -> tuple[str, int]:
+    """The device type a run will use and how many of them its workers can spread over."""
+    if spec.strip() == "cpu":
+        return "cpu", 1  # no torch import for a cpu run
+    from lora_conformance import devices
+
+    try:
+        resolved = devices.resolve_device(spec)
+    except devices.DeviceError:
+        return "cpu", 1  # pytest reports the bad --device itself, with the accepted values
+    kind = devices.device_type(resolved)
+    if kind == "cpu":
+        return "cpu", 1
+    one_device = ":" in spec  # cuda:1 pins every worker to that device
+    return kind, 1 if one_device else max(1, devices.device_count(kind))
+
+
+def choose_workers(args, xdist_installed: Optional[bool] = None):
+    """The worker count for this run (a parallel.WorkerChoice), or None where the pytest arguments
+    after -- already give one. Raises ValueError for a bad or doubly given -n."""
+    from lora_conformance import parallel
+
+    if _gives_workers(_extra_args(args)):
+        if args.workers is not None:
+            raise ValueError(f"-n/--workers {args.workers} and -n among the pytest arguments after --: give one")
+        return None
+    told = parallel.parse_workers(args.workers or "auto")
+    if told is not None:
+        choice = parallel.WorkerChoice(told, "-n/--workers")
+    else:
+        kind, count = _devices_for(args.device)
+        choice = parallel.choose_workers(parallel.cpu_cores(), parallel.available_memory(), kind, count)
+    if xdist_installed is None:
+        import importlib.util
+
+        xdist_installed = importlib.util.find_spec("xdist") is not None
+    if choice.workers > 1 and not xdist_installed:
+        return parallel.WorkerChoice(1, f"pytest-xdist is not installed, so one process (instead of {choice.workers}, "
+                                        f"{choice.reason}); pip install pytest-xdist")
+    return choice
+
+
+def pytest_command(args, workers: Optional[int] = None) -> list[str]:
     from lora_conformance.settings import suites_dir
 
     suite_dir = args.suite_dir or suites_dir()
@@ -43,11 +103,10 @@ def pytest_command(args) -> list[str]:
         cmd.append(f"--dtype={args.dtype}")
     if args.base_model:
         cmd.append(f"--base-model={args.base_model}")
+    if workers is not None and workers > 1:
+        cmd += ["-n", str(workers)]
     cmd.append(f"--lora-report={Path(args.report).resolve()}")
-    extra = list(args.pytest_args or ())
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
-    return cmd + extra
+    return cmd + _extra_args(args)
 
 
 def badge_line(report_dir: Path) -> Optional[str]:
@@ -66,7 +125,16 @@ def run(args, runner=subprocess.call) -> int:
     # A stale report from an earlier run must never pass for this one's.
     for name in REPORT_FILES:
         (report_dir / name).unlink(missing_ok=True)
-    cmd = pytest_command(args)
+    try:
+        choice = choose_workers(args)
+    except ValueError as exc:
+        print(f"lora-conformance certify: error: {exc}", file=sys.stderr)
+        return 2
+    if choice is None:
+        print("workers: as the pytest arguments after -- say", flush=True)
+    else:
+        print(f"workers: {choice.workers} ({choice.reason})", flush=True)
+    cmd = pytest_command(args, None if choice is None else choice.workers)
     print("running: " + " ".join(cmd), flush=True)
     code = int(runner(cmd))
     if code == NO_TESTS_COLLECTED:

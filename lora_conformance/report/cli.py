@@ -15,22 +15,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = sub.add_parser("render", help="re-verify one report.json and write report.md/html/json and badge.svg")
     r.add_argument("report", type=Path, help="a report.json (or a directory holding one)")
     r.add_argument("-o", "--output", type=Path, required=True, help="output directory")
+    v = sub.add_parser("verify", help="check one report.json (format, records digest) and print its re-verified verdict")
+    v.add_argument("report", type=Path, help="a report.json (or a directory holding one)")
+    for p in (m, r, v):
+        p.add_argument("--ignore-digest", action="store_true",
+                       help="read reports whose records do not match their records_digest (edited or old reports)")
+
+DIGEST_EXIT = 3  # the records do not match the digest (2: any other unreadable report)
 
 
 def run(args) -> int:
-    from lora_conformance.report.document import ReportFormatError, load_report, reverify, write_report
+    from lora_conformance.report.document import (ReportDigestError, ReportFormatError, load_report, reverify,
+                                                  write_report)
     from lora_conformance.report.merge import MergeConflict, merge, write_matrix
 
+    check = not getattr(args, "ignore_digest", False)
     try:
         if args.report_command == "merge":
-            matrix = merge(load_report(p) for p in args.reports)
+            matrix = merge([load_report(p, check_digest=check) for p in args.reports])
             paths = write_matrix(matrix, args.output)
             print(f"merged {len(args.reports)} report(s) into {len(matrix['columns'])} column(s): "
                   f"{', '.join(c['key'] + ' ' + c['score'] for c in matrix['columns'])}")
             print(f"wrote {paths['report.html']}")
             return 0
-        report = load_report(args.report)
+        report = load_report(args.report, check_digest=check)
         verdict, same = reverify(report)
+        if args.report_command == "verify":
+            passed, counted = verdict.score()
+            print(f"{args.report}: format ok, records digest "
+                  f"{'ok' if check else 'not checked (--ignore-digest)'}; stored verdict "
+                  f"{'matches' if same else 'DIFFERS from'} the records")
+            print(f"{'certified' if verdict.certified else 'not certified'}: {passed}/{counted} features pass")
+            return 0 if same else 1
         if not same:
             # Rules changed since the run (or the file was edited): the records decide.
             print("note: the stored verdict differs from the re-verified one; writing the re-verified verdict",
@@ -40,6 +56,9 @@ def run(args) -> int:
         print(f"{'certified' if verdict.certified else 'not certified'}: {passed}/{counted} features pass")
         print(f"wrote {paths['report.html']}")
         return 0
+    except ReportDigestError as exc:
+        print(f"lora-conformance report: error: {exc}", file=sys.stderr)
+        return DIGEST_EXIT
     except (ReportFormatError, MergeConflict, OSError) as exc:
         print(f"lora-conformance report: error: {exc}", file=sys.stderr)
         return 2

@@ -106,6 +106,22 @@ def _summary_html(verdict: Verdict) -> str:
         f'<span class="muted">{verdict.summary["features"]} features, {verdict.summary["cases"]} cases</span></p>')
 
 
+def root_causes_html(causes: list, heading: str = "h2") -> str:
+    """``N root causes``, each with its signature, case counts and the features under it."""
+    from lora_conformance.report.root_causes import headline
+
+    parts = [f'<{heading} class="root-causes">Root causes: {escape(headline(causes))}</{heading}>']
+    if causes:
+        items = []
+        for cause in causes:
+            counts = ", ".join(f"{n} {s}" for s, n in cause.statuses.items())
+            example = f'<br><span class="muted">e.g. {escape(cause.example[:300])}</span>' if cause.example else ""
+            items.append(f"<li><code>{escape(cause.signature)}</code> ({escape(counts)}){example}<ul>"
+                         + "".join(f"<li><code>{escape(f)}</code></li>" for f in cause.features) + "</ul></li>")
+        parts.append("<ol>" + "".join(items) + "</ol>")
+    return "".join(parts)
+
+
 def environment_html(env: Mapping[str, Any]) -> str:
     return _table(("", ""), [[f"<th>{escape(k)}</th>", f"<td>{escape(v)}</td>"] for k, v in environment_rows(env)])
 
@@ -128,12 +144,14 @@ def render_html(report: Mapping[str, Any], verdict: Verdict) -> str:
         f'<p class="verdict">{status_badge(_verdict_status(verdict))} '
         f'{"certified" if verdict.certified else "not certified"}: {value} features pass</p>',
         _summary_html(verdict),
+        root_causes_html(verdict.root_causes),
         '<h2 id="matrix">Feature matrix</h2>',
     ]
     rows = []
     for fid, feat in verdict.features.items():
         c = feat.counts
-        rows.append([f"<td><code>{escape(fid)}</code></td>", f"<td>{status_badge(feat.status)}</td>"]
+        rows.append([f'<td><code title="{escape(feat.description)}">{escape(fid)}</code></td>',
+                     f"<td>{status_badge(feat.status)}</td>"]
                     + [f'<td class="num">{c[s]}</td>' for s in STATUSES]
                     + [f"<td>{escape(feat.reason[:300])}</td>"])
     body.append(_table(("feature", "status") + STATUSES + ("reason",), rows))
@@ -151,6 +169,15 @@ def render_html(report: Mapping[str, Any], verdict: Verdict) -> str:
                     + (f"<details><summary>traceback</summary><pre>{escape(case.longrepr)}</pre></details>"
                        if case.longrepr else "")
                     + "</div>")
+    from lora_conformance.report.effects_svg import effects_html
+
+    records = {r.get("nodeid"): r for r in report.get("records") or [] if isinstance(r, Mapping)}
+    notes = [(nodeid, n) for nodeid, r in records.items() for n in r.get("notes") or ()]
+    if notes:
+        body.append('<h2 id="notes">What the passing tests could not establish</h2><ul>'
+                    + "".join(f"<li><code>{escape(str(k))}</code>: {escape(str(n))}</li>" for k, n in notes)
+                    + "</ul>")
+    body.append(effects_html(verdict.cases, records))
     body.append('<h2 id="environment">Environment</h2>')
     body.append(environment_html(env))
     return page(f"LoRA conformance: {engine} on {device} ({value})", "\n".join(body))

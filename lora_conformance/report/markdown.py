@@ -40,6 +40,21 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def root_causes_markdown(causes: list) -> list[str]:
+    """The report's first section: ``N root causes`` and the features under each."""
+    from lora_conformance.report.root_causes import headline
+
+    lines = [f"## Root causes: {headline(causes)}", ""]
+    for i, cause in enumerate(causes, start=1):
+        counts = ", ".join(f"{n} {st}" for st, n in cause.statuses.items())
+        lines.append(f"{i}. `{_cell(cause.signature)}` ({counts}; {len(cause.features)} "
+                     f"feature{'s' if len(cause.features) != 1 else ''})")
+        lines += [f"   - `{fid}`" for fid in cause.features]
+        if cause.example:
+            lines.append(f"   - e.g. {_cell(_short(cause.example, 200))}")
+    return lines + [""]
+
+
 def render_markdown(report: Mapping[str, Any], verdict: Verdict) -> str:
     env = report.get("environment") or {}
     device = (env.get("device") or {}).get("type") or "unknown"
@@ -53,13 +68,16 @@ def render_markdown(report: Mapping[str, Any], verdict: Verdict) -> str:
         f"{s['features']} features: " + ", ".join(f"{by[k]} {k}" for k in STATUSES if by[k]) + ". "
         f"{s['cases']} cases.",
         "",
-        "| Feature | Status | passed | failed | error | xfail | not certified | skipped | Reason |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        *root_causes_markdown(verdict.root_causes),
+        "## Features",
+        "",
+        "| Feature | Description | Status | passed | failed | error | xfail | not certified | skipped | Reason |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for fid, feat in verdict.features.items():
         c = feat.counts
         lines.append(
-            f"| `{fid}` | {ICON[feat.status]} {feat.status} | {c['passed']} | {c['failed']} | {c['error']} | "
+            f"| `{fid}` | {_cell(feat.description)} | {ICON[feat.status]} {feat.status} | {c['passed']} | {c['failed']} | {c['error']} | "
             f"{c['xfail']} | {c['not certified']} | {c['skipped']} | {_cell(_short(feat.reason))} |"
         )
     failures = [c for c in verdict.cases if c.status in ("failed", "error")]
@@ -68,6 +86,11 @@ def render_markdown(report: Mapping[str, Any], verdict: Verdict) -> str:
         for case in failures:
             summary = (case.evidence or {}).get("summary") if isinstance(case.evidence, dict) else None
             lines.append(f"- `{case.nodeid}` ({case.status}): {_short(summary or case.reason, 300)}")
+    notes = [(r.get("nodeid"), n) for r in report.get("records") or [] if isinstance(r, Mapping)
+             for n in r.get("notes") or ()]
+    if notes:
+        lines += ["", "## What the passing tests could not establish", ""]
+        lines += [f"- `{nodeid}`: {_short(str(n), 300)}" for nodeid, n in notes]
     lines += ["", "## Environment", "", "| | |", "| --- | --- |"]
     lines += [f"| {k} | {_cell(v)} |" for k, v in environment_rows(env)]
     lines += ["", "The HTML report beside this file shows each failure's evidence (token tables, margins).", ""]

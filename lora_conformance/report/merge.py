@@ -8,12 +8,14 @@ verdict is never trusted.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from html import escape
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from lora_conformance.report.environment import column_key
 from lora_conformance.report.markdown import ICON
+from lora_conformance.report.root_causes import describe, from_dicts, headline
 from lora_conformance.report.verify import verify
 
 MATRIX_SCHEMA = "lora-conformance/matrix/1"
@@ -46,6 +48,7 @@ def merge(reports: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             "environment": col["environment"],
             "summary": verdict.summary,
             "score": f"{passed}/{counted}",
+            "root_causes": [asdict(c) for c in verdict.root_causes],
         })
         for fid, feat in verdict.features.items():
             features.add(fid)
@@ -60,7 +63,14 @@ def merge(reports: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
 
 def render_matrix_markdown(matrix: Mapping[str, Any]) -> str:
     keys = [c["key"] for c in matrix["columns"]]
-    lines = ["# LoRA conformance matrix", "",
+    lines = ["# LoRA conformance matrix", "", "## Root causes per column", ""]
+    for c in matrix["columns"]:
+        causes = from_dicts(c.get("root_causes") or [])
+        lines.append(f"### `{c['key']}`: {headline(causes)}")
+        lines.append("")
+        lines += [f"{i}. {describe(cause)}" for i, cause in enumerate(causes, start=1)]
+        lines.append("")
+    lines += ["## Features", "",
              "| Feature | " + " | ".join(f"`{k}`" for k in keys) + " |",
              "| --- |" + " --- |" * len(keys)]
     for fid in matrix["features"]:
@@ -70,6 +80,8 @@ def render_matrix_markdown(matrix: Mapping[str, Any]) -> str:
             row.append(f"{ICON[cell['status']]} {cell['status']}" if cell else "—")
         lines.append(f"| `{fid}` | " + " | ".join(row) + " |")
     lines.append("| **passed / counted** | " + " | ".join(f"**{c['score']}**" for c in matrix["columns"]) + " |")
+    lines.append("| **root causes** | " + " | ".join(f"**{len(c.get('root_causes') or [])}**"
+                                                   for c in matrix["columns"]) + " |")
     lines += ["", "## Columns", ""]
     for c in matrix["columns"]:
         env = c["environment"]
@@ -82,7 +94,7 @@ def render_matrix_markdown(matrix: Mapping[str, Any]) -> str:
 
 
 def render_matrix_html(matrix: Mapping[str, Any]) -> str:
-    from lora_conformance.report.html import page, status_badge
+    from lora_conformance.report.html import page, root_causes_html, status_badge
 
     keys = [c["key"] for c in matrix["columns"]]
     head = "<tr><th>feature</th>" + "".join(f"<th><code>{escape(k)}</code></th>" for k in keys) + "</tr>"
@@ -95,10 +107,17 @@ def render_matrix_html(matrix: Mapping[str, Any]) -> str:
         rows.append(f"<tr><td><code>{escape(fid)}</code></td>{''.join(tds)}</tr>")
     rows.append("<tr><th>passed / counted</th>" + "".join(f"<th>{escape(c['score'])}</th>"
                                                          for c in matrix["columns"]) + "</tr>")
+    rows.append("<tr><th>root causes</th>" + "".join(f"<th>{len(c.get('root_causes') or [])}</th>"
+                                                      for c in matrix["columns"]) + "</tr>")
+    causes_html = "".join(
+        f"<h3><code>{escape(c['key'])}</code></h3>"
+        + root_causes_html(from_dicts(c.get("root_causes") or []), heading="p")
+        for c in matrix["columns"])
     body = ("<h1>LoRA conformance matrix</h1>"
             f'<p class="muted">{len(matrix["features"])} features, {len(keys)} engine/device columns; '
             "hover a status for its reason.</p>"
-            f"<table><thead>{head}</thead><tbody>{''.join(rows)}</tbody></table>")
+            f'<h2 id="root-causes">Root causes per column</h2>{causes_html}'
+            f"<h2>Features</h2><table><thead>{head}</thead><tbody>{''.join(rows)}</tbody></table>")
     return page("LoRA conformance matrix", body)
 
 

@@ -8,7 +8,12 @@ from workers to the controller:
 - the skip reason (``longrepr`` = ``(path, line, "Skipped: reason")``),
 - for failures, ``longrepr.reprcrash.message`` and ``longreprtext``,
 - ``user_properties`` entries ``("lora_evidence", json_string)`` (a ConformanceAssertionError's
-  ``.evidence``) and, optionally, ``("lora_repro", text)`` (a small reproduction).
+  ``.evidence``) and, optionally, ``("lora_repro", text)`` (a small reproduction);
+- the structured facts the lora-conformance plugin sets (``lora_conformance.outcomes``):
+  ``lora_feature`` (the feature marker's id and description), ``lora_outcome`` (a not-certified
+  skip's cause and detail), ``lora_failure`` (type and message of the exception behind a
+  failure or an xfail). Records keep them as ``feature``, ``outcome`` and ``failure``; reports
+  written before they existed lack those keys and verify by the node id and skip text.
 
 The recorder itself adds ``("lora_evidence", ...)`` in ``pytest_runtest_makereport`` when the
 test raised a ConformanceAssertionError and no fixture did already. On xdist workers it only
@@ -24,6 +29,7 @@ from typing import Any, Optional
 
 import pytest
 
+from lora_conformance.outcomes import FAILURE_PROPERTY, FEATURE_PROPERTY, OUTCOME_PROPERTY
 from lora_conformance.report.verify import feature_of
 
 # The plugin may put environment facts that need torch or the engine here (deep-merged over
@@ -32,6 +38,8 @@ from lora_conformance.report.verify import feature_of
 ENV_KEY = pytest.StashKey[dict]()
 EVIDENCE_PROPERTY = "lora_evidence"
 REPRO_PROPERTY = "lora_repro"
+EFFECTS_PROPERTY = "lora_effects"  # JSON list of compare.effects analyses (harness.assert_conforms)
+NOTE_PROPERTY = "lora_note"  # what a test could not establish (harness.TestContext.note)
 MAX_TEXT = 8000
 
 
@@ -67,8 +75,8 @@ def _properties(report, name: str) -> list[Any]:
     return out
 
 
-def _evidence(report) -> Optional[dict]:
-    for value in _properties(report, EVIDENCE_PROPERTY):
+def _evidence(report, name: str = EVIDENCE_PROPERTY) -> Optional[dict]:
+    for value in _properties(report, name):
         if isinstance(value, dict):
             return value
         try:
@@ -78,6 +86,19 @@ def _evidence(report) -> Optional[dict]:
         if isinstance(parsed, dict):
             return parsed
     return None
+
+
+def _effects(report) -> Optional[list]:
+    """The paired effect analyses a test recorded (``lora_effects``: harness.assert_conforms)."""
+    out: list = []
+    for value in _properties(report, EFFECTS_PROPERTY):
+        try:
+            parsed = json.loads(value) if isinstance(value, str) else value
+        except ValueError:
+            continue
+        if isinstance(parsed, list):
+            out += [a for a in parsed if isinstance(a, dict)]
+    return out or None
 
 
 class ReportRecorder:
@@ -96,16 +117,28 @@ class ReportRecorder:
         outcome = yield
         report = outcome.get_result()
         exc = call.excinfo.value if call.excinfo is not None else None
+        # What the lora-conformance plugin records on every process (xdist workers too); added
+        # here when it did not (the recorder used on its own). A fresh list each time:
+        # report.user_properties is item.user_properties itself.
+        from lora_conformance.outcomes import NotCertified, failure_facts
+
+        extra = []
         evidence = getattr(exc, "evidence", None)
         if isinstance(evidence, dict) and not _properties(report, EVIDENCE_PROPERTY):
-            # A fresh list: report.user_properties is item.user_properties itself.
-            report.user_properties = list(report.user_properties) + [
-                (EVIDENCE_PROPERTY, json.dumps(evidence, default=str))]
+            extra.append((EVIDENCE_PROPERTY, json.dumps(evidence, default=str)))
+        if isinstance(exc, NotCertified) and not _properties(report, OUTCOME_PROPERTY):
+            extra.append((OUTCOME_PROPERTY, json.dumps(exc.as_dict())))
+        elif exc is not None and not isinstance(exc, pytest.skip.Exception) \
+                and not _properties(report, FAILURE_PROPERTY):
+            extra.append((FAILURE_PROPERTY, json.dumps(failure_facts(exc), default=str)))
+        if extra:
+            report.user_properties = list(report.user_properties) + extra
 
     def _record(self, nodeid: str) -> dict[str, Any]:
         return self.records.setdefault(nodeid, {
             "nodeid": nodeid, "phases": {}, "wasxfail": None, "skip_reason": None, "message": None,
             "evidence": None, "repro": None, "longrepr": None, "duration": 0.0,
+            "feature": None, "outcome": None, "failure": None, "effects": None, "notes": None,
         })
 
     def pytest_runtest_logreport(self, report):
@@ -116,8 +149,15 @@ class ReportRecorder:
         rec["duration"] = round(rec["duration"] + float(report.duration or 0.0), 6)
         if getattr(report, "wasxfail", None) is not None:
             rec["wasxfail"] = str(report.wasxfail)
+        rec["feature"] = rec["feature"] or _evidence(report, FEATURE_PROPERTY)
+        if report.when == "call":
+            rec["effects"] = rec["effects"] or _effects(report)
+            rec["notes"] = rec["notes"] or ([str(n) for n in _properties(report, NOTE_PROPERTY)] or None)
         if report.skipped and rec["skip_reason"] is None:
             rec["skip_reason"] = _skip_reason(report)
+            rec["outcome"] = _evidence(report, OUTCOME_PROPERTY)
+        if report.failed or getattr(report, "wasxfail", None) is not None:
+            rec["failure"] = rec["failure"] or _evidence(report, FAILURE_PROPERTY)
         if report.failed:
             if rec["message"] is None:  # the first failure is the cause; a teardown error follows it
                 rec["message"] = _failure_message(report)
@@ -164,8 +204,13 @@ class ReportRecorder:
             return
         from lora_conformance.report.badge import badge_text
 
+        from lora_conformance.report.root_causes import describe, headline
+
         tr = terminalreporter
         tr.write_sep("=", "LoRA conformance")
+        tr.write_line(headline(self.verdict.root_causes))
+        for i, cause in enumerate(self.verdict.root_causes, start=1):
+            tr.write_line(f"  {i}. {describe(cause)}")
         columns = ("passed", "failed", "error", "xfail", "not certified", "skipped")
         header = ("suite",) + columns
         rows = [header] + [(suite,) + tuple(str(c[k]) for k in columns) for suite, c in self.verdict.suites.items()]

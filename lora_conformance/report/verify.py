@@ -8,6 +8,8 @@ report.json re-verifies under today's rules without rerunning anything.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
@@ -15,12 +17,26 @@ PASSED, FAILED, ERROR, XFAIL, NOT_CERTIFIED, SKIPPED = (
     "passed", "failed", "error", "xfail", "not certified", "skipped")
 STATUSES = (PASSED, FAILED, ERROR, XFAIL, NOT_CERTIFIED, SKIPPED)
 
-# A skip whose reason says the engine lacks a capability is "not certified": the engine
-# was not shown to do it, as is any skip raised by lora_conformance.outcomes.not_certified
-# ("not certified: ..."). Any other skip (not applicable on this device, ...) is neutral.
+# A skip recorded with a structured outcome ({"status": "not certified", "cause": ...}, set by
+# lora_conformance.outcomes.not_certified) is "not certified": the engine was not shown to do
+# it; a record with an empty outcome is a neutral skip (not applicable on this device, ...),
+# whatever its text says. Records written before outcomes were recorded (no "outcome" key)
+# fall back to the skip text: a reason that says the engine lacks a capability, or starts
+# with "not certified:".
 NOT_CERTIFIED_MARKER = "engine does not declare"
+_NOT_CERTIFIED_REASON = re.compile(r"^(?:[\w.]*NotCertified: )?not certified:")
 
 COLLECTION = "(collection)"
+
+
+def record_feature(record: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(suite, feature id, description) of a record: its feature marker where the run recorded
+    one, else derived from the node id (older reports, unmarked tests; no description)."""
+    feature = record.get("feature")
+    if isinstance(feature, Mapping) and isinstance(feature.get("id"), str) and "/" in feature["id"]:
+        return feature["id"].split("/", 1)[0], feature["id"], str(feature.get("description") or "")
+    suite, fid = feature_of(record["nodeid"])
+    return suite, fid, ""
 
 
 def feature_of(nodeid: str) -> tuple[str, str]:
@@ -56,7 +72,12 @@ def classify(record: Mapping[str, Any]) -> tuple[str, str]:
         return XFAIL, wasxfail
     if skipped:
         reason = record.get("skip_reason") or ""
-        not_certified = NOT_CERTIFIED_MARKER in reason or reason.startswith("not certified:")
+        if "outcome" in record:  # recorded structurally: the outcome decides, not the text
+            outcome = record["outcome"]
+            structured = isinstance(outcome, Mapping) and outcome.get("status") == NOT_CERTIFIED
+            return (NOT_CERTIFIED if structured else SKIPPED), reason
+        # pytest writes a skip subclass's reason as "<module>.NotCertified: not certified: ..."
+        not_certified = NOT_CERTIFIED_MARKER in reason or _NOT_CERTIFIED_REASON.match(reason) is not None
         return (NOT_CERTIFIED if not_certified else SKIPPED), reason
     if phases.get("call") == "passed":
         return PASSED, (f"XPASS: {wasxfail}" if wasxfail is not None else "")
@@ -83,6 +104,8 @@ class Case:
     evidence: Optional[dict] = None
     repro: Optional[str] = None
     longrepr: Optional[str] = None
+    failure: Optional[dict] = None  # {"type", "message"} of the exception behind a failure or an xfail
+    cause: Optional[str] = None  # a not-certified case's cause (outcomes.CAUSES), when recorded
 
 
 @dataclass
@@ -93,6 +116,7 @@ class Feature:
     reason: str
     counts: dict[str, int]
     cases: list[str] = field(default_factory=list)
+    description: str = ""
 
 
 @dataclass
@@ -101,6 +125,7 @@ class Verdict:
     features: dict[str, Feature]
     suites: dict[str, dict[str, int]]  # suite -> case counts per status
     summary: dict[str, Any]
+    root_causes: list[Any] = field(default_factory=list)  # root_causes.RootCause, most features first
 
     @property
     def certified(self) -> bool:
@@ -116,6 +141,7 @@ class Verdict:
             "suites": {k: dict(v) for k, v in self.suites.items()},
             "features": {k: asdict(v) for k, v in self.features.items()},
             "cases": [asdict(c) for c in self.cases],
+            "root_causes": [asdict(r) for r in self.root_causes],
         }
 
 
@@ -124,16 +150,26 @@ def _counts() -> dict[str, int]:
 
 
 def verify(records: Iterable[Mapping[str, Any]]) -> Verdict:
+    from lora_conformance.report.root_causes import root_causes
+
     cases: list[Case] = []
+    descriptions: dict[str, str] = {}
     for rec in sorted(records, key=lambda r: r["nodeid"]):
-        suite, fid = feature_of(rec["nodeid"])
+        suite, fid, description = record_feature(rec)
+        if description:
+            descriptions.setdefault(fid, description)
         status, reason = classify(rec)
+        outcome = rec.get("outcome") if isinstance(rec.get("outcome"), Mapping) else {}
+        failure = rec.get("failure") if isinstance(rec.get("failure"), Mapping) else None
         cases.append(Case(rec["nodeid"], suite, fid, status, reason, float(rec.get("duration") or 0.0),
-                          rec.get("evidence"), rec.get("repro"), rec.get("longrepr")))
+                          rec.get("evidence"), rec.get("repro"), rec.get("longrepr"),
+                          dict(failure) if failure else None,
+                          outcome.get("cause") if status == NOT_CERTIFIED else None))
     features: dict[str, Feature] = {}
     suites: dict[str, dict[str, int]] = {}
     for case in cases:
-        feat = features.setdefault(case.feature, Feature(case.feature, case.suite, "", "", _counts()))
+        feat = features.setdefault(case.feature, Feature(case.feature, case.suite, "", "", _counts(),
+                                                         description=descriptions.get(case.feature, "")))
         feat.counts[case.status] += 1
         feat.cases.append(case.nodeid)
         suites.setdefault(case.suite, _counts())[case.status] += 1
@@ -158,4 +194,6 @@ def verify(records: Iterable[Mapping[str, Any]]) -> Verdict:
         # Certified: something was shown to work and nothing was shown to be wrong.
         "certified": by_status[PASSED] > 0 and by_status[FAILED] == 0 and by_status[ERROR] == 0,
     }
-    return Verdict(cases, dict(sorted(features.items())), dict(sorted(suites.items())), summary)
+    causes = root_causes(cases)
+    summary["root_causes"] = len(causes)
+    return Verdict(cases, dict(sorted(features.items())), dict(sorted(suites.items())), summary, causes)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from lora_conformance.engines.builtin.faults import Faults
+from lora_conformance.engines.builtin.variants import Variant
 
 # How prefill routes rows to LoRA slots (layers/lora.py): one shrink/expand per adapter segment,
 # or every slot at once with a per-row mask (the path decode always takes).
@@ -46,6 +47,7 @@ class EngineArgs:
     max_model_len: int = 2048
     fault: Optional[str] = None
     kernels: str = "auto"  # fused decode kernels: auto (triton on cuda/xpu), torch, triton
+    variant: Variant = Variant()  # a benign variation (variants.VARIANTS), for negative controls
     chunked_prefill_size: int = 0  # prefill tokens per step (a longer prompt takes several steps); 0: unchunked
     lora_backend: str = "auto"  # prefill LoRA path: segmented, masked; auto: segmented on cpu, masked elsewhere
 
@@ -76,8 +78,10 @@ class EngineArgs:
                 out.lora_backend = value
             elif key == "fault":
                 out.fault = Faults(value).name  # validates against the catalogue
+            elif key == "variant":
+                out.variant = Variant.parse(value)  # validates against variants.VARIANTS
             else:
-                known = sorted([*ints, *bools, "eviction", "fault", "kernels", "lora_backend"])
+                known = sorted([*ints, *bools, "eviction", "fault", "kernels", "lora_backend", "variant"])
                 raise ValueError(f"unknown engine arg {key!r} for engine 'builtin'; known: {', '.join(known)}")
         if out.max_loaded_loras < out.max_loras_per_batch:
             raise ValueError(

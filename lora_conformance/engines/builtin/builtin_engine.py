@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -58,7 +58,7 @@ class BuiltinEngine(Engine):
         self.pool = AdapterPool(
             self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction, self.faults,
             lambda n, p, pinned: load_adapter_dir(n, p, self._modules, self.cfg.max_rank, self.faults,
-                                                  self.torch_dtype, pin),
+                                                  self.torch_dtype, pin, self.model_dir, self.cfg.variant),
         )
         self.runner = ModelRunner(self.model, self.spec, self.cfg, self.faults, self.device, self.torch_dtype,
                                   num_blocks)
@@ -78,7 +78,7 @@ class BuiltinEngine(Engine):
         if self.cfg.overlap_loading:
             caps.add(C.OVERLAP_LOADING)
         if self.spec.kind == "encoder":
-            return caps | {C.EMBEDDINGS}
+            return caps | {C.EMBEDDINGS, C.MIXED_BATCH}  # embed() takes one adapter per text
         caps |= {C.MIXED_BATCH, C.EMBED_TOKENS, C.LM_HEAD, C.PROMPT_LOGPROBS, C.CHUNKED_PREFILL,
                  C.INFLIGHT_LIFECYCLE}
         if self.cfg.prefix_cache:
@@ -97,12 +97,19 @@ class BuiltinEngine(Engine):
 
     # ---- adapters --------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
-        """Waits for running requests that use ``name`` (they keep the weights they started with)."""
+        """Waits for running requests that use ``name`` (they keep the weights they started with);
+        register() reads and validates before it changes anything: a refused load is a no-op."""
+        from lora_conformance.adapters.validate import validate_name
+
+        name = validate_name(name)
         self.server.change_adapter(name, lambda: self.pool.register(name, Path(path), pinned))
 
     def unload_adapter(self, name: str) -> None:
-        """Waits for running requests that use ``name``."""
-        self.server.change_adapter(name, lambda: self.pool.unregister(name))
+        """Waits for running requests that use ``name``; the freed slots are zeroed."""
+        def unload():
+            for slot in self.pool.unregister(name):
+                self.runner.clear_slot(slot)
+        self.server.change_adapter(name, unload)
 
     def list_adapters(self) -> list[str]:
         return self.pool.names()
@@ -118,7 +125,10 @@ class BuiltinEngine(Engine):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         if self.spec.kind == "encoder":
             raise UnsupportedFeatureError(f"{self.model_dir} is an encoder: use embed(), not generate()")
-        return self.server.generate(list(requests))
+        requests = list(requests)
+        if self.cfg.variant.on("one_at_a_time"):
+            return [out for r in requests for out in self.server.generate([r])]
+        return self.server.generate(requests)
 
     def submit(self, requests: Sequence[GenerationRequest]):
         if self.spec.kind == "encoder":
@@ -126,21 +136,57 @@ class BuiltinEngine(Engine):
         return self.server.submit(list(requests))
 
     @torch.inference_mode()
-    def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
+    def embed(self, texts: Sequence[str],
+              adapter: Union[None, str, Sequence[Optional[str]]] = None) -> list[list[float]]:
+        """Embeddings of ``texts``; ``adapter`` is one name (or None) for all, or one per text
+        (mixed batch: each text's rows routed to its adapter's slot)."""
         if self.spec.kind != "encoder":
             raise UnsupportedFeatureError(f"{self.model_dir} is a decoder: the builtin engine embeds with encoders only")
-        slot = -1
-        if adapter is not None:
-            with self.server.cond:
-                slot = self.pool.assign(adapter, set())
-                self.runner.load_slots(self.pool.pending_copies())
+        texts = list(texts)
+        names = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(texts)
+        if len(names) != len(texts):
+            raise ValueError(f"embed: {len(names)} adapters for {len(texts)} texts; give one name or one per text")
+        for n in names:
+            if n is not None:
+                self.pool.check(n)  # AdapterNotLoadedError before any work
+        order = list(range(len(texts)))
+        if self.cfg.variant.on("reverse"):
+            order.reverse()
+        with self.server.cond:  # slots are not reassigned under a running step
+            return self._embed_locked(texts, names, order)
+
+    def _embed_locked(self, texts: list[str], names: list, order: list[int]) -> list[list[float]]:
+        out: list[Optional[list[float]]] = [None] * len(texts)
+        batch: list[int] = []
+        locked: set[str] = set()
+        slots: list[int] = []
+        for i in order:
+            n = names[i]
+            full = batch and (self.cfg.variant.on("one_at_a_time") or len(batch) >= self.cfg.max_batch_size
+                              or (n is not None and not self.pool.can_assign(n, locked)))
+            if full:  # this text's adapter needs a slot a text of the batch holds: run the batch first
+                self._embed_batch(texts, batch, slots, out)
+                batch, locked, slots = [], set(), []
+            slots.append(-1 if n is None else self.pool.assign(n, locked))
+            if n is not None:
+                locked.add(n)
+            batch.append(i)
+        if batch:
+            self._embed_batch(texts, batch, slots, out)
+        return out
+
+    def _embed_batch(self, texts: list[str], index: list[int], slots: list[int], out: list) -> None:
+        """One encoder forward over texts[index], text k's tokens routed to slots[k]."""
+        self.runner.load_slots(self.pool.pending_copies())
         self.tokenizer.padding_side = "right"  # absolute positions: padding must come last
-        enc = self.tokenizer(list(texts), padding=True, truncation=True,
+        enc = self.tokenizer([texts[i] for i in index], padding=True, truncation=True,
                              max_length=self.spec.max_position_embeddings, return_tensors="pt")
         ids, attn = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
-        slots = torch.full((ids.numel(),), self.runner.row_slots_for(slot), dtype=torch.long, device=self.device)
-        out = self.model(ids, attn, self.runner.lora_batch(slots, None))
-        return out.cpu().tolist()
+        rows = torch.tensor(self.runner.embed_row_slots(slots), dtype=torch.long, device=self.device)
+        token_slots = rows.repeat_interleave(ids.shape[1])  # ids (B, L) row-major: L tokens per text
+        vecs = self.model(ids, attn, self.runner.lora_batch(token_slots, None)).cpu().tolist()
+        for i, v in zip(index, vecs):
+            out[i] = v
 
     def version(self) -> str:
         from importlib.metadata import PackageNotFoundError, version

@@ -16,7 +16,6 @@ FAULTS: dict[str, str] = {
     "scaling_alpha_not_over_r": "LoRA scaling is lora_alpha instead of lora_alpha / r",
     "rslora_ignored": "use_rslora is ignored: scaling alpha / r instead of alpha / sqrt(r)",
     "patterns_ignored": "rank_pattern / alpha_pattern are ignored when computing the scaling",
-    "drop_v_proj": "v_proj LoRA weights are silently dropped",
     "lm_head_dropped": "lm_head LoRA is silently dropped",
     "embed_tokens_dropped": "embed_tokens LoRA is silently dropped",
     "stale_reload": "reloading an adapter name keeps the old weights",
@@ -27,11 +26,20 @@ FAULTS: dict[str, str] = {
     "overlap_no_wait": "[streams] the compute stream does not wait on the overlap-load event",
     "moe_expert_mismatch": "MoE expert LoRA of expert e is applied to expert e+1 (mod E)",
     "delta_twice": "the LoRA delta is added twice",
+    "delta_x1_1": "the LoRA delta is scaled by 1.1 (a 10% mis-scale)",
+    "moe_down_proj_dropped": "the MoE experts' down_proj LoRA is silently dropped (gate_up_proj kept)",
+    "embedding_adapter_misrouted": "an embedding batch's rows get the adapter of the next request in the batch",
+    "prefix_cache_keyed_by_name": "prefix cache blocks are keyed by adapter name: a name reloaded with new weights hits stale KV",
     "chunk_continuation_drops_adapter": "prefill chunks after a prompt's first run without its adapter",
     "inflight_no_drain": "load / unload / reload of an adapter that running requests use neither waits nor refuses",
     "rotary_assumes_head_dim_64": "rotary frequencies are computed for head_dim 64 whatever the model's head_dim",
     "masked_prefill_padded_rows": "masked prefill routes packed token t by padded row t // longest (unequal prompts take a neighbour's adapter)",
 }
+
+# One fault per linear target module, its LoRA silently dropped (the module is still targeted in
+# the adapter's config, and the rest of the adapter is applied): fault ``drop_<module>``.
+DROPPABLE_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FAULTS.update({f"drop_{m}": f"{m} LoRA weights are silently dropped" for m in DROPPABLE_LINEAR_MODULES})
 
 # Faults whose code path exists only on accelerators (cpu runs in order and has no graphs).
 DEVICE_ONLY_FAULTS: dict[str, str] = {"graph_stale_indices": "graphs", "overlap_no_wait": "streams"}
@@ -56,6 +64,18 @@ class Faults:
     def on(self, name: str) -> bool:
         assert name in FAULTS, name  # a typo here would make a fault silently inert
         return self.name == name
+
+    def drops(self, target: str, kind: str) -> bool:
+        """Whether the active fault silently drops the LoRA of module ``target`` (of kind
+        'linear' | 'embedding' | 'expert', as the adapter loader names them)."""
+        if self.name is None:
+            return False
+        leaf = target.rsplit(".", 1)[-1]
+        if kind == "linear":
+            return self.name == f"drop_{leaf}" or (self.name == "lm_head_dropped" and leaf == "lm_head")
+        if kind == "embedding":
+            return self.name == "embed_tokens_dropped"
+        return kind == "expert" and self.name == "moe_down_proj_dropped" and leaf == "down_proj"
 
     def __repr__(self) -> str:
         return f"Faults({self.name!r})"

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from lora_conformance.engines.base import AdapterIncompatibleError, UnsupportedFeatureError
+from lora_conformance.engines.builtin.variants import Variant
 
 PREFIX = "base_model.model."
 
@@ -53,18 +54,6 @@ class HostAdapter:
         return max((m.rank for m in self.modules.values()), default=0)
 
 
-def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], bytes]:
-    st = path / "adapter_model.safetensors"
-    if st.exists():
-        from safetensors.torch import load_file
-
-        return load_file(str(st)), st.read_bytes()
-    binf = path / "adapter_model.bin"
-    if binf.exists():
-        return torch.load(str(binf), map_location="cpu", weights_only=True), binf.read_bytes()
-    raise AdapterIncompatibleError(f"adapter {path}: no adapter_model.safetensors (or .bin) found")
-
-
 def _check_config(cfg: dict, path: Path) -> None:
     where = f"{path}/adapter_config.json"
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -96,15 +85,19 @@ def _split_key(key: str) -> tuple[str, str, int]:
 
 
 def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, faults, dtype,
-                     pin: bool) -> HostAdapter:
-    """model_modules: our module name -> ('linear'|'embedding'|'expert', module)."""
+                     pin: bool, model_dir: Path, variant: Variant = Variant()) -> HostAdapter:
+    """model_modules: our module name -> ('linear'|'embedding'|'expert', module); variant: how
+    the factors are stored (variants.py: rescale, preround).
+
+    The shared validator (adapters/validate.py) runs first: malformed files, shapes of another
+    model, non-finite values, config/tensor rank mismatches and ranks over max_rank are refused
+    with AdapterFormatError before anything is packed."""
+    from lora_conformance.adapters.validate import validate_adapter
+
     path = Path(path)
-    cfg_file = path / "adapter_config.json"
-    if not cfg_file.exists():
-        raise AdapterIncompatibleError(f"adapter {path}: adapter_config.json not found")
-    cfg = json.loads(cfg_file.read_text())
+    checked = validate_adapter(path, model_dir, max_rank)
+    cfg, tensors, raw = checked.config, checked.tensors, checked.raw
     _check_config(cfg, path)
-    tensors, raw = _read_tensors(path)
     if any(k.endswith("lora_magnitude_vector") for k in tensors):
         raise UnsupportedFeatureError(f"DoRA magnitude vectors in {path} are not supported by the builtin engine")
 
@@ -137,11 +130,7 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
                 f"adapter {path}: target_modules/target_parameters names module {mod!r}, which this model lacks"
             )
         kind_m, module = model_modules[target]
-        if faults.on("drop_v_proj") and target.endswith("v_proj"):
-            continue
-        if faults.on("lm_head_dropped") and target.endswith("lm_head"):
-            continue
-        if faults.on("embed_tokens_dropped") and kind_m == "embedding":
+        if faults.drops(target, kind_m):  # drop_<module>, lm_head / embed_tokens / moe_down_proj dropped
             continue
         A, B = (ts.get("embA"), ts.get("embB")) if kind_m == "embedding" else (ts.get("A"), ts.get("B"))
         if A is None or B is None:
@@ -160,7 +149,10 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
             rm, am = r0, alpha0
         use_rs = rs and not faults.on("rslora_ignored")
         scale = am if faults.on("scaling_alpha_not_over_r") else am / (math.sqrt(rm) if use_rs else rm)
-        ad.modules[target] = _pack(kind_m, module, A.float(), B.float(), r, E, scale, max_rank, dtype, path, target)
+        if faults.on("delta_x1_1"):
+            scale *= 1.1
+        A, B = _stored_factors(A.float(), B.float(), variant, dtype)
+        ad.modules[target] = _pack(kind_m, module, A, B, r, E, scale, max_rank, dtype, path, target)
     if pin:
         for m in ad.modules.values():
             m.A, m.Bt = m.A.pin_memory(), m.Bt.pin_memory()
@@ -187,6 +179,17 @@ def _expert_target(mod: str, ts: dict, tparams: list[str], model_modules: dict) 
         if A.shape[1] == in_f and B.shape[0] == out_f and A.shape[0] % E == 0:
             return cand
     return mod
+
+
+def _stored_factors(A: torch.Tensor, B: torch.Tensor, variant: Variant, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 factors to pack. Variants (benign: B @ A is unchanged in exact arithmetic):
+    rescale:C stores (C*A, B/C); preround rounds both to the model dtype first, so B is rounded
+    again once the scaling is folded in."""
+    if variant.on("rescale"):
+        return A * variant.factor, B / variant.factor
+    if variant.on("preround"):
+        return A.to(dtype).float(), B.to(dtype).float()
+    return A, B
 
 
 def _pack(kind, module, A, B, r, E, scale, R, dtype, path, target) -> PackedLora:

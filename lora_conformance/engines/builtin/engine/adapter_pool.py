@@ -73,14 +73,19 @@ class AdapterPool:
             if s.name == name:
                 s.version = -1
 
-    def unregister(self, name: str) -> None:
+    def unregister(self, name: str) -> list[int]:
+        """Forget ``name``; returns the device slots it held, which the runner must clear (the
+        masked decode reads every slot, so stale weights there can still reach other rows)."""
         if name not in self.registry:
             raise AdapterNotLoadedError(name, list(self.registry))
         del self.registry[name]
         self.host.pop(name, None)
-        for s in self.slots:
+        freed = []
+        for i, s in enumerate(self.slots):
             if s.name == name:
                 s.name, s.version = None, -1
+                freed.append(i)
+        return freed
 
     def names(self) -> list[str]:
         return list(self.registry)

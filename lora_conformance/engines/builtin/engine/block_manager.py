@@ -25,7 +25,12 @@ class BlockManager:
         self.hits = 0  # blocks served from the cache (for tests and the report)
 
     def _hash(self, prev: str, seq: Sequence, i: int) -> str:
-        salt = "" if self.faults.on("prefix_cache_ignores_adapter") else seq.identity
+        if self.faults.on("prefix_cache_ignores_adapter"):
+            salt = ""
+        elif self.faults.on("prefix_cache_keyed_by_name"):  # the name outlives the weights it named
+            salt = f"name:{seq.adapter}" if seq.adapter is not None else "base"
+        else:
+            salt = seq.identity
         toks = seq.tokens[i * self.block_size:(i + 1) * self.block_size]
         return hashlib.sha256(f"{prev}|{salt}|{toks}".encode()).hexdigest()
 
@@ -61,6 +66,7 @@ class BlockManager:
             table.append(self._take())
         seq.block_table = table
         seq.num_cached = seq.num_computed = len(cached) * self.block_size
+        seq.cached_reported = max(seq.cached_reported, seq.num_cached)
 
     def _take(self) -> int:
         b = self.free.popleft()

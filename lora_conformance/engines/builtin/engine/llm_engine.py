@@ -18,6 +18,7 @@ class LLMEngine:
         self.scheduler = Scheduler(blocks, pool, args.max_batch_size, max(args.max_model_len, 8192),
                                    args.chunked_prefill_size)
         self.eos_ids = set(eos_ids)
+        self.reverse = args.variant.on("reverse")
         self.steps = {"prefill": 0, "decode": 0}
 
     def make_sequences(self, requests: Seq[GenerationRequest]) -> list[Sequence]:
@@ -34,8 +35,10 @@ class LLMEngine:
         """Sequences for ``requests`` (adapters checked now), queued for scheduling."""
         seqs = self.make_sequences(requests)
         # Canonical admission order: results do not depend on the order of the caller's list.
+        # (Variant reverse: the opposite order, a benign variation of the batch's row order.)
         for s in sorted(seqs, key=lambda s: (s.identity, s.prompt_ids, s.max_new_tokens, s.top_k,
-                                             s.want_prompt_logprobs, s.ignore_eos, s.index)):
+                                             s.want_prompt_logprobs, s.ignore_eos, s.index),
+                        reverse=self.reverse):
             if s.max_new_tokens > 0 or s.want_prompt_logprobs:
                 self.scheduler.add(s)
             else:
@@ -90,4 +93,5 @@ class LLMEngine:
 
     def _result(self, s: Sequence, text: str) -> GenerationResult:
         return GenerationResult(token_ids=list(s.output_ids), text=text, logprobs=list(s.logprobs),
-                                prompt_token_ids=list(s.prompt_ids), prompt_logprobs=s.prompt_logprobs)
+                                prompt_token_ids=list(s.prompt_ids), prompt_logprobs=s.prompt_logprobs,
+                                cached_tokens=s.cached_reported)

@@ -27,6 +27,9 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.num_slots, self.rank = args.max_loras_per_batch, args.max_rank
         self.block_size = args.kv_block_size
+        # The dtype of the LoRA delta when it is not the model's: fault lora_fp16, variant fp32_delta.
+        delta = torch.float16 if faults.on("lora_fp16") else torch.float32 if args.variant.on("fp32_delta") else None
+        self.delta_dtype = None if delta == dtype else delta
         self.lora_modules = model_lora_modules(model)
         # The widest pool layout is q/k/v's three parts; every LoRA mask is a prefix of its columns.
         self.col_slots = column_slots(self.num_slots, self.rank, 3, device)
@@ -96,6 +99,18 @@ class ModelRunner:
                 devices.wait_event(self.device, event, compute)
         self._inflight = self._inflight[-2 * self.num_slots:]
 
+    @torch.inference_mode()
+    def clear_slot(self, slot: int) -> None:
+        """Zero a freed slot in every pool (in stream order with queued work that reads it)."""
+        for _, mod in self.lora_modules.values():
+            pool = self._pool_of(mod)
+            if pool is None:
+                continue
+            for t in pool:
+                t[:, slot].zero_() if t.dim() == 4 else t[slot].zero_()
+            mod.slot_rank[slot] = 0
+        self.lora_signature = tuple(bool(any(m.slot_rank)) for _, m in self.lora_modules.values())
+
     @staticmethod
     def _pool_of(mod):
         if hasattr(mod, "lora_At"):
@@ -104,7 +119,10 @@ class ModelRunner:
 
     # ---- routing ---------------------------------------------------------------------
     def row_slots(self, seqs: list[Sequence]) -> list[int]:
-        slots = [s.slot for s in seqs]
+        return self.route([s.slot for s in seqs])
+
+    def route(self, slots: list[int]) -> list[int]:
+        """Each row's adapter slot as the LoRA layers read it (-1: base), from the rows' own slots."""
         if self.faults.on("adapter_index_off_by_one"):
             slots = [x + 1 if x >= 0 else x for x in slots]
         if self.faults.on("base_gets_last_adapter"):
@@ -113,13 +131,16 @@ class ModelRunner:
                 slots = [x if x >= 0 else max(used) for x in slots]
         return slots
 
-    def row_slots_for(self, slot: int) -> int:
-        """Fault-aware slot for a single-adapter batch (embeddings)."""
-        return self.row_slots([type("S", (), {"slot": slot})()])[0]
+    def embed_row_slots(self, slots: list[int]) -> list[int]:
+        """route() for an embedding batch, one slot per text."""
+        rows = self.route(slots)
+        if self.faults.on("embedding_adapter_misrouted") and rows:
+            rows = rows[1:] + rows[:1]  # each text gets the next text's adapter
+        return rows
 
     def lora_batch(self, token_slots: torch.Tensor, segments) -> LoraBatch:
         return LoraBatch.build(token_slots, self.num_slots, self.dtype, segments,
-                               fp16=self.faults.on("lora_fp16"), times=2 if self.faults.on("delta_twice") else 1,
+                               delta_dtype=self.delta_dtype, times=2 if self.faults.on("delta_twice") else 1,
                                col_slots=self.col_slots, col_rank=self.rank)
 
     def _t(self, data, dtype=torch.long) -> torch.Tensor:
@@ -136,7 +157,8 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> dict[int, StepOutput]:
         """Compute each sequence's tokens [num_computed, chunk_end). The chunk that ends the
         sequence samples its next token; prompt-logprob rows come from every chunk."""
-        seqs = sorted(seqs, key=lambda s: s.slot)  # contiguous per-adapter segments (SGMV)
+        # contiguous per-adapter segments (SGMV); variant reverse: in the opposite order
+        seqs = sorted(seqs, key=lambda s: s.slot, reverse=self.args.variant.on("reverse"))
         bs = self.block_size
         ids, pos, smap, tok_slots, q_lens, ctx_lens, logit_rows = [], [], [], [], [], [], []
         q_index, out_index = [], []

@@ -33,6 +33,7 @@ class Sequence:
     prompt_logprobs: Optional[list[dict[int, float]]] = None
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose KV was found in the prefix cache at admission
+    cached_reported: int = 0  # the most prompt tokens ever served from the prefix cache (kept after release)
     num_computed: int = 0  # tokens whose KV is in the cache
     slot: int = -1  # device adapter slot, -1 = base
     chunk_end: int = 0  # the prefill step computes tokens [num_computed, chunk_end)

@@ -36,8 +36,8 @@ class LoraEmbedding(nn.Module):
         slots = batch.token_slots.clamp(0, S - 1)
         h = self.lora_At[slots, ids]  # (T, R); rows of base tokens are zeroed by the one-hot below
         bt = self.lora_Bt.reshape(S * R, -1)
-        if batch.fp16:
-            h, bt = h.half(), bt.half()
+        if batch.delta_dtype is not None:
+            h, bt = h.to(batch.delta_dtype), bt.to(batch.delta_dtype)
         h = (batch.onehot.to(h.dtype).unsqueeze(2) * h.unsqueeze(1)).reshape(h.shape[0], S * R)
         d = (h @ bt).to(e.dtype)
         return e + d * batch.times

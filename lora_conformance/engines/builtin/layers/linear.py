@@ -187,7 +187,7 @@ class LinearGroup:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.N)
         batch = self._batch()
-        if batch is not None and self.fused and batch.segments is None and not batch.fp16:
+        if batch is not None and self.fused and batch.segments is None and batch.delta_dtype is None:
             out = _mm(x, self.wt, self.b_all)  # [base | shrink against every slot]
             y = out[:, : self.N]
             if not self.transposed:  # accelerators: one GEMM for the whole expand
@@ -230,11 +230,11 @@ class LinearGroup:
     # ---- expand in the base GEMM (cat layout) ---------------------------------------
     def cat_batch(self, rows: int) -> Optional[LoraBatch]:
         """The routing if this forward takes the cat path (``add_cat_to``), else None: masked
-        (decode-sized, unsegmented) batches on the accelerator layout, not the lora_fp16 fault."""
+        (decode-sized, unsegmented) batches on the accelerator layout, delta in the model dtype."""
         if not self.cat or rows > CAT_MAX_ROWS:
             return None
         batch = self._batch()
-        if batch is None or batch.segments is not None or batch.fp16:
+        if batch is None or batch.segments is not None or batch.delta_dtype is not None:
             return None
         return batch
 
@@ -273,7 +273,7 @@ class LinearGroup:
     def _add_delta(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch, h=None) -> None:
         """out += the LoRA delta of x's rows. h: x's shrink against every slot, if already computed."""
         S, R, t = self.S, self.R, batch.times
-        if (batch.segments is None and self.use_kernels and len(self.parts) == 1 and h is None and not batch.fp16
+        if (batch.segments is None and self.use_kernels and len(self.parts) == 1 and h is None and batch.delta_dtype is None
                 and x.shape[0] <= FULL_MASK_MAX_ROWS):
             if kernels.rows_ok(out, x, self.A, self.Bt):  # own-slot shrink, then own-slot expand: two kernels
                 h = x.new_empty(x.shape[0], S * R)
@@ -282,7 +282,7 @@ class LinearGroup:
                 return
         if batch.segments is None:
             mask = batch.mask(R, len(self.parts))
-            if batch.fp16 or not self.transposed:
+            if batch.delta_dtype is not None or not self.transposed:
                 _delta_into(out, x, self.A, self.Bt, mask, batch, h)
                 return
             # cpu layout (eager only, never graph-captured): bytes, not launches, bound the masked
@@ -312,11 +312,12 @@ def _mm(x: torch.Tensor, wt: torch.Tensor, b: Optional[torch.Tensor]) -> torch.T
 
 def _delta_into(out, x, A, Bt, mask, batch: LoraBatch, h=None) -> None:
     """out += times * ((x @ A^T) [* mask]) @ Bt; h: x @ A^T if already computed."""
-    if batch.fp16 and x.dtype != torch.float16:  # fault lora_fp16: the delta in half, whatever the dtype
-        h = x.half() @ A.half().t()
+    dd = batch.delta_dtype
+    if dd is not None and x.dtype != dd:  # fault lora_fp16 (half) / variant fp32_delta (float)
+        h = x.to(dd) @ A.to(dd).t()
         if mask is not None:
-            h = h * mask.half()
-        out.add_((h @ Bt.half()).to(out.dtype), alpha=batch.times)
+            h = h * mask.to(dd)
+        out.add_((h @ Bt.to(dd)).to(out.dtype), alpha=batch.times)
         return
     h = torch.mm(x, A.t()) if h is None else h
     if mask is not None:

@@ -28,16 +28,18 @@ class LoraBatch:
     num_slots: int
     dtype: torch.dtype  # of the masks: the compute dtype
     segments: Optional[list[tuple[int, int, int]]] = None  # (slot, start, end); None -> BGMV path
-    fp16: bool = False  # fault lora_fp16
+    # The LoRA delta computed in this dtype and added once in the model dtype (None: the model
+    # dtype, every fast path): float16 under fault lora_fp16, float32 under variant fp32_delta.
+    delta_dtype: Optional[torch.dtype] = None
     times: int = 1  # fault delta_twice -> 2
     col_slots: Optional[torch.Tensor] = None  # slot of each column of a part-major layout (column_slots)
     col_rank: int = 0  # the pool rank col_slots was made for
     _masks: dict = field(default_factory=dict)
 
     @classmethod
-    def build(cls, token_slots: torch.Tensor, num_slots: int, dtype, segments=None, fp16=False, times=1,
+    def build(cls, token_slots: torch.Tensor, num_slots: int, dtype, segments=None, delta_dtype=None, times=1,
               col_slots: Optional[torch.Tensor] = None, col_rank: int = 0):
-        return cls(token_slots, num_slots, dtype, segments, fp16, times, col_slots, col_rank)
+        return cls(token_slots, num_slots, dtype, segments, delta_dtype, times, col_slots, col_rank)
 
     @property
     def onehot(self) -> torch.Tensor:
@@ -75,7 +77,7 @@ class LoraBatch:
 
     def rows(self, index: torch.Tensor, segments=None) -> "LoraBatch":
         """The routing of a subset of rows (e.g. the positions whose logits are needed)."""
-        return LoraBatch(self.token_slots[index], self.num_slots, self.dtype, segments, self.fp16, self.times,
+        return LoraBatch(self.token_slots[index], self.num_slots, self.dtype, segments, self.delta_dtype, self.times,
                          self.col_slots, self.col_rank)
 
 

@@ -44,8 +44,8 @@ class ExpertParam(nn.Module):
         _, S, R, n_in = self.lora_A.shape
         a, bt = self.lora_A[le].reshape(S * R, n_in), self.lora_Bt[le].reshape(S * R, -1)
         xs = x
-        if batch.fp16:
-            xs, a, bt = x.half(), a.half(), bt.half()
+        if batch.delta_dtype is not None:
+            xs, a, bt = x.to(batch.delta_dtype), a.to(batch.delta_dtype), bt.to(batch.delta_dtype)
         h = (xs @ a.t()) * batch.mask(R)[rows].to(xs.dtype)
         return y + (h @ bt).to(y.dtype) * batch.times
 

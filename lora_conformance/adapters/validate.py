@@ -1,0 +1,328 @@
+"""One validator for PEFT LoRA adapter directories, run by every engine we ship before it
+touches its own state (so a refused load changes nothing).
+
+It checks the config fields, the weights file (readable, not truncated), every tensor's name,
+dtype, shape against the base model, finiteness, the rank each module's tensors carry against
+the config's ``r`` / ``rank_pattern``, and the engine's rank limit. Anything wrong raises
+``AdapterFormatError`` naming the file and the field. It decides *format*, not *support*:
+DoRA, ``modules_to_save`` and LoRA biases are well-formed and pass here; engines refuse them
+with UnsupportedFeatureError.
+
+The base model's module shapes come from its ``config.json`` through transformers on the meta
+device (no weights read), so module names and fused MoE expert parameters are those PEFT sees.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Optional
+
+from lora_conformance.engines.base import AdapterFormatError
+
+PREFIX = "base_model.model."
+CONFIG = "adapter_config.json"
+WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+LORA_SUFFIXES = ((".lora_A.weight", "A"), (".lora_B.weight", "B"),
+                 (".lora_embedding_A", "A"), (".lora_embedding_B", "B"))
+# Characters that would make a name a path, a URL part or SGLang's "<base>:<adapter>" ambiguous.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+
+
+@dataclass(frozen=True)
+class BaseShapes:
+    """What a base model offers LoRA: modules (name -> kind, weight shape) and 3-D parameters."""
+
+    modules: dict  # name -> ("linear", (out, in)) | ("embedding", (vocab, hidden))
+    params: dict  # every parameter name -> shape (3-D expert parameters included)
+    num_layers: int
+
+
+@dataclass
+class ValidatedAdapter:
+    path: Path
+    config: dict
+    tensors: dict  # name -> torch.Tensor (cpu)
+    weights_file: Path
+    raw: bytes  # the weights file's bytes (engines hash them)
+
+
+def validate_name(name: Any) -> str:
+    """Adapter names are identifiers: no separators, no whitespace, not PEFT's ``__base__``."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or name == "__base__" or name in (".", ".."):
+        raise AdapterFormatError("<adapter name>", "name",
+                                 f"{name!r} is not a valid adapter name (1-128 of A-Z a-z 0-9 _ . -, "
+                                 "starting with a letter, digit or _; not __base__)")
+    return name
+
+
+@lru_cache(maxsize=8)
+def _base_shapes(model_dir: str, stamp: float) -> BaseShapes:
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from lora_conformance.engines._hf_common import is_encoder_only
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = (AutoModel if is_encoder_only(Path(model_dir)) else AutoModelForCausalLM).from_config(cfg)
+    modules = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            modules[name] = ("linear", (mod.out_features, mod.in_features))
+        elif isinstance(mod, torch.nn.Embedding):
+            modules[name] = ("embedding", (mod.num_embeddings, mod.embedding_dim))
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or getattr(cfg.get_text_config(), "num_hidden_layers", 0))
+    return BaseShapes(modules, params, layers)
+
+
+def base_shapes(model_dir: Path) -> BaseShapes:
+    cfg = Path(model_dir) / "config.json"
+    return _base_shapes(str(Path(model_dir).resolve()), cfg.stat().st_mtime if cfg.exists() else 0.0)
+
+
+def pattern_value(patterns: dict, module: str, default):
+    """PEFT semantics: a key matches a dot-bounded suffix of the module name; first match wins."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def read_config(path: Path) -> dict:
+    f = path / CONFIG
+    if not path.is_dir():
+        raise AdapterFormatError(path, "directory", "is not a directory")
+    if not f.is_file():
+        raise AdapterFormatError(f, "file", "not found (a PEFT adapter directory has adapter_config.json)")
+    try:
+        cfg = json.loads(f.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise AdapterFormatError(f, "encoding", f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except ValueError as exc:
+        raise AdapterFormatError(f, "json", f"not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterFormatError(f, "json", f"expected an object, got {type(cfg).__name__}")
+    return cfg
+
+
+def check_config(cfg: dict, f: Path, base: BaseShapes) -> None:
+    def bad(field, problem):
+        raise AdapterFormatError(f, field, problem)
+
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        bad("peft_type", f"{cfg.get('peft_type')!r}; expected LORA")
+    r = cfg.get("r", 8)
+    if not _is_int(r) or r < 1:
+        bad("r", f"{r!r}; expected an integer >= 1")
+    if not _is_number(cfg.get("lora_alpha", 8)):
+        bad("lora_alpha", f"{cfg.get('lora_alpha')!r}; expected a finite number")
+    for key in ("use_rslora", "use_dora", "lora_bias"):
+        if key in cfg and cfg[key] is not None and not isinstance(cfg[key], bool):
+            bad(key, f"{cfg[key]!r}; expected true or false")
+    if cfg.get("bias", "none") not in ("none", "all", "lora_only"):
+        bad("bias", f"{cfg.get('bias')!r}; expected none, all or lora_only")
+    for key, ok, what in (("rank_pattern", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+                          ("alpha_pattern", _is_number, "a finite number")):
+        pat = cfg.get(key)
+        if pat is None:
+            continue
+        if not isinstance(pat, dict):
+            bad(key, f"expected an object of module pattern -> value, got {type(pat).__name__}")
+        for k, v in pat.items():
+            if not ok(v):
+                bad(f"{key}.{k}", f"{v!r}; expected {what}")
+            try:
+                re.compile(k)
+            except re.error as exc:
+                bad(f"{key}.{k}", f"not a valid pattern ({exc})")
+    tm = cfg.get("target_modules")
+    if tm is not None and not isinstance(tm, str):
+        if not isinstance(tm, list) or not all(isinstance(t, str) and t for t in tm):
+            bad("target_modules", f"{tm!r}; expected a list of module names or a regex string")
+        for t in tm:
+            if t != "all-linear" and not any(n == t or n.endswith("." + t) for n in base.modules):
+                bad("target_modules", f"{t!r} matches no module of the base model")
+    tp = cfg.get("target_parameters")
+    if tp is not None:
+        if not isinstance(tp, list) or not all(isinstance(t, str) and t for t in tp):
+            bad("target_parameters", f"{tp!r}; expected a list of parameter names")
+        for t in tp:
+            if not any(n == t or n.endswith("." + t) for n in base.params):
+                bad("target_parameters", f"{t!r} matches no parameter of the base model")
+    for key in ("modules_to_save",):
+        v = cfg.get(key)
+        if v is not None and (not isinstance(v, list) or not all(isinstance(t, str) for t in v)):
+            bad(key, f"{v!r}; expected a list of module names")
+    layers = cfg.get("layers_to_transform")
+    if layers is not None:
+        items = [layers] if _is_int(layers) else layers
+        if not isinstance(items, list) or not all(_is_int(i) for i in items):
+            bad("layers_to_transform", f"{layers!r}; expected an integer or a list of integers")
+        out = [i for i in items if not 0 <= i < base.num_layers]
+        if out:
+            bad("layers_to_transform", f"{out} outside the base model's layers 0..{base.num_layers - 1}")
+
+
+# ---- weights --------------------------------------------------------------------------------
+
+
+def read_weights(path: Path) -> tuple[Path, dict, bytes]:
+    import torch
+
+    for name in WEIGHTS:
+        f = path / name
+        if f.is_file():
+            break
+    else:
+        raise AdapterFormatError(path, "weights", f"neither {' nor '.join(WEIGHTS)} found")
+    raw = f.read_bytes()
+    try:
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load
+
+            tensors = load(raw)
+        else:
+            import io
+
+            tensors = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as exc:  # safetensors/pickle raise many kinds; all mean "not a readable file"
+        raise AdapterFormatError(f, "file", f"unreadable or truncated ({type(exc).__name__}: {exc})") from None
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in tensors.items()):
+        raise AdapterFormatError(f, "file", "expected a mapping of tensor names to tensors")
+    return f, tensors, raw
+
+
+def _split(key: str) -> tuple[str, str, int]:
+    """'base_model.model.X.base_layer.lora_A.weight' -> (X, 'A'|'B'|'', base_layer nesting depth)."""
+    k = key[len(PREFIX):]
+    for suffix, kind in LORA_SUFFIXES:
+        if k.endswith(suffix):
+            mod, depth = k[: -len(suffix)], 0
+            while mod.endswith(".base_layer"):
+                mod, depth = mod[: -len(".base_layer")], depth + 1
+            return mod, kind, depth
+    return k, "", 0
+
+
+def _expert_param(mod: str, A, B, cfg: dict, base: BaseShapes) -> Optional[tuple[str, tuple]]:
+    """The fused 3-D (E, out, in) parameter of ``mod`` these tensors fit (order of nesting unknown)."""
+    for t in cfg.get("target_parameters") or ():
+        cand = f"{mod}.{t.rpartition('.')[2]}"
+        shape = base.params.get(cand)
+        if shape is None or len(shape) != 3 or not (cand == t or cand.endswith("." + t)):
+            continue
+        E, out_f, in_f = shape
+        if A.dim() == 2 and B.dim() == 2 and A.shape[1] == in_f and B.shape[0] == out_f and A.shape[0] % E == 0:
+            return cand, shape
+    return None
+
+
+def check_tensors(tensors: dict, f: Path, cfg: dict, base: BaseShapes, max_rank: Optional[int]) -> None:
+    import torch
+
+    def bad(field, problem):
+        raise AdapterFormatError(f, field, problem)
+
+    pairs: dict[tuple[str, int], dict] = {}
+    for key, t in tensors.items():
+        if not key.startswith(PREFIX):
+            bad(key, f"tensor name does not start with {PREFIX!r} (not a saved PEFT adapter)")
+        if str(t.dtype).replace("torch.", "") not in FLOAT_DTYPES:
+            bad(key, f"dtype {t.dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            bad(key, f"{int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN or Inf)")
+        mod, kind, depth = _split(key)
+        if kind:
+            pairs.setdefault((mod, depth), {})[kind] = (key, t)
+        else:
+            _check_other(key, mod, t, base, bad)
+    if not pairs:
+        bad("tensors", "no lora_A / lora_B tensors")
+    r0 = cfg.get("r", 8)
+    rank_pattern = cfg.get("rank_pattern") or {}
+    targets = cfg.get("target_modules")
+    for (mod, depth), ts in sorted(pairs.items()):
+        if "A" not in ts or "B" not in ts:
+            have = next(iter(ts.values()))[0]
+            bad(have, f"module {mod!r} has lora_{'A' if 'B' in ts else 'B'} missing")
+        (ka, A), (kb, B) = ts["A"], ts["B"]
+        if A.dim() != 2 or B.dim() != 2:
+            bad(ka if A.dim() != 2 else kb, f"expected a 2-D tensor, got shape {tuple((A if A.dim() != 2 else B).shape)}")
+        hf_mod = mod[len("bert."):] if mod.startswith("bert.") and mod not in base.modules else mod
+        expert = None if hf_mod in base.modules else _expert_param(hf_mod, A, B, cfg, base)
+        if expert is not None:
+            E, out_f, in_f = expert[1]
+            rank, want_a, want_b = A.shape[0] // E, (A.shape[0], in_f), (out_f, A.shape[0])
+        elif hf_mod in base.modules:
+            kind, (d0, d1) = base.modules[hf_mod]
+            if isinstance(targets, list) and not any(hf_mod == t or hf_mod.endswith("." + t) for t in targets) \
+                    and "all-linear" not in targets:
+                bad(ka, f"module {hf_mod!r} is not named by target_modules {targets}")
+            rank = A.shape[0]
+            if kind == "embedding":  # lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)
+                want_a, want_b = (rank, d0), (d1, rank)
+            else:  # lora_A (r, in), lora_B (out, r)
+                want_a, want_b = (rank, d1), (d0, rank)
+        else:
+            bad(ka, f"module {hf_mod!r} does not exist in the base model (or fits none of its expert parameters)")
+        if tuple(A.shape) != want_a:
+            bad(ka, f"shape {tuple(A.shape)} does not fit the base model; expected {want_a}")
+        if tuple(B.shape) != want_b:
+            bad(kb, f"shape {tuple(B.shape)} does not fit the base model; expected {want_b}")
+        field = "rank_pattern" if pattern_value(rank_pattern, hf_mod, None) is not None else "r"
+        want_r = int(pattern_value(rank_pattern, hf_mod, r0))
+        if expert is None and rank != want_r:
+            bad(field, f"{want_r} in {f.parent / CONFIG}, but {ka} has rank {rank}")
+        if max_rank is not None and rank > max_rank:
+            bad(field, f"rank {rank} of {hf_mod} exceeds this engine's max_rank={max_rank}")
+
+
+def _check_other(key: str, mod: str, t, base: BaseShapes, bad) -> None:
+    """Non-LoRA tensors: DoRA magnitudes and LoRA biases (out,), full copies (modules_to_save,
+    embedding base_layer copies) shaped like the base parameter they replace."""
+    if mod.endswith(".lora_magnitude_vector") or mod.endswith(".lora_B.bias"):
+        owner = mod.rsplit(".", 2 if mod.endswith(".lora_B.bias") else 1)[0]
+        while owner.endswith(".base_layer"):
+            owner = owner[: -len(".base_layer")]
+        spec = base.modules.get(owner)
+        if spec is None:
+            bad(key, f"module {owner!r} does not exist in the base model")
+        if tuple(t.shape) != (spec[1][0],):
+            bad(key, f"shape {tuple(t.shape)}; expected ({spec[1][0]},)")
+        return
+    param = re.sub(r"\.(base_layer|modules_to_save\.[^.]+|original_module)\.", ".", mod)
+    shape = base.params.get(param)
+    if shape is None:
+        bad(key, "unexpected tensor: neither a LoRA tensor nor a copy of a base model parameter")
+    if tuple(t.shape) != shape:
+        bad(key, f"shape {tuple(t.shape)} does not match the base parameter {param} {shape}")
+
+
+def validate_adapter(path: Path, model_dir: Path, max_rank: Optional[int] = None) -> ValidatedAdapter:
+    """Check ``path`` against the base model at ``model_dir``; return what was read."""
+    path = Path(path)
+    base = base_shapes(Path(model_dir))
+    cfg = read_config(path)
+    check_config(cfg, path / CONFIG, base)
+    f, tensors, raw = read_weights(path)
+    check_tensors(tensors, f, cfg, base, max_rank)
+    return ValidatedAdapter(path, cfg, tensors, f, raw)

@@ -1,0 +1,175 @@
+"""Teacher-forced, paired conformance of an engine's adapters against the reference.
+
+For each request row of a test (an adapter label, or None for a base row, and a prompt) the
+reference decodes greedily; every prefix of that continuation is a *context*. The engine is
+asked for one token after each context (``generate(max_new_tokens=1, top_k=k)``: nothing
+diverges and bfloat16 rounding does not compound), once with the row's adapter (all rows in
+one call, so the test's batch composition is kept) and once without any. The reference
+scores the same contexts in one forward pass per sequence, for the correct hypothesis and
+for each alternative (``lora_conformance.hypotheses``). ``compare.effects`` pools the points
+per adapter and judges them.
+
+Base rows of a mixed batch are judged the same way with a zero reference effect: their
+alternatives are "served as X" for each adapter X of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from lora_conformance import hypotheses as hyps
+from lora_conformance.compare.effects import EffectAnalysis, EffectSample, analyse
+from lora_conformance.types import GenerationRequest
+
+CONTEXTS_PER_PROMPT = 8
+ENGINE_TOP_K = 20  # vLLM's default max_logprobs
+REFERENCE_TOP = 32
+MIN_COMMON_IDS = 3
+BASE_LABEL = "base"
+
+
+@dataclass
+class Row:
+    label: Optional[str]
+    prompt: str
+    sequence: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    texts: list[Optional[str]] = field(default_factory=list)  # None: re-tokenisation differs, skipped
+
+
+@dataclass
+class Plan:
+    """What one conformance check sends and compares."""
+
+    labels: list[Optional[str]]
+    prompts: list[str]
+    adapters: dict[str, Path]
+    alternatives: dict[str, list[hyps.Hypothesis]]
+    required: Optional[dict[str, set]] = None  # per label: hypotheses the test certifies (None: all)
+    contexts_per_prompt: int = CONTEXTS_PER_PROMPT
+    top_k: int = ENGINE_TOP_K
+
+
+def contexts_of(runner, label: Optional[str], prompt: str, path: Optional[Path], n: int) -> Row:
+    """The row's contexts: the prompt plus each prefix (0 .. n-1 tokens) of the reference's greedy
+    continuation, kept only where the text re-tokenises to exactly those ids."""
+    ref = runner.generate([GenerationRequest(prompt=prompt, adapter=label, max_new_tokens=n, top_k=5)],
+                          {label: path} if label else {})[0]
+    prompt_ids = list(ref.prompt_token_ids)
+    seq = prompt_ids + list(ref.token_ids[: n - 1])
+    row = Row(label, prompt, seq, [len(prompt_ids) - 1 + j for j in range(n)])
+    tok = runner.tokenizer
+    for j in range(n):
+        ids = seq[: len(prompt_ids) + j]
+        text = tok.decode(ids, skip_special_tokens=True)
+        row.texts.append(text if tok(text).input_ids == ids else None)
+    return row
+
+
+def _centred(values: dict[int, float], ids: Sequence[int]) -> list[float]:
+    xs = [values[t] for t in ids]
+    m = sum(xs) / len(xs)
+    return [x - m for x in xs]
+
+
+def run(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
+    """Engine calls, reference scoring and the statistics of ``plan``; one analysis per label.
+    An engine that declares fewer logprobs per token (``Limits.max_top_k``) than the comparison
+    needs in common with the reference is not certified (cause ``limit``), not judged."""
+    limit = getattr(engine.limits, "max_top_k", None)
+    if limit is not None and limit < MIN_COMMON_IDS:
+        from lora_conformance.outcomes import limit_too_small
+
+        limit_too_small("top-k logprobs per generated token (the paired check)", MIN_COMMON_IDS, limit)
+    rows = [contexts_of(runner, label, p, plan.adapters.get(label) if label else None, plan.contexts_per_prompt)
+            for label, p in zip(plan.labels, plan.prompts)]
+    slots = [(i, j) for j in range(plan.contexts_per_prompt) for i, r in enumerate(rows) if r.texts[j] is not None]
+    with_adapter = engine.generate([GenerationRequest(rows[i].texts[j], rows[i].label, 1, plan.top_k)
+                                    for i, j in slots])
+    without = engine.generate([GenerationRequest(rows[i].texts[j], None, 1, plan.top_k) for i, j in slots])
+    got_a = {s: (o.logprobs[0] if o.logprobs else {}) for s, o in zip(slots, with_adapter)}
+    got_b = {s: (o.logprobs[0] if o.logprobs else {}) for s, o in zip(slots, without)}
+
+    samples: dict[str, EffectSample] = {}
+    for label in dict.fromkeys(plan.labels):
+        idx = [i for i, r in enumerate(rows) if r.label == label]
+        name = label or BASE_LABEL
+        path = plan.adapters.get(label) if label else None
+        alts = plan.alternatives.get(name, [])
+        # One reference call per row: rows recur across tests and runs, so the disk cache is hit.
+        top, r_base, h_rows = [], [], {h.name: [] for h in alts}
+        for i in idx:
+            score = _row_scorer(runner, rows[i])
+            t = score(path, None, None)
+            ids = [sorted(x) for x in t]
+            top.append(t)
+            r_base.append(score(None, hyps.base(), ids) if path else t)
+            for h in alts:
+                if h.kind == hyps.BASE:
+                    h_rows[h.name].append(r_base[-1])
+                elif h.kind == "served_as":
+                    h_rows[h.name].append(score(plan.adapters[h.adapter], None, ids))
+                else:
+                    h_rows[h.name].append(score(path, h, ids))
+        sample = EffectSample(name, required=(plan.required or {}).get(name))
+        for k, i in enumerate(idx):
+            for j in range(plan.contexts_per_prompt):
+                if (i, j) not in got_a:
+                    sample.contexts_skipped += 1
+                    continue
+                ea, eb, ra, rb = got_a[(i, j)], got_b[(i, j)], top[k][j], r_base[k][j]
+                # Paired (engine minus engine base) where the base run reports the ids; else the
+                # engine's adapted logprobs against the reference base (a strong adapter moves the
+                # top-k so far that the two runs share few ids).
+                ids_a = sorted(ea.keys() & ra.keys())
+                common = sorted(ea.keys() & eb.keys() & ra.keys())
+                paired = len(common) >= MIN_COMMON_IDS and 2 * len(common) >= len(ids_a)
+                if not paired:
+                    common = ids_a
+                if len(common) < MIN_COMMON_IDS:
+                    sample.contexts_skipped += 1
+                    continue
+                cid = sample.contexts
+                sample.contexts += 1
+                sample.contexts_unpaired += not paired
+                e = [x - y for x, y in zip(_centred(ea, common), _centred(eb if paired else rb, common))]
+                r = [x - y for x, y in zip(_centred(ra, common), _centred(rb, common))] if path else [0.0] * len(common)
+                sample.E += e
+                sample.R += r
+                sample.cluster += [cid] * len(common)
+                for h in alts:
+                    hv = h_rows[h.name][k][j]
+                    d = [x - y for x, y in zip(_centred(hv, common), _centred(rb, common))]
+                    sample.H.setdefault(h.name, []).extend(d)
+        samples[name] = sample
+    return [analyse(s, tol) for s in samples.values()]
+
+
+def _row_scorer(runner, row: Row):
+    def score(path, hyp, ids):
+        return runner.context_logprobs([row.sequence], [row.positions], path, hyp,
+                                       ids=None if ids is None else [ids], top=REFERENCE_TOP)[0]
+    return score
+
+
+def required_hypotheses(alternatives: Mapping[str, list[hyps.Hypothesis]],
+                        modules: bool = False) -> dict[str, set]:
+    """What a test certifies: every alternative except single modules dropped, unless ``modules``
+    (the target-set tests, whose adapters make every module's effect visible)."""
+    return {l: {h.name for h in alts if modules or h.kind != "drop"} for l, alts in alternatives.items()}
+
+
+def default_alternatives(labels: Sequence[Optional[str]], adapters: Mapping[str, Path],
+                         routing: bool = True, extra: Sequence[str] = ()) -> dict[str, list[hyps.Hypothesis]]:
+    """Per label: ``hypotheses.standard`` (with "served as" each other adapter of the test when
+    ``routing``); base rows: "served as" each adapter."""
+    names = [l for l in dict.fromkeys(labels) if l]
+    out = {}
+    for l in names:
+        others = ([o for o in names if o != l] if routing else []) + [e for e in extra if e != l]
+        out[l] = hyps.standard(adapters[l], others)
+    if None in labels and names:
+        out[BASE_LABEL] = [hyps.served_as(o) for o in names]
+    return out

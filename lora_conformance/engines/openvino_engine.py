@@ -1,0 +1,348 @@
+"""The ``openvino`` engine: OpenVINO GenAI's ``ContinuousBatchingPipeline`` serving PEFT LoRA adapters.
+
+The base model and its tokenizer are converted to OpenVINO IR once (``openvino_convert``) and
+served with GenAI's own tokenizer. What GenAI offers, and so what this plugin declares
+(openvino-genai 2026.4, read from its source and checked here):
+
+* Adapters are ``openvino_genai.Adapter`` objects read from ``adapter_model.safetensors``;
+  GenAI ignores ``adapter_config.json``, so the plugin passes PEFT's scaling (``lora_alpha / r``,
+  or ``/ sqrt(r)`` with rsLoRA) as the adapter's blend weight. One scalar per adapter: adapters
+  with ``rank_pattern`` / ``alpha_pattern`` are refused (no ``rank_pattern`` capability).
+* The pipeline binds LoRA tensors to the modules of the adapters it was *created* with; an
+  adapter that targets a module no earlier adapter targeted needs a new pipeline, which the
+  plugin builds (with every loaded adapter) when that happens.
+* One adapter configuration per ``generate`` call ("LoRA adapters value must be the same for all
+  requests"): no mixed batches. A batch is served as one ``generate`` call per adapter (the base
+  being one of them); ``max_loras_per_batch`` is 1.
+* Logprobs: greedy decoding reports only the chosen token's (GenAI's ``logprobs`` > 1 is treated
+  as 1), and only through ``add_request`` / ``step`` handles, not from ``generate``. ``add_request``
+  does not apply the request's adapters (only ``generate`` does; the state stays applied
+  afterwards), so each group is first served by ``generate`` and then again through handles for
+  the per-token logprobs; the two runs must give the same tokens and the same total logprob
+  (GenAI's score), or the batch fails with EngineFailure. Each step's top-k is therefore the
+  chosen token alone, except for a one-token request asking for top_k > 1 (the suites'
+  teacher-forced checks): that one is served by one step of beam search with top_k beams, whose
+  scores (length_penalty 0) are exactly the top_k logprobs of the first token. Prompt
+  logprobs (``echo``) hold only each prompt token's own logprob, not the distribution's top-k:
+  no ``prompt_logprobs`` capability.
+* Refused (typed errors, so the suites report *not certified*): DoRA (GenAI drops the magnitude
+  vector), ``modules_to_save``, LoRA biases, ``embed_tokens`` LoRA (GenAI's name patterns do not
+  know PEFT's ``lora_embedding_A/B`` keys and skip them silently), ``target_parameters`` (MoE
+  experts), MoE and encoder base models, and float16 on a CPU without FP16 support.
+* ``prefix_cache=1`` turns on GenAI's prefix caching (``SchedulerConfig.enable_prefix_caching``, off by
+  default as in GenAI); the capability is declared, and the suites ask for it.
+
+Engine args: ``prefix_cache`` (0), ``cache_size_gb`` (1, the KV cache), ``num_threads`` (the
+device's default), ``ir_cache`` (where converted models are kept), ``max_rank`` (256; GenAI has no
+limit of its own).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from lora_conformance import devices
+from lora_conformance.engines._hf_common import AdapterInfo, arg_bool, arg_int, check_known_args, read_adapter_info
+from lora_conformance.engines.base import (
+    AdapterIncompatibleError,
+    AdapterNotLoadedError,
+    Capability,
+    Engine,
+    EngineError,
+    EngineFailure,
+    Limits,
+    UnsupportedFeatureError,
+    only,
+    translate_standard_args,
+)
+from lora_conformance.types import GenerationRequest, GenerationResult
+
+PRECISIONS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+CAPABILITY_NAMES = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}  # OPTIMIZATION_CAPABILITIES
+SCORE_ATOL = 1e-3  # generate()'s score vs the sum of the handles' per-token logprobs
+
+
+# torch device type -> OpenVINO plugin (Intel GPUs are torch's "xpu"; "gpu" is accepted as OpenVINO spells it)
+OPENVINO_DEVICES = dict(zip(devices.OPENVINO_DEVICE_TYPES, ("GPU", "GPU", "NPU")))
+
+
+def openvino_device(device: str) -> str:
+    """Our device string -> OpenVINO's device name: cpu -> CPU, xpu[:N]/gpu[:N] -> GPU[.N], npu -> NPU."""
+    kind = devices.device_type(device)
+    index = device.split(":", 1)[1] if ":" in device else None
+    if kind == "cpu":
+        return "CPU"
+    name = OPENVINO_DEVICES.get(kind)
+    if name == "GPU" and index is not None:
+        return f"GPU.{index}"
+    if name is not None:
+        return name
+    raise UnsupportedFeatureError(f"engine 'openvino': device {device!r} has no OpenVINO plugin (cpu, xpu/gpu, npu)")
+
+
+def adapter_scaling(info: AdapterInfo) -> float:
+    alpha = float(info.raw.get("lora_alpha", info.rank))
+    return alpha / (math.sqrt(info.rank) if info.use_rslora else info.rank)
+
+
+def adapter_modules(path: Path) -> set[str]:
+    """Module paths (``model.layers.0.self_attn.q_proj``) a PEFT adapter file carries LoRA for."""
+    from safetensors import safe_open
+
+    found = set()
+    with safe_open(str(Path(path) / "adapter_model.safetensors"), "np") as f:
+        for key in f.keys():
+            for part in (".lora_A.", ".lora_B."):
+                if part in key:
+                    found.add(key.split(part)[0].removeprefix("base_model.model."))
+    return found
+
+
+def _one_step_top_k(request: GenerationRequest) -> bool:
+    """A one-token request asking for more than the chosen token's logprob: served by one beam step."""
+    return request.max_new_tokens == 1 and request.top_k > 1
+
+
+def adapter_refusals(info: AdapterInfo) -> list[str]:
+    """What in this adapter GenAI cannot serve (empty: servable)."""
+    refused = []
+    if info.use_dora:
+        refused.append("DoRA (use_dora)")
+    if info.modules_to_save:
+        refused.append(f"modules_to_save {list(info.modules_to_save)}")
+    if info.lora_bias or info.bias != "none":
+        refused.append("LoRA biases")
+    if info.targets_embeddings:
+        refused.append("embed_tokens LoRA")
+    if info.target_parameters:
+        refused.append(f"target_parameters {list(info.target_parameters)}")
+    if info.has_rank_pattern:
+        refused.append("rank_pattern / alpha_pattern (GenAI takes one scaling per adapter)")
+    return refused
+
+
+class OpenVINOEngine(Engine):
+    name = "openvino"
+    KNOWN_ARGS = ("prefix_cache", "cache_size_gb", "num_threads", "ir_cache", "max_rank")
+
+    def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
+        super().__init__(model_dir, device, dtype, args)
+        self.args = translate_standard_args(self.name, self.args, {
+            "max_loras_per_batch": only(self.name, "max_loras_per_batch", "1"),
+            "max_loaded_loras": lambda v: {},  # no bound: every loaded adapter stays on the host
+            "max_rank": lambda v: {"max_rank": v},
+            "eviction": only(self.name, "eviction", "none"),
+            "prefix_cache": lambda v: {"prefix_cache": v},
+            "overlap_loading": only(self.name, "overlap_loading", "0"),
+            "graphs": only(self.name, "graphs", "0"),
+        })
+        check_known_args(self.name, self.args, self.KNOWN_ARGS)
+        try:
+            import openvino as ov
+            import openvino_genai
+        except ImportError as exc:
+            raise EngineFailure(f"engine 'openvino' needs openvino-genai installed ({exc}): "
+                                "pip install -e '.[openvino]'") from exc
+        from lora_conformance.engines.openvino_convert import check_convertible, converted_model
+
+        self._genai = openvino_genai
+        a, n = self.args, self.name
+        self.ov_device = openvino_device(device)
+        if dtype not in PRECISIONS:
+            raise EngineError(f"engine 'openvino': dtype {dtype!r} is not one of {', '.join(PRECISIONS)}")
+        core = ov.Core()
+        if self.ov_device.split(".")[0] not in core.available_devices:
+            raise UnsupportedFeatureError(f"engine 'openvino': OpenVINO sees no {self.ov_device} device "
+                                          f"(available: {', '.join(core.available_devices)})")
+        caps = core.get_property(self.ov_device, "OPTIMIZATION_CAPABILITIES")
+        if CAPABILITY_NAMES[dtype] not in caps:
+            raise UnsupportedFeatureError(f"engine 'openvino': {self.ov_device} cannot compute in {dtype} "
+                                          f"(its OPTIMIZATION_CAPABILITIES: {', '.join(caps)})")
+        check_convertible(self.model_dir)  # refuses MoE / encoders before anything is converted
+        self.prefix_cache = arg_bool(n, a, "prefix_cache", False)
+        self.cache_size_gb = arg_int(n, a, "cache_size_gb", 1)
+        self.num_threads = arg_int(n, a, "num_threads", None)
+        self.max_rank = arg_int(n, a, "max_rank", 256)
+        self.ir_dir = converted_model(self.model_dir, Path(a["ir_cache"]) if a.get("ir_cache") else _ir_cache(self.model_dir))
+        self._matmuls = _matmul_names(core, self.ir_dir / "openvino_model.xml")
+        # name -> (AdapterInfo, openvino_genai.Adapter, scaling)
+        self._adapters: "OrderedDict[str, tuple[AdapterInfo, object, float]]" = OrderedDict()
+        self._bound: set[str] = set()  # modules the current pipeline carries LoRA state for
+        self._pipe = None
+        self._build_pipeline()
+
+        # prefix_cache: GenAI has one (off unless asked for, as in its SchedulerConfig); the suites
+        # ask for it with prefix_cache=1.
+        self.capabilities = frozenset({Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD,
+                                       Capability.PREFIX_CACHE})
+        self.limits = Limits(max_loras_per_batch=1, max_loaded_loras=1024, max_rank=self.max_rank)
+
+    # ---- pipeline ----------------------------------------------------------------------
+
+    def _build_pipeline(self) -> None:
+        g = self._genai
+        sched = g.SchedulerConfig()
+        sched.cache_size = self.cache_size_gb
+        sched.enable_prefix_caching = self.prefix_cache
+        precision = PRECISIONS[self.dtype]
+        props: dict = {"INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision}
+        if self.num_threads:
+            props["INFERENCE_NUM_THREADS"] = self.num_threads
+        if self._adapters:
+            config = g.AdapterConfig()
+            for _, adapter, scaling in self._adapters.values():
+                config.add(adapter, scaling)
+            props["adapters"] = config
+        self._pipe = None  # release the old one first
+        try:
+            self._pipe = g.ContinuousBatchingPipeline(str(self.ir_dir), sched, self.ov_device, props)
+        except RuntimeError as exc:
+            raise EngineFailure(f"engine 'openvino': cannot create the pipeline for {self.ir_dir}: {exc}") from exc
+        self._tokenizer = self._pipe.get_tokenizer()
+        self._bound = set().union(*(adapter_modules(info.path) for info, _, _ in self._adapters.values()))
+
+    # ---- adapters ----------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
+        # pinned is accepted and meaningless: nothing is ever evicted here.
+        info = read_adapter_info(Path(path))
+        self._check_servable(name, info)
+        modules = adapter_modules(info.path)
+        unbound = sorted(m for m in modules if not any(m in mm for mm in self._matmuls))
+        if unbound:
+            raise AdapterIncompatibleError(
+                f"adapter {name!r} from {path}: no MatMul in the converted model for {', '.join(unbound[:4])}")
+        try:
+            adapter = self._genai.Adapter(str(info.path / "adapter_model.safetensors"))
+        except RuntimeError as exc:
+            raise AdapterIncompatibleError(f"adapter {name!r} from {path}: OpenVINO GenAI cannot read it: {exc}") from exc
+        self._adapters.pop(name, None)
+        self._adapters[name] = (info, adapter, adapter_scaling(info))
+        if not modules <= self._bound:
+            self._build_pipeline()
+
+    def _check_servable(self, name: str, info: AdapterInfo) -> None:
+        refused = adapter_refusals(info)
+        if refused:
+            raise UnsupportedFeatureError(f"engine 'openvino' cannot serve adapter {name!r}: {'; '.join(refused)}")
+        if info.max_rank > self.max_rank:
+            raise AdapterIncompatibleError(f"adapter {name!r}: rank {info.max_rank} exceeds max_rank {self.max_rank}")
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise AdapterNotLoadedError(name, self.list_adapters())
+        del self._adapters[name]
+
+    def list_adapters(self) -> list[str]:
+        return sorted(self._adapters)
+
+    # ---- generation --------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        self.require_loaded(requests)
+        if any(r.prompt_logprobs for r in requests):
+            raise UnsupportedFeatureError("engine 'openvino': GenAI returns no prompt top-k logprobs")
+        groups: "OrderedDict[Optional[str], list[int]]" = OrderedDict()
+        for i, r in enumerate(requests):
+            groups.setdefault(r.adapter, []).append(i)
+        results: list[Optional[GenerationResult]] = [None] * len(requests)
+        for adapter, rows in groups.items():
+            for i, result in zip(rows, self._generate_group(adapter, [requests[i] for i in rows])):
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+    def _config(self, request: GenerationRequest, adapter: Optional[str]):
+        g = self._genai
+        cfg = g.GenerationConfig()
+        cfg.max_new_tokens = request.max_new_tokens
+        cfg.ignore_eos = request.ignore_eos
+        if _one_step_top_k(request):
+            # One step of beam search with k beams ranks the k best first tokens by their logprob:
+            # score = logprob / length**length_penalty, and length_penalty 0 leaves it as it is.
+            cfg.num_beams = cfg.num_return_sequences = request.top_k
+            cfg.length_penalty = 0.0
+        else:
+            cfg.do_sample = False
+            cfg.logprobs = 1
+        if adapter is None:
+            cfg.adapters = g.AdapterConfig()  # explicitly none: unset would mean "the pipeline's default"
+        else:
+            _, ov_adapter, scaling = self._adapters[adapter]
+            cfg.adapters = g.AdapterConfig(ov_adapter, scaling)
+        return cfg
+
+    def _generate_group(self, adapter: Optional[str], requests: list[GenerationRequest]) -> list[GenerationResult]:
+        pipe = self._pipe
+        ids = [self._tokenizer.encode(r.prompt).input_ids for r in requests]
+        configs = [self._config(r, adapter) for r in requests]
+        greedy = [k for k, r in enumerate(requests) if not _one_step_top_k(r)]
+        try:
+            served = pipe.generate(ids, configs)  # applies this group's adapter configuration
+            handles = {k: pipe.add_request(k, ids[k], configs[k]) for k in greedy}
+            while pipe.has_non_finished_requests():
+                pipe.step()
+            traced = {k: h.read_all()[0] for k, h in handles.items()}
+        except RuntimeError as exc:
+            raise EngineFailure(f"engine 'openvino': generation failed: {exc}") from exc
+        out = []
+        for k, (req, s) in enumerate(zip(requests, served)):
+            if k in traced:
+                tokens, logprobs = self._greedy_result(k, adapter, s, traced[k])
+            else:
+                tokens, logprobs = self._beam_result(k, adapter, req, s)
+            out.append(GenerationResult(
+                token_ids=tokens,
+                text=self._tokenizer.decode(tokens, skip_special_tokens=True),
+                logprobs=logprobs,
+                prompt_token_ids=[int(x) for x in ids[k].data[0]],
+                prompt_logprobs=None,
+            ))
+        return out
+
+    @staticmethod
+    def _greedy_result(k: int, adapter: Optional[str], served, traced) -> tuple[list[int], list[dict]]:
+        tokens, logprobs = [int(x) for x in traced.generated_ids], [float(x) for x in traced.generated_log_probs]
+        if tokens != list(served.m_generation_ids[0]) or abs(sum(logprobs) - served.m_scores[0]) > SCORE_ATOL:
+            raise EngineFailure(
+                f"engine 'openvino': request {k} (adapter={adapter or 'base'}): the logprob pass gave tokens "
+                f"{tokens} (logprob sum {sum(logprobs):.5f}), generate() gave {list(served.m_generation_ids[0])} "
+                f"(score {served.m_scores[0]:.5f}): the adapter state did not carry over")
+        return tokens, [{t: lp} for t, lp in zip(tokens, logprobs)]
+
+    @staticmethod
+    def _beam_result(k: int, adapter: Optional[str], req: GenerationRequest, served) -> tuple[list[int], list[dict]]:
+        seqs = [list(x) for x in served.m_generation_ids]
+        if len(seqs) != req.top_k or any(len(x) != 1 for x in seqs) or len({x[0] for x in seqs}) != len(seqs):
+            raise EngineFailure(f"engine 'openvino': request {k} (adapter={adapter or 'base'}): one beam step gave "
+                                f"{seqs}, expected {req.top_k} distinct one-token sequences")
+        ranked = sorted(((float(sc), int(x[0])) for sc, x in zip(served.m_scores, seqs)), key=lambda p: (-p[0], p[1]))
+        return [ranked[0][1]], [{t: sc for sc, t in ranked}]
+
+    # ---- misc ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._pipe = None
+        self._adapters.clear()
+
+    def version(self) -> str:
+        import openvino
+
+        return f"openvino-genai {self._genai.__version__}, openvino {openvino.__version__}, device {self.ov_device}"
+
+
+def _ir_cache(model_dir: Path) -> Path:
+    """Beside the lora cache's models (``<cache>/models/<name>`` -> ``<cache>/openvino``), else the user cache."""
+    from lora_conformance.settings import default_cache_dir
+
+    model_dir = Path(model_dir).resolve()
+    if model_dir.parent.name == "models":
+        return model_dir.parent.parent / "openvino"
+    return default_cache_dir() / "openvino"
+
+
+def _matmul_names(core, xml: Path) -> list[str]:
+    model = core.read_model(str(xml))
+    return [op.get_friendly_name() for op in model.get_ops() if op.get_type_name() == "MatMul"]

@@ -1,0 +1,163 @@
+"""Named hypotheses about how an engine serves an adapter: the correct one and the bugs it might have.
+
+A hypothesis is a transform of the reference's PEFT model: it rescales LoRA layers' ``scaling``
+(the only place PEFT applies alpha, r, rsLoRA and patterns), so "down_proj LoRA dropped",
+"delta x1.1", "rsLoRA ignored" or "patterns ignored" are computed by the reference itself,
+exactly, on the same contexts as the correct hypothesis. Two more kinds need no transform:
+``served_as`` (another adapter's reference: a routing bug) and ``base`` (no adapter at all).
+
+The suites ask the engine's effect (adapter minus base, from the engine) to be nearest the
+correct hypothesis by a margin, and name the nearest one when it is not
+(``lora_conformance.compare.effects``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+CORRECT = "correct"
+BASE = "base"
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """``kind``: ``scale`` (every LoRA layer's scaling x ``factor``), ``drop`` (layers whose name
+    ends with ``module`` contribute nothing), ``alpha_not_over_r`` / ``rslora_ignored`` /
+    ``patterns_ignored`` (scaling recomputed the wrong way), ``served_as`` (another adapter,
+    ``adapter`` names it), ``base`` (no adapter)."""
+
+    name: str
+    description: str
+    kind: str
+    factor: float = 1.0
+    module: str = ""
+    adapter: str = ""
+
+    def key(self) -> dict[str, Any]:
+        return {"kind": self.kind, "factor": self.factor, "module": self.module, "adapter": self.adapter}
+
+    @property
+    def needs_model(self) -> bool:
+        return self.kind not in (BASE,)
+
+
+def correct() -> Hypothesis:
+    return Hypothesis(CORRECT, "served as PEFT serves it", "scale", 1.0)
+
+
+def base() -> Hypothesis:
+    return Hypothesis(BASE, "adapter ignored (base model)", BASE)
+
+
+def served_as(other: str) -> Hypothesis:
+    return Hypothesis(f"served as {other}", f"the request got adapter {other!r} instead", "served_as", adapter=other)
+
+
+def _config(adapter_dir: Path) -> dict:
+    return json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+
+
+def _targets(cfg: dict) -> list[str]:
+    mods = cfg.get("target_modules") or []
+    if isinstance(mods, str):
+        mods = [mods]
+    params = cfg.get("target_parameters") or []
+    return sorted(set(mods)) + sorted(p.split(".", 1)[-1] if p.startswith("mlp.") else p for p in params)
+
+
+def standard(adapter_dir: Path, others: Sequence[str] = ()) -> list[Hypothesis]:
+    """The alternatives every adapter test separates from the correct hypothesis: delta x0.9 / x1.1,
+    each targeted module (or expert parameter) dropped, alpha not divided by r, rsLoRA ignored
+    (rsLoRA adapters), patterns ignored (adapters with patterns), another adapter of the same test
+    (``others``) and no adapter at all."""
+    cfg = _config(adapter_dir)
+    out = [Hypothesis("delta x0.9", "the LoRA delta scaled by 0.9", "scale", 0.9),
+           Hypothesis("delta x1.1", "the LoRA delta scaled by 1.1", "scale", 1.1)]
+    targets = _targets(cfg)
+    if len(targets) > 1:
+        out += [Hypothesis(f"{t} LoRA dropped", f"the {t} LoRA is silently ignored", "drop", module=t) for t in targets]
+    r = cfg.get("r", 8)
+    ranks = {r, *(cfg.get("rank_pattern") or {}).values()}
+    if ranks != {1}:  # at rank 1, alpha and alpha / r are the same scaling
+        out.append(Hypothesis("alpha not over r", "scaling lora_alpha instead of lora_alpha / r", "alpha_not_over_r"))
+    if cfg.get("use_rslora"):
+        out.append(Hypothesis("rsLoRA ignored", "scaling alpha / r instead of alpha / sqrt(r)", "rslora_ignored"))
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        out.append(Hypothesis("patterns ignored", "rank_pattern / alpha_pattern ignored in the scaling",
+                              "patterns_ignored"))
+    out += [served_as(o) for o in others]
+    out.append(base())
+    return out
+
+
+# ---- applying a hypothesis to a PEFT model ---------------------------------------------------
+
+def _lora_layers(model) -> list[tuple[str, Any]]:
+    from peft.tuners.lora.layer import LoraLayer
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+def _layer_name(name: str, layer) -> str:
+    # A ParamWrapper (target_parameters) names the parameter it wraps; nested wrappers of one
+    # module (gate_up_proj inside down_proj) carry ``base_layer`` in their path.
+    param = getattr(layer, "parameter_name", None)
+    stem = name.replace(".base_layer", "")
+    return f"{stem}.{param}" if param else stem
+
+
+def _wrong_scaling(hyp: Hypothesis, layer, adapter: str, cfg: dict) -> float:
+    r, alpha = layer.r[adapter], layer.lora_alpha[adapter]
+    rs = cfg.get("use_rslora", False)
+    if hyp.kind == "alpha_not_over_r":
+        return alpha
+    if hyp.kind == "rslora_ignored":
+        return alpha / r
+    if hyp.kind == "patterns_ignored":
+        r0, a0 = cfg.get("r", r), cfg.get("lora_alpha", alpha)
+        return a0 / (math.sqrt(r0) if rs else r0)
+    raise ValueError(f"hypothesis kind {hyp.kind!r} does not recompute the scaling")
+
+
+class applied:
+    """Context manager: the PEFT model under ``hyp`` (scalings restored on exit)."""
+
+    def __init__(self, model, hyp: Hypothesis, adapter_dir: Optional[Path], adapter: str = "default"):
+        self.model, self.hyp, self.adapter = model, hyp, adapter
+        self.cfg = _config(adapter_dir) if adapter_dir is not None else {}
+        self._saved: list[tuple[Any, float]] = []
+
+    def __enter__(self):
+        hyp = self.hyp
+        if hyp.kind in ("served_as", BASE) or (hyp.kind == "scale" and hyp.factor == 1.0):
+            return self.model
+        layers = _lora_layers(self.model)
+        matched = 0
+        for name, layer in layers:
+            if self.adapter not in layer.scaling:
+                continue
+            old = layer.scaling[self.adapter]
+            if hyp.kind == "scale":
+                new = old * hyp.factor
+            elif hyp.kind == "drop":
+                if not (_layer_name(name, layer).endswith("." + hyp.module) or _layer_name(name, layer) == hyp.module):
+                    continue
+                new = 0.0
+            else:
+                new = _wrong_scaling(hyp, layer, self.adapter, self.cfg)
+            self._saved.append((layer, old))
+            layer.scaling[self.adapter] = new
+            matched += 1
+        if not matched:
+            raise ValueError(f"hypothesis {hyp.name!r}: no LoRA layer of the reference model matches it "
+                             f"(layers: {sorted({_layer_name(n, l).rsplit('.', 1)[-1] for n, l in layers})})")
+        return self.model
+
+    def __exit__(self, *exc):
+        for layer, old in reversed(self._saved):
+            layer.scaling[self.adapter] = old
+        self._saved.clear()

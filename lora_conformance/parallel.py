@@ -1,0 +1,156 @@
+"""How a run spreads over the machine: pytest-xdist workers, and torch threads per worker.
+
+Two decisions, each a pure function of a few machine facts so that it can be tested:
+
+* ``thread_share``: each worker's torch intra-op threads. Every xdist worker otherwise keeps
+  torch's default pool (all cores), so N workers run N x cores busy threads and a parallel run
+  is slower than a serial one. The share is ``cores // workers`` (at least 1) unless the user
+  chose: ``--lora-threads`` (its env variable or ini key), else ``OMP_NUM_THREADS`` (which torch
+  reads itself; we then leave torch alone).
+* ``choose_workers``: the worker count ``lora-conformance certify -n auto`` uses: one per core,
+  capped by memory and, on accelerators, by ``WORKERS_PER_DEVICE`` per device.
+
+Standard library only: the plugin imports this at start-up. torch is imported by
+``apply_thread_share`` alone, which runs just before the first engine or reference.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+# Resident memory of one worker running the suites on cpu (torch, transformers, PEFT, the
+# reference and engine models): about 1.7 GB measured; rounded up.
+WORKER_MEMORY_BYTES = 2 * 1024**3
+# Workers that share one accelerator. Processes on one device time-slice it; past this the
+# device, not the host, is the bottleneck (bench/certify_time.py measures it on a machine).
+WORKERS_PER_DEVICE = 8
+USER_THREAD_VARIABLE = "OMP_NUM_THREADS"
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask: taskset and cgroup cpusets shrink it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory available for new work (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+# ---- threads per worker -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ThreadShare:
+    threads: Optional[int]  # what torch.set_num_threads gets; None: leave torch as the user set it
+    source: str  # why, for the report header
+
+    def describe(self) -> str:
+        shown = "unchanged" if self.threads is None else str(self.threads)
+        return f"torch-threads={shown} ({self.source})"
+
+
+def parse_threads(value: str) -> Optional[int]:
+    """``--lora-threads``: a positive integer, or ``auto`` (None: the per-worker share)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError("expected a positive integer or auto") from None
+    if n < 1:
+        raise ValueError("expected a positive integer or auto")
+    return n
+
+
+def thread_share(cores: int, workers: int, option: Optional[int] = None, option_source: str = "",
+                 environ: Mapping[str, str] = os.environ) -> ThreadShare:
+    """Torch intra-op threads for one of ``workers`` processes on ``cores`` cores."""
+    if option is not None:
+        return ThreadShare(option, f"--lora-threads from {option_source or 'command line'}")
+    user = environ.get(USER_THREAD_VARIABLE, "").strip()
+    if user:
+        return ThreadShare(None, f"{USER_THREAD_VARIABLE}={user} set by the user")
+    workers = max(1, workers)
+    return ThreadShare(max(1, cores // workers), f"{cores} cores // {workers} worker{'s' if workers > 1 else ''}")
+
+
+def apply_thread_share(share: ThreadShare) -> None:
+    """Set torch's intra-op pool to the share (before any engine or reference work)."""
+    if share.threads is None:
+        return
+    import torch
+
+    if torch.get_num_threads() != share.threads:
+        torch.set_num_threads(share.threads)
+
+
+def xdist_workers(config) -> int:
+    """Processes this pytest run spreads over: 1 without pytest-xdist, else its worker count."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # inside a worker
+        return max(1, int(workerinput.get("workercount", 1)))
+    if getattr(config.option, "dist", "no") == "no":
+        # A run nested in a worker (pytester inside ``pytest -n``) still has only that worker's share.
+        nested = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+        return max(1, int(nested)) if nested.isdigit() else 1
+    count = 0
+    for spec in getattr(config.option, "tx", None) or ():
+        head, star, _ = str(spec).partition("*")
+        count += int(head) if star and head.isdigit() else 1
+    return max(1, count)
+
+
+# ---- worker count for ``certify -n auto`` -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerChoice:
+    workers: int
+    reason: str
+
+
+def parse_workers(value: str) -> Optional[int]:
+    """``certify -n``: a positive integer, or ``auto`` (None: choose from the machine)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"-n/--workers {value!r}: expected a positive integer or auto") from None
+    if n < 1:
+        raise ValueError(f"-n/--workers {value!r}: expected a positive integer or auto")
+    return n
+
+
+def choose_workers(cores: int, memory: Optional[int], device_type: str = "cpu", devices: int = 1) -> WorkerChoice:
+    """One worker per core; at most one per ``WORKER_MEMORY_BYTES`` of available memory; on an
+    accelerator at most ``WORKERS_PER_DEVICE`` per device (xdist worker gwN uses device N mod
+    count, so the workers spread over every device)."""
+    limits = [(max(1, cores), f"{cores} cores")]
+    if memory is not None:
+        limits.append((max(1, memory // WORKER_MEMORY_BYTES),
+                       f"{memory / 1024**3:.0f} GiB available / {WORKER_MEMORY_BYTES / 1024**3:.0f} GiB per worker"))
+    if device_type != "cpu":
+        limits.append((max(1, devices) * WORKERS_PER_DEVICE,
+                       f"{devices} {device_type} device{'s' if devices != 1 else ''} x {WORKERS_PER_DEVICE}"))
+    workers, binding = min(limits, key=lambda item: item[0])
+    others = ", ".join(text for n, text in limits if text != binding)
+    return WorkerChoice(workers, f"auto: {binding}" + (f"; also {others}" if others else ""))

@@ -1,0 +1,148 @@
+"""The paired effect statistics (compare/effects.py), hypotheses and teacher-forced reference scoring."""
+
+import math
+import random
+
+import pytest
+
+from lora_conformance import hypotheses as hyps
+from lora_conformance.compare.effects import (
+    EffectSample,
+    SuiteDefectError,
+    analyse,
+    assert_effects_conform,
+    projection,
+)
+from lora_conformance.compare.errors import ConformanceAssertionError
+from lora_conformance.compare.tolerances import tolerance_for
+
+BF16 = tolerance_for("bfloat16")
+
+
+def _sample(engine_of, noise=0.02, contexts=60, ids=6, seed=0, correlated=0.0):
+    """R: a random reference effect; H: alternatives (x0.9, x1.1, 'down dropped' = R minus a part);
+    E = engine_of(R, H) + noise (optionally a shared per-context offset, which centring would remove
+    in real data; here it tests the cluster-robust SE)."""
+    rng = random.Random(seed)
+    s = EffectSample("X")
+    for c in range(contexts):
+        shared = rng.gauss(0, correlated)
+        part = [rng.gauss(0, 0.3) for _ in range(ids)]
+        R = [rng.gauss(0, 1.0) + p for p in part]
+        H = {"delta x0.9": [0.9 * r for r in R], "delta x1.1": [1.1 * r for r in R],
+             "down_proj LoRA dropped": [r - p for r, p in zip(R, part)], "base": [0.0] * ids}
+        E = engine_of(R, H)
+        s.E += [e + rng.gauss(0, noise) + shared for e in E]
+        s.R += R
+        for k, v in H.items():
+            s.H.setdefault(k, []).extend(v)
+        s.cluster += [c] * ids
+        s.contexts += 1
+    return s
+
+
+def test_correct_engine_passes_and_is_nearest_correct():
+    a = analyse(_sample(lambda R, H: R), BF16)
+    assert not a.failures and not a.defects, a.failures + a.defects
+    assert a.nearest == "correct"
+    assert abs(a.slope - 1) < 0.01 and all(abs(f.gamma) < 0.1 for f in a.fits)
+    assert_effects_conform([a])
+
+
+@pytest.mark.parametrize("bug", ["delta x1.1", "delta x0.9", "down_proj LoRA dropped", "base"])
+def test_each_bug_is_caught_and_named(bug):
+    a = analyse(_sample(lambda R, H: H[bug]), BF16)
+    assert a.nearest == bug
+    with pytest.raises(ConformanceAssertionError) as exc:
+        assert_effects_conform([a], label="t")
+    assert f"closest to: {bug}" in str(exc.value)
+    assert exc.value.evidence["hypothesis"]["nearest"] == bug
+
+
+def test_a_mis_scale_between_hypotheses_fails_on_the_slope():
+    a = analyse(_sample(lambda R, H: [1.05 * r for r in R]), BF16)
+    assert any("effective scale" in f for f in a.failures), a.failures
+
+
+def test_noise_above_the_bound_fails():
+    a = analyse(_sample(lambda R, H: R, noise=3 * BF16.effect_noise_max), BF16)
+    assert any("residual rms" in f for f in a.failures)
+
+
+def test_inseparable_alternative_is_a_suite_defect():
+    s = _sample(lambda R, H: R, contexts=2, ids=3)
+    # A tiny effect: every hypothesis is within the noise.
+    s.R = [r * 1e-3 for r in s.R]
+    s.E = list(s.R)
+    s.H = {k: [x * 1e-3 for x in v] for k, v in s.H.items()}
+    s.E = s.E * 20
+    s.R = s.R * 20
+    s.H = {k: v * 20 for k, v in s.H.items()}
+    s.cluster = list(range(len(s.E)))
+    with pytest.raises(SuiteDefectError, match="cannot tell"):
+        assert_effects_conform([analyse(s, BF16)])
+
+
+def test_too_few_points_fail():
+    a = analyse(_sample(lambda R, H: R, contexts=3, ids=3), BF16)
+    assert any("comparable points" in f for f in a.failures)
+
+
+def test_cluster_robust_se_grows_with_within_context_correlation():
+    rng = random.Random(1)
+    d = [rng.gauss(0, 1) for _ in range(400)]
+    clusters = [i // 8 for i in range(400)]
+    iid = [rng.gauss(0, 0.1) for _ in range(400)]
+    shared = {c: rng.gauss(0, 0.1) for c in set(clusters)}
+    corr = [shared[c] * abs(x) for c, x in zip(clusters, d)]
+    _, se_iid = projection(iid, d, clusters)
+    _, se_corr = projection(corr, d, clusters)
+    assert se_corr > se_iid
+    coef, _ = projection([2 * x for x in d], d, clusters)
+    assert math.isclose(coef, 2.0)
+
+
+def test_standard_hypotheses_follow_the_adapter_config(tmp_path):
+    import json
+
+    def cfg(**kw):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16, **kw}))
+        return d
+
+    names = [h.name for h in hyps.standard(cfg(target_modules=["q_proj", "v_proj"]), others=["B"])]
+    assert names[:2] == ["delta x0.9", "delta x1.1"]
+    assert {"q_proj LoRA dropped", "v_proj LoRA dropped", "alpha not over r", "served as B", "base"} <= set(names)
+    assert "rsLoRA ignored" not in names and "patterns ignored" not in names
+    names = [h.name for h in hyps.standard(cfg(target_modules=["q_proj"], use_rslora=True,
+                                               rank_pattern={"q_proj": 4}))]
+    assert "rsLoRA ignored" in names and "patterns ignored" in names
+    assert not any("dropped" in n for n in names), "one target: dropping it is the base hypothesis"
+    assert "alpha not over r" not in [h.name for h in hyps.standard(cfg(r=1, target_modules=["q_proj"]))]
+
+
+def test_context_scoring_matches_free_running_reference_and_hypotheses_apply(llama, tmp_path):
+    """Teacher forcing on the reference's own continuation reproduces its per-step logprobs; a
+    hypothesis changes them and leaves the model as it was."""
+    from lora_conformance.adapters import AdapterSpec, synthesize_adapter
+    from lora_conformance.conformance import contexts_of
+    from lora_conformance.reference import ReferenceRunner
+
+    adapter = synthesize_adapter(llama, AdapterSpec(seed=9), tmp_path / "a")
+    runner = ReferenceRunner(llama)
+    row = contexts_of(runner, "A", "the old man", adapter, 6)
+    assert sum(t is not None for t in row.texts) >= 5
+    from lora_conformance.types import GenerationRequest
+
+    free = runner.generate([GenerationRequest("the old man", "A", 6, 5)], {"A": adapter})[0]
+    forced = runner.context_logprobs([row.sequence], [row.positions], adapter, top=5)[0]
+    for step, (f, t) in enumerate(zip(free.logprobs, forced)):
+        assert f.keys() == t.keys(), step
+        assert max(abs(f[k] - t[k]) for k in f) < 1e-4, step
+    ids = [sorted(t) for t in forced]
+    dropped = runner.context_logprobs([row.sequence], [row.positions], adapter,
+                                      hyps.Hypothesis("v", "v dropped", "drop", module="v_proj"), ids=[ids])[0]
+    assert max(abs(dropped[0][k] - forced[0][k]) for k in forced[0]) > 1e-3
+    again = runner.context_logprobs([row.sequence], [row.positions], adapter, ids=[ids])[0]
+    assert max(abs(again[0][k] - forced[0][k]) for k in forced[0]) < 1e-5, "scaling restored after the hypothesis"

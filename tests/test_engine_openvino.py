@@ -1,0 +1,195 @@
+"""The openvino engine (OpenVINO GenAI) against an independent oracle: a plain single-adapter
+PeftModel, one prompt at a time, greedy by full forwards. Skipped when openvino-genai is not
+installed; the device mapping, scaling and refusals need no OpenVINO."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _tiny_models import build_adapter, build_llama, build_moe  # noqa: E402
+
+from lora_conformance.engines._hf_common import read_adapter_info  # noqa: E402
+from lora_conformance.engines.base import (  # noqa: E402
+    AdapterNotLoadedError,
+    Capability,
+    UnsupportedFeatureError,
+)
+from lora_conformance.engines.openvino_engine import (  # noqa: E402
+    adapter_refusals,
+    adapter_scaling,
+    openvino_device,
+)
+from lora_conformance.types import GenerationRequest  # noqa: E402
+
+ATOL = 1e-4  # float32 logprobs: OpenVINO's CPU kernels against torch's
+PROMPTS = ["the cat sat on the mat", "a dog", "one two three four five six seven"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("openvino_engine")
+    base = build_llama(root / "llama")
+    return {
+        "root": root,
+        "base": base,
+        "a1": build_adapter(base, root / "a1", seed=1),
+        "a2": build_adapter(base, root / "a2", seed=2, r=4, alpha=8, use_rslora=True,
+                            target_modules=["q_proj", "v_proj", "lm_head"]),
+        "qv": build_adapter(base, root / "qv", seed=3, target_modules=["q_proj", "v_proj"]),
+        "emb": build_adapter(base, root / "emb", seed=4, target_modules=["embed_tokens", "v_proj"]),
+        "pattern": build_adapter(base, root / "pattern", seed=5, rank_pattern={"q_proj": 2}),
+        "dora": build_adapter(base, root / "dora", seed=6, target_modules=["q_proj", "v_proj"], use_dora=True),
+    }
+
+
+def oracle(base_dir: Path, adapter_dir, prompt: str, steps: int):
+    """(prompt ids, generated ids, chosen-token logprobs): full forwards, no cache, no generate()."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    prompt_ids, new, lps = ids[0].tolist(), [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            row = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), -1)
+            t = int(row.argmax())
+            new.append(t)
+            lps.append(float(row[t]))
+            ids = torch.cat([ids, torch.tensor([[t]])], 1)
+    return prompt_ids, new, lps
+
+
+# ---- no OpenVINO needed ------------------------------------------------------------------
+
+
+def test_device_names_map_onto_openvino_plugins():
+    assert [openvino_device(d) for d in ("cpu", "xpu", "xpu:1", "npu")] == ["CPU", "GPU", "GPU.1", "NPU"]
+    with pytest.raises(UnsupportedFeatureError, match="no OpenVINO plugin"):
+        openvino_device("cuda:0")
+
+
+def test_scaling_is_peft_s_alpha_over_r_or_sqrt_r(ckpt):
+    assert adapter_scaling(read_adapter_info(ckpt["a1"])) == pytest.approx(16 / 8)
+    assert adapter_scaling(read_adapter_info(ckpt["a2"])) == pytest.approx(8 / math.sqrt(4))
+
+
+def test_adapters_genai_cannot_serve_are_named(ckpt):
+    assert adapter_refusals(read_adapter_info(ckpt["a1"])) == []
+    assert adapter_refusals(read_adapter_info(ckpt["emb"])) == ["embed_tokens LoRA"]
+    assert any("rank_pattern" in r for r in adapter_refusals(read_adapter_info(ckpt["pattern"])))
+    assert adapter_refusals(read_adapter_info(ckpt["dora"])) == ["DoRA (use_dora)"]
+
+
+def test_converter_refuses_moe_and_unknown_models_before_tracing(ckpt, tmp_path):
+    from lora_conformance.engines.openvino_convert import UnsupportedModelError, check_convertible
+
+    moe = build_moe(tmp_path / "moe")
+    with pytest.raises(UnsupportedModelError, match="model_type 'mixtral'"):
+        check_convertible(moe)
+    assert check_convertible(ckpt["base"])["model_type"] == "llama"
+    scaled = tmp_path / "scaled"
+    scaled.mkdir()
+    cfg = json.loads((ckpt["base"] / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    (scaled / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="rope_type 'linear'"):
+        check_convertible(scaled)
+
+
+# ---- the engine ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    pytest.importorskip("openvino_genai")
+    from lora_conformance.engines.openvino_engine import OpenVINOEngine
+
+    eng = OpenVINOEngine(ckpt["base"], "cpu", "float32", {"ir_cache": str(ckpt["root"] / "ir")})
+    yield eng
+    eng.close()
+
+
+def test_declares_what_genai_supports(engine):
+    assert engine.capabilities == {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD,
+                                   Capability.PREFIX_CACHE}
+    assert engine.limits.max_loras_per_batch == 1
+
+
+def test_every_row_matches_its_own_single_adapter_oracle(engine, ckpt):
+    engine.load_adapter("a1", ckpt["a1"])
+    engine.load_adapter("a2", ckpt["a2"])  # rsLoRA + lm_head: a new module set, so a new pipeline
+    adapters = [None, "a1", "a2", "a1", None]
+    requests = [GenerationRequest(PROMPTS[i % 3], adapter=a, max_new_tokens=6) for i, a in enumerate(adapters)]
+    outputs = engine.generate(requests)
+    for req, out in zip(requests, outputs):
+        prompt_ids, ids, lps = oracle(ckpt["base"], ckpt[req.adapter] if req.adapter else None, req.prompt, 6)
+        assert out.prompt_token_ids == prompt_ids, (out.prompt_token_ids, prompt_ids)
+        assert out.token_ids == ids, f"adapter {req.adapter}: {out.token_ids} != oracle {ids}"
+        got = [step[t] for step, t in zip(out.logprobs, out.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, lps)) < ATOL, (req.adapter, got, lps)
+    assert outputs[0].token_ids != outputs[1].token_ids or outputs[0].logprobs != outputs[1].logprobs
+
+
+def test_reload_and_unload(engine, ckpt):
+    engine.load_adapter("x", ckpt["a1"])
+    first = engine.generate([GenerationRequest(PROMPTS[0], adapter="x", max_new_tokens=6)])[0]
+    engine.load_adapter("x", ckpt["qv"])  # same name, new weights (a subset of bound modules: no rebuild)
+    second = engine.generate([GenerationRequest(PROMPTS[0], adapter="x", max_new_tokens=6)])[0]
+    _, ids, _ = oracle(ckpt["base"], ckpt["qv"], PROMPTS[0], 6)
+    assert second.token_ids == ids, (second.token_ids, ids, first.token_ids)
+    engine.unload_adapter("x")
+    with pytest.raises(AdapterNotLoadedError):
+        engine.generate([GenerationRequest(PROMPTS[0], adapter="x")])
+
+
+def test_refused_adapters_raise_typed_errors(engine, ckpt):
+    with pytest.raises(UnsupportedFeatureError, match="embed_tokens"):
+        engine.load_adapter("emb", ckpt["emb"])
+    assert "emb" not in engine.list_adapters()
+    with pytest.raises(UnsupportedFeatureError, match="prompt top-k"):
+        engine.generate([GenerationRequest(PROMPTS[0], prompt_logprobs=True)])
+
+
+def test_unsupported_engine_args_refuse_the_start(ckpt):
+    pytest.importorskip("openvino_genai")
+    from lora_conformance.engines.openvino_engine import OpenVINOEngine
+
+    with pytest.raises(UnsupportedFeatureError, match="max_loras_per_batch=2"):
+        OpenVINOEngine(ckpt["base"], "cpu", "float32", {"max_loras_per_batch": "2"})
+
+
+def test_one_token_requests_get_exact_top_k(engine, ckpt):
+    """One beam step with k beams ranks the k best first tokens: each logprob equals the oracle's
+    full-vocabulary log-softmax at that id."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    engine.load_adapter("k", ckpt["a1"])
+    out = engine.generate([GenerationRequest(PROMPTS[2], adapter="k", max_new_tokens=1, top_k=5),
+                           GenerationRequest(PROMPTS[2], adapter=None, max_new_tokens=1, top_k=5)])
+    tok = AutoTokenizer.from_pretrained(str(ckpt["base"]))
+    base = AutoModelForCausalLM.from_pretrained(str(ckpt["base"]), dtype=torch.float32).eval()
+    ids = tok(PROMPTS[2], return_tensors="pt").input_ids
+    with torch.no_grad():
+        plain = torch.log_softmax(base(input_ids=ids).logits[0, -1], -1)
+        adapted = torch.log_softmax(PeftModel.from_pretrained(base, str(ckpt["a1"])).eval()(input_ids=ids).logits[0, -1], -1)
+    for res, row in ((out[0], adapted), (out[1], plain)):
+        want = torch.topk(row, 5)
+        assert list(res.logprobs[0]) == want.indices.tolist(), (res.logprobs[0], want)
+        assert res.token_ids == [int(want.indices[0])]
+        diffs = [abs(lp - float(row[t])) for t, lp in res.logprobs[0].items()]
+        assert max(diffs) < ATOL, (res.logprobs[0], want)
+    engine.unload_adapter("k")

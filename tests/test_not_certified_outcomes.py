@@ -1,0 +1,48 @@
+"""Structured not-certified outcomes reach the verdict: a NotCertified skip (refused start, too
+small a limit) is "not certified" however pytest writes its reason, and an engine that declares
+fewer logprobs per token than the paired check needs is not certified by it, not judged."""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_conformance import conformance
+from lora_conformance.engines import Limits
+from lora_conformance.outcomes import LIMIT, NotCertified
+from lora_conformance.report.verify import NOT_CERTIFIED, SKIPPED, classify
+
+
+def _skipped(reason: str) -> dict:
+    return {"nodeid": "suites/test_moe.py::test_x[cpu-float32]", "phases": {"setup": "skipped"},
+            "skip_reason": reason, "wasxfail": None, "message": None}
+
+
+@pytest.mark.parametrize("reason", [
+    "lora_conformance.outcomes.NotCertified: not certified: engine 'openvino' refused to start (moe): no",
+    "not certified: needs 3 top-k logprobs, engine allows 1",
+    "lora_conformance.outcomes.NotCertified: not certified: engine does not declare moe",
+])
+def test_not_certified_skips_count_as_not_certified(reason):
+    status, shown = classify(_skipped(reason))
+    assert status == NOT_CERTIFIED, (status, reason)
+    assert shown == reason
+
+
+def test_other_skips_stay_neutral():
+    status, _ = classify(_skipped("not applicable: the engine's max_rank 256 is the largest rank synthesized"))
+    assert status == SKIPPED, status
+
+
+class _TopOneEngine:
+    limits = Limits(max_loras_per_batch=1, max_loaded_loras=8, max_rank=64, max_top_k=1)
+
+    def generate(self, requests):  # pragma: no cover - must not be reached
+        raise AssertionError("the paired check must not query an engine it cannot judge")
+
+
+def test_paired_check_needs_enough_logprobs_per_token():
+    plan = conformance.Plan([None], ["a prompt"], {}, {})
+    with pytest.raises(NotCertified) as exc:
+        conformance.run(plan, _TopOneEngine(), runner=None, tol=None)
+    assert exc.value.cause == LIMIT, exc.value.cause
+    assert f"needs {conformance.MIN_COMMON_IDS}" in exc.value.detail and "allows 1" in exc.value.detail, exc.value.detail

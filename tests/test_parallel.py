@@ -1,0 +1,188 @@
+"""Workers and threads: each pytest-xdist worker's torch thread share, and certify's worker count."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lora_conformance import parallel
+from lora_conformance.report import certify
+
+GiB = 1024**3
+
+
+@pytest.fixture
+def torch_threads():
+    """Restore the process's torch thread count after a test run in this process changed it."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+# ---- the thread share -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cores,workers,expected", [(2, 1, 2), (2, 2, 1), (2, 4, 1), (16, 8, 2), (16, 3, 5), (1, 1, 1)])
+def test_share_is_cores_over_workers_at_least_one(cores, workers, expected):
+    share = parallel.thread_share(cores, workers, environ={})
+    assert share.threads == expected, (cores, workers, share)
+    assert f"{cores} cores // {workers}" in share.source
+
+
+def test_user_omp_num_threads_is_left_to_torch():
+    share = parallel.thread_share(16, 4, environ={"OMP_NUM_THREADS": "3"})
+    assert share.threads is None
+    assert share.describe() == "torch-threads=unchanged (OMP_NUM_THREADS=3 set by the user)"
+
+
+def test_option_wins_over_omp_num_threads():
+    share = parallel.thread_share(16, 4, option=6, option_source="environment LORA_CONFORMANCE_LORA_THREADS",
+                                  environ={"OMP_NUM_THREADS": "3"})
+    assert share.threads == 6
+    assert "LORA_CONFORMANCE_LORA_THREADS" in share.source
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "1.5"])
+def test_bad_thread_option_is_refused(bad):
+    with pytest.raises(ValueError, match="positive integer or auto"):
+        parallel.parse_threads(bad)
+    assert parallel.parse_threads("auto") is None and parallel.parse_threads(" 4 ") == 4
+
+
+def test_apply_sets_torch_threads_and_leaves_a_user_choice(torch_threads):
+    import torch
+
+    target = 1 if torch_threads != 1 else 2
+    parallel.apply_thread_share(parallel.ThreadShare(target, "test"))
+    assert torch.get_num_threads() == target
+    parallel.apply_thread_share(parallel.ThreadShare(None, "user"))
+    assert torch.get_num_threads() == target
+
+
+# ---- the plugin applies it (pytester) ---------------------------------------------------
+
+THREADS_TEST = """
+import torch
+
+def test_threads(lora_harness):
+    print("TORCH_THREADS", torch.get_num_threads())
+    assert torch.get_num_threads() == {expected}, torch.get_num_threads()
+"""
+
+
+@pytest.fixture
+def plugin_run(pytester, monkeypatch, tmp_path):
+    for var in ("LORA_CONFORMANCE_LORA_THREADS", "OMP_NUM_THREADS", "PYTEST_XDIST_WORKER_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LORA_CONFORMANCE_LORA_CACHE", str(tmp_path / "cache"))
+    return pytester
+
+
+def test_a_nested_worker_run_gets_its_share(plugin_run, monkeypatch, torch_threads):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")  # as inside one of two xdist workers
+    expected = max(1, parallel.cpu_cores() // 2)
+    plugin_run.makepyfile(test_t=THREADS_TEST.format(expected=expected))
+    result = plugin_run.runpytest("--device=cpu", "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"lora-conformance: processes=2 torch-threads={expected} "
+                                 f"({parallel.cpu_cores()} cores // 2 workers) per process"])
+
+
+def test_lora_threads_option_is_applied_and_echoed(plugin_run, torch_threads):
+    plugin_run.makepyfile(test_t=THREADS_TEST.format(expected=1))
+    result = plugin_run.runpytest("--device=cpu", "--lora-threads=1", "-p", "no:xdist")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["lora-conformance: processes=1 torch-threads=1 (--lora-threads from command line) "
+                                 "per process"])
+
+
+def test_bad_lora_threads_names_its_source(plugin_run, monkeypatch):
+    monkeypatch.setenv("LORA_CONFORMANCE_LORA_THREADS", "0")
+    plugin_run.makepyfile(test_t="def test_ok(): pass")
+    result = plugin_run.runpytest("--device=cpu", "-p", "no:xdist")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--lora-threads='0' (from environment LORA_CONFORMANCE_LORA_THREADS): "
+                                 "expected a positive integer or auto*"])
+
+
+@pytest.mark.skipif(parallel.cpu_cores() < 2, reason="a share below torch's default needs at least 2 cores")
+def test_xdist_workers_each_take_their_share(tmp_path):
+    """The bug of issue 17: two xdist workers each kept torch's all-core pool."""
+    pytest.importorskip("xdist")
+    (tmp_path / "test_t.py").write_text(textwrap.dedent(THREADS_TEST.format(expected=parallel.cpu_cores() // 2)))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LORA_CONFORMANCE_LORA_THREADS")}
+    env["LORA_CONFORMANCE_LORA_CACHE"] = str(tmp_path / "cache")
+    out = subprocess.run([sys.executable, "-m", "pytest", "test_t.py", "-n", "2", "-p", "no:cacheprovider",
+                          "--device=cpu", "-rA"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert (f"processes=2 torch-threads={parallel.cpu_cores() // 2} ({parallel.cpu_cores()} cores // 2 workers)"
+            in out.stdout), out.stdout[:2000]
+
+
+# ---- certify's worker count -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cores,memory,kind,devices,expected,binding", [
+    (2, 20 * GiB, "cpu", 1, 2, "2 cores"),
+    (16, 120 * GiB, "cpu", 1, 16, "16 cores"),
+    (16, 9 * GiB, "cpu", 1, 4, "9 GiB available"),
+    (16, 1 * GiB, "cpu", 1, 1, "1 GiB available"),
+    (64, 500 * GiB, "cuda", 1, parallel.WORKERS_PER_DEVICE, "1 cuda device x"),
+    (64, 500 * GiB, "cuda", 4, 4 * parallel.WORKERS_PER_DEVICE, "4 cuda devices x"),
+    (16, 120 * GiB, "cuda", 4, 16, "16 cores"),
+    (8, None, "cpu", 1, 8, "8 cores"),
+])
+def test_worker_choice_takes_the_tightest_limit(cores, memory, kind, devices, expected, binding):
+    choice = parallel.choose_workers(cores, memory, kind, devices)
+    assert choice.workers == expected, choice
+    assert choice.reason.startswith(f"auto: {binding}"), choice.reason
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    certify.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_certify_auto_uses_the_machine(monkeypatch):
+    monkeypatch.setattr(parallel, "cpu_cores", lambda: 6)
+    monkeypatch.setattr(parallel, "available_memory", lambda: 64 * GiB)
+    choice = certify.choose_workers(parse("--device", "cpu"), xdist_installed=True)
+    assert (choice.workers, choice.reason.split(";")[0]) == (6, "auto: 6 cores")
+
+
+def test_certify_told_workers_and_pytest_workers(monkeypatch):
+    assert certify.choose_workers(parse("--device", "cpu", "-n", "3"), xdist_installed=True).workers == 3
+    assert certify.choose_workers(parse("--device", "cpu", "--", "-n", "4"), xdist_installed=True) is None
+    assert certify.choose_workers(parse("--device", "cpu", "--", "--numprocesses=4"), xdist_installed=True) is None
+    with pytest.raises(ValueError, match="give one"):
+        certify.choose_workers(parse("--device", "cpu", "-n", "2", "--", "-n4"), xdist_installed=True)
+    with pytest.raises(ValueError, match="positive integer or auto"):
+        certify.choose_workers(parse("--device", "cpu", "-n", "0"), xdist_installed=True)
+
+
+def test_certify_without_xdist_runs_in_one_process():
+    choice = certify.choose_workers(parse("--device", "cpu", "-n", "4"), xdist_installed=False)
+    assert choice.workers == 1 and "pytest-xdist is not installed" in choice.reason
+
+
+def test_certify_prints_its_choice_and_passes_it_to_pytest(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(parallel, "cpu_cores", lambda: 3)
+    monkeypatch.setattr(parallel, "available_memory", lambda: 64 * GiB)
+    seen = []
+    args = parse("--device", "cpu", "--report", str(tmp_path), "--", "-q")
+    certify.run(args, runner=lambda cmd: seen.append(cmd) or 1)
+    assert seen[0][-4:] == ["-n", "3", f"--lora-report={tmp_path.resolve()}", "-q"], seen[0]
+    assert "workers: 3 (auto: 3 cores; also 64 GiB available / 2 GiB per worker)" in capsys.readouterr().out
+
+
+def test_certify_one_worker_runs_without_xdist(tmp_path):
+    cmd = certify.pytest_command(parse("--device", "cpu", "--report", str(tmp_path)), workers=1)
+    assert "-n" not in cmd, cmd

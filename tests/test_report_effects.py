@@ -1,0 +1,43 @@
+"""The report's pictures of the paired effect verdict and its notes."""
+
+from lora_conformance.report.document import build_report, check_records
+from lora_conformance.report.effects_svg import scatter_svg
+from lora_conformance.report.html import render_html
+from lora_conformance.report.markdown import render_markdown
+from lora_conformance.report.verify import verify
+
+ANALYSIS = {"label": "A", "slope": 0.91, "slope_se": 0.004, "nearest": "delta x0.9",
+            "distances": {"correct": 0.2, "delta x0.9": 0.01, "q_proj LoRA dropped": 0.3},
+            "gamma": {"delta x0.9": 0.95, "q_proj LoRA dropped": 0.1}, "not_judged": ["q_proj LoRA dropped"],
+            "plotted": [[0.5, 0.45], [-1.0, -0.9], [2.0, 1.8]]}
+
+
+def _record(nodeid, call, **extra):
+    return {"nodeid": nodeid, "phases": {"setup": "passed", "call": call, "teardown": "passed"}, "wasxfail": None,
+            "skip_reason": None, "message": "closest to: delta x0.9" if call == "failed" else None, "evidence": None,
+            "repro": None, "longrepr": None, "duration": 0.1, **extra}
+
+
+def test_scatter_has_a_point_per_pair_and_the_slope():
+    svg = scatter_svg(ANALYSIS)
+    assert svg.startswith("<svg") and svg.count("<circle") == 3
+    assert "slope 0.910 ± 0.008" in svg and "nearest: delta x0.9" in svg
+    assert scatter_svg({**ANALYSIS, "plotted": []}) == ""
+
+
+def test_html_shows_effects_failures_first_with_distances_and_notes():
+    records = [_record("suites/test_accuracy.py::test_single_adapter_matches_reference[cpu-float32-A]", "passed",
+                       effects=[{**ANALYSIS, "label": "passing"}]),
+               _record("suites/test_accuracy.py::test_single_adapter_matches_reference[cpu-float32-B]", "failed",
+                       effects=[ANALYSIS]),
+               _record("suites/test_prefix_cache.py::test_hit_equals_miss[cpu-float32]", "passed",
+                       notes=["prefix-cache hit not proven (the engine does not report cached tokens)"])]
+    check_records(records, "test")
+    report = build_report({}, records)
+    verdict = verify(report["records"])
+    html = render_html(report, verdict)
+    effects = html[html.index('id="effects"'):]
+    assert effects.index("cpu-float32-B") < effects.index("cpu-float32-A"), "failures first"
+    assert "<td>not judged</td>" in effects and "rms distance" in effects
+    assert "prefix-cache hit not proven" in html
+    assert "prefix-cache hit not proven" in render_markdown(report, verdict)
