@@ -131,7 +131,7 @@ def test_fault_changes_behaviour(world, fault):
 
 
 def test_catalogue():
-    assert len(FAULTS) == 34 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait"}
+    assert len(FAULTS) == 30 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait"}
     assert Faults(None).name is None and Faults("").name is None
     assert not any(Faults(None).on(f) for f in FAULTS)
     with pytest.raises(ValueError, match="unknown fault"):
