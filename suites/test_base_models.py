@@ -30,7 +30,9 @@ def mixed_batch(lora, specs, labels, label):
         lora.load(engine, name, specs[name])
     reqs = lora.requests(labels, prompts=lora.prompts[2:], max_new_tokens=12, prompt_logprobs=True)
     refs = lora.reference(reqs, specs)
-    lora.assert_adapter_visible(refs, reqs, label=f"{label}: adapters vs base")
+    for name in sorted({l for l in labels if l}):  # each adapter on its own, so none can be dropped unseen
+        mine = [i for i, l in enumerate(labels) if l == name]
+        lora.assert_adapter_visible([refs[i] for i in mine], [reqs[i] for i in mine], label=f"{label}: {name} vs base")
     lora.assert_matches_reference(engine.generate(reqs), refs, reqs, label=label)
 
 
@@ -47,11 +49,11 @@ def test_head_dim_variants(lora, device, dtype, kind):
                      requires=("lm_head",))
 @pytest.mark.base_model("qwen2")
 def test_qwen2_biases_tied_embeddings(lora, device, dtype):
-    specs = {"A": AdapterSpec(seed=9, targets="attention"),
-             "head": AdapterSpec(seed=72, targets=("q_proj", "v_proj", "lm_head"), b_std=0.15)}
+    # No v_proj LoRA here: layer 0's value feeds the tied design's large cancellations, and a v_proj
+    # delta there moves every logit by a constant that bf16 rounds coarsely (HF + PEFT itself drifts
+    # 0.63 nats in bf16 with a q/v adapter on this model; 0.09-0.14 with the adapters below).
+    specs = {"A": AdapterSpec(seed=9, targets=("q_proj", "k_proj", "o_proj")),
+             "head": AdapterSpec(seed=72, targets="lm_head", b_std=0.15)}
+    # mixed_batch asserts that each adapter moves the reference beyond 2x the tolerance on its own
+    # rows, so an engine that drops lm_head LoRA on the tied matrix fails here.
     mixed_batch(lora, specs, ["A", None, "head", "head"], "qwen2")
-    # lm_head LoRA on the tied matrix is visible on its own: an engine that drops it must fail here.
-    reqs = lora.requests(["head"] * 2, prompts=lora.prompts[2:], max_new_tokens=12, prompt_logprobs=True)
-    lora.assert_adapter_visible(lora.reference(reqs, specs), reqs, label="qwen2: lm_head LoRA vs q/v alone",
-                                others=lora.reference(reqs, {"head": AdapterSpec(seed=72, targets=("q_proj", "v_proj"),
-                                                                                   b_std=0.15)}))

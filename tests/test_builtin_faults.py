@@ -41,6 +41,10 @@ def scenario(w, fault, active: bool):
         args.update(max_loras_per_batch="2", max_loaded_loras="2")
     if fault.startswith("prefix_cache_"):
         args.update(kv_block_size="4")
+    if fault == "chunk_continuation_drops_adapter":
+        args.update(chunked_prefill_size="4")
+    if fault == "masked_prefill_padded_rows":
+        args.update(lora_backend="masked")
     with BuiltinEngine(model, "cpu", "float32", args) as eng:
         load = {"base_gets_last_adapter": ["a1"], "adapter_index_off_by_one": ["a1", "a2"],
                 "scaling_alpha_not_over_r": ["a1"], "rslora_ignored": ["rs"], "patterns_ignored": ["pat"],
@@ -48,7 +52,8 @@ def scenario(w, fault, active: bool):
                 "lora_fp16": ["a1"], "delta_twice": ["a1"], "moe_expert_mismatch": ["moe_ad"],
                 "prefix_cache_ignores_adapter": ["a1"], "delta_x1_1": ["a1"], "moe_down_proj_dropped": ["moe_ad"],
                 "embedding_adapter_misrouted": ["e1", "e2"],
-                **{f"drop_{m}": ["a1"] for m in DROPPABLE_LINEAR_MODULES}}.get(fault, [])
+                "chunk_continuation_drops_adapter": ["a1"], "masked_prefill_padded_rows": ["a1", "a2"],
+                "inflight_no_drain": ["a1"], **{f"drop_{m}": ["a1"] for m in DROPPABLE_LINEAR_MODULES}}.get(fault, [])
         for n in load:
             eng.load_adapter(n, w[n])
         names = {"base_gets_last_adapter": [None, "a1"], "adapter_index_off_by_one": ["a1", "a2"]}.get(fault, load)
@@ -57,6 +62,16 @@ def scenario(w, fault, active: bool):
             return [r.logprobs for r in eng.generate(
                 [GenerationRequest(PROMPT, n, max_new_tokens=3, top_k=5, **kw) for n in ns])]
 
+        if fault == "masked_prefill_padded_rows":  # packed rows of unequal prompts
+            return [r.logprobs for r in eng.generate([GenerationRequest(p, n, max_new_tokens=3, top_k=5) for p, n in (
+                (PROMPT, "a1"), ("the cat", None), (PROMPT + " and back", "a2"))])]
+        if fault == "inflight_no_drain":  # an unload returns while a request using the adapter still runs
+            handle = eng.submit([GenerationRequest(PROMPT, "a1", max_new_tokens=48)])
+            assert handle.wait_started(60)
+            eng.unload_adapter("a1")
+            return [handle.done()]
+        if fault == "rotary_assumes_head_dim_64":  # this model's head_dim is 16
+            return gen([None])
         if fault == "stale_reload":
             eng.load_adapter("x", w["a1"])
             gen(["x"])

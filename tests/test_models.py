@@ -43,7 +43,8 @@ def test_synthetic_models_load_as_standard_checkpoints(cache, kind):
     d = resolve_base_model(f"synthetic:{kind}", cache)
     assert model_kind(d) == {"moe": "moe", "encoder": "encoder"}.get(kind, "decoder")
     tok = AutoTokenizer.from_pretrained(str(d))
-    assert type(tok).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    # transformers 5 gives every model_type qwen2 checkpoint its Qwen2Tokenizer (words as added tokens)
+    assert type(tok).__name__ in (("Qwen2Tokenizer",) if kind == "qwen2" else ("PreTrainedTokenizerFast", "TokenizersBackend"))
     model = load_model(d)
     ids = tok(["water and fire", "the old man"], return_tensors="pt", padding=True)
     with torch.no_grad():
@@ -128,3 +129,23 @@ def test_default_adapter_greedy_is_dtype_stable(cache, llama, tokenizer, name):
     assert float(f32.margins.min()) >= MIN_MARGIN, f32.margins.min()
     for dtype in (torch.bfloat16, torch.float16):
         assert diverged(f32.tokens, greedy(model, tokenizer, prompts, dtype=dtype).tokens) == [], dtype
+
+
+def test_base_model_variants(cache, llama):
+    """head_dim 128 / 256 variants; qwen2: q/k/v biases, tied embeddings, the word-level token ids."""
+    import json as _json
+
+    from transformers import AutoTokenizer
+
+    for kind, hd in (("llama-hd128", 128), ("llama-hd256", 256)):
+        cfg = _json.loads((resolve_base_model(f"synthetic:{kind}", cache) / "config.json").read_text())
+        assert cfg["head_dim"] == hd and cfg["model_type"] == "llama", cfg
+    q = resolve_base_model("synthetic:qwen2", cache)
+    cfg = _json.loads((q / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["tie_word_embeddings"] is True
+    model = load_model(q)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.model.layers[1].self_attn.q_proj.bias.abs().max() > 0
+    text = "the old man and water and fire"
+    assert (AutoTokenizer.from_pretrained(str(q))(text)["input_ids"]
+            == AutoTokenizer.from_pretrained(str(llama))(text)["input_ids"])

@@ -36,7 +36,8 @@ def fault_row(fault: str) -> str:
     dtypes = DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS else SHOWN_ON_CPU_IN
     caught = [d for d in dtypes if (fault, d) not in UNCAUGHT]
     missed = [d for d in dtypes if (fault, d) in UNCAUGHT]
-    gpu = [] if fault in NOT_YET_SHOWN_ON_GPU else [d for d in caught if d in SHOWN_ON_GPU_IN]
+    gpu_dtypes = DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS else SHOWN_ON_GPU_IN
+    gpu = [] if fault in NOT_YET_SHOWN_ON_GPU else [d for d in gpu_dtypes if (fault, d) not in UNCAUGHT]
     if fault in DEVICE_ONLY_FAULTS:
         where = f"GPU ({DEVICE_ONLY_FAULTS[fault]}): {', '.join(gpu)}"
     else:

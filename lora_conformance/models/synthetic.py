@@ -109,8 +109,9 @@ def decoder_state(r: DecoderRecipe, vocab_size: int) -> dict[str, torch.Tensor]:
     cls, mem = ids // G, ids % G
 
     if r.tied:
-        Xi, Yi = rest[:, :G], rest[:, G: 2 * G]  # input codes of the tied embedding
-        emb, cn_in = tied_embedding(r, d, X, Y, Z, W, Xi, Yi, cls, mem)
+        # input codes, the class-0 push direction, a constant filler direction
+        Xi, Yi, push, c0 = rest[:, :G], rest[:, G: 2 * G], rest[:, 2 * G], rest[:, 2 * G + 1]
+        emb, fill = tied_embedding(r, d, X, Y, Z, W, Xi, Yi, push, c0, cls, mem)
     else:
         # Embeddings: same norm for every token; filler fills the remaining norm.
         filler = rest @ torch.randn(rest.shape[1], vocab_size, generator=_gen(r.seed, 2), dtype=torch.float64)
@@ -145,7 +146,7 @@ def decoder_state(r: DecoderRecipe, vocab_size: int) -> dict[str, torch.Tensor]:
             qv, kv = design.previous_token_rotary(hd, r.rope_theta, r.rotary_pairs, r.attn_peak)
             qv, kv = qv * r.q_scale / qv.norm(), kv * (r.attn_peak * math.sqrt(hd) / (r.q_scale * kv.norm()))
             # kv head 0 -> heads 0, 1 carry the previous class; kv head 1 -> heads 2, 3 the member.
-            codes = [(X, r.class_norm), (Y, r.member_norm)] if not r.tied else [(Xi, cn_in), (Yi, cn_in)]
+            codes = [(X, r.class_norm), (Y, r.member_norm)] if not r.tied else [(Xi, TIED_CODE), (Yi, TIED_CODE)]
             for kvh, ((code, ncode), votes, kappa, target) in enumerate(
                 [(codes[0], vote_c, kappa_c, Z), (codes[1], vote_m, kappa_m, W)]
             ):
@@ -163,7 +164,11 @@ def decoder_state(r: DecoderRecipe, vocab_size: int) -> dict[str, torch.Tensor]:
                 o[:, h * hd : h * hd + G] = target[:, votes] * (kappa * unit / r.value_scale)
                 if r.tied:  # the group's second head reads the current token: successor, cancellations
                     succ, out_code = (succ_c, X) if kvh == 0 else (succ_m, Y)
-                    current_token_heads(r, q, o, h + 1, qv, d, out_code, target, code, cn_in, succ, unit)
+                    extra = torch.zeros(H, G, dtype=torch.float64)
+                    if kvh == 0:  # per class: its own filler and push cancelled; every token: -PUSH_H along push
+                        extra -= c0[:, None] * fill[None, :] + PUSH_H * push[:, None]
+                        extra[:, 0] -= PUSH_ROW * push
+                    current_token_heads(r, q, o, h + 1, qv, d, out_code, target, code, TIED_CODE, succ, unit, extra)
         _biases(sd, p, r, layer, randn)
         sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"] = q, k
         sd[p + "self_attn.v_proj.weight"], sd[p + "self_attn.o_proj.weight"] = v, o
@@ -191,31 +196,46 @@ def decoder_state(r: DecoderRecipe, vocab_size: int) -> dict[str, torch.Tensor]:
     return {k: v.float().contiguous() for k, v in sd.items()}
 
 
-def tied_embedding(r: DecoderRecipe, d, X, Y, Z, W, Xi, Yi, cls, mem):
+# Tied kinds: class 0 (the specials) is never predicted. Its rows carry PUSH_ROW along a spare
+# direction and every token's h carries -PUSH_H there: class 0's logits drop by about 50 nats.
+PUSH_ROW, PUSH_H = 10.0, 5.0
+# The input codes' norm: small, since layer 0 cancels them again and bf16 leaves ~0.4 % of what
+# it cancels, which the tied readout would read back at this norm.
+TIED_CODE = 2.0
+
+
+def tied_embedding(r: DecoderRecipe, d, X, Y, Z, W, Xi, Yi, push, c0, cls, mem):
     """One matrix for embed_tokens and lm_head (Qwen2's tie_word_embeddings). Token u's row holds
     input codes Xi[c_u], Yi[m_u] (what layer 0 reads), readout codes rho * (X + Z)[c_u] and
     rho * (Y + W)[m_u] (what its logit reads: rho = logit_scale / unit, as the untied lm_head) and
     the bias direction d; no filler, whose self-overlap would favour repeating the current token.
-    The input codes take the norm that is left, so every row has norm sqrt(hidden)."""
+    A constant filler direction c0 takes the norm that is left (every row has norm sqrt(hidden);
+    a constant's self-overlap shifts every logit alike); class 0's rows give PUSH_ROW of it to the
+    push direction. Returns the rows and the filler's norm per class."""
     rho = r.logit_scale / r.class_norm
-    cn_in = math.sqrt((r.hidden - r.bias_norm**2 - 4 * rho**2) / 2)
-    rows = (r.bias_norm * d[:, None] + cn_in * (Xi[:, cls] + Yi[:, mem])
-            + rho * (X[:, cls] + Z[:, cls] + Y[:, mem] + W[:, mem]))
-    return rows.T, cn_in
+    fill = torch.full((design.GRID,), r.hidden - r.bias_norm**2 - 2 * TIED_CODE**2 - 4 * rho**2, dtype=torch.float64)
+    fill[0] -= PUSH_ROW**2
+    fill = fill.sqrt()
+    rows = (r.bias_norm * d[:, None] + TIED_CODE * (Xi[:, cls] + Yi[:, mem]) + fill[cls] * c0[:, None]
+            + PUSH_ROW * (cls == 0) * push[:, None] + rho * (X[:, cls] + Z[:, cls] + Y[:, mem] + W[:, mem]))
+    return rows.T, fill
 
 
-def current_token_heads(r: DecoderRecipe, q, o, h, qv, d, out_code, vote_code, in_code, cn_in, succ, unit) -> None:
+def current_token_heads(r: DecoderRecipe, q, o, h, qv, d, out_code, vote_code, in_code, cn_in, succ, unit,
+                        extra) -> None:
     """Head h of layer 0 (tied kinds) attends to the current token and writes, per input class c:
     unit * out_code[succ(c)] (the successor term the untied lm_head's permutation makes), minus the
     token's own readout and input codes (tied, they would score the current token itself) and a
-    bias shift that puts the likely winners' logits near 0, as the untied lm_head's d term does."""
+    bias shift that puts the likely winners' logits near 0, as the untied lm_head's d term does;
+    ``extra`` (hidden, 32) is added per class (the class-0 push)."""
     G, hd, pairs = design.GRID, r.head_dim, r.rotary_pairs
     qc = torch.zeros_like(qv)
     qc[:pairs] = 1.0  # RoPE score sum_i cos(delta * w_i): peak at distance 0
     q[h * hd:(h + 1) * hd] = torch.outer(qc * (r.q_scale / qc.norm()), d) / r.bias_norm
     rho = r.logit_scale / r.class_norm
     shift = -(r.logit_shift * r.logit_scale / r.bias_norm + r.bias_norm) / 2  # per head (two of them)
-    cols = unit * out_code[:, succ[:G]] - rho * (out_code + vote_code) - cn_in * in_code + shift * d[:, None]
+    cols = (unit * out_code[:, succ[:G]] - rho * (out_code + vote_code)
+            - cn_in * in_code + shift * d[:, None] + extra)
     o[:, h * hd:(h + 1) * hd] = 0
     o[:, h * hd:h * hd + G] = cols / r.value_scale
 
