@@ -6,6 +6,8 @@ from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_embeddings_close, cosine
 from lora_conformance.compare.embeddings import assert_embedding_effects_close
+from lora_conformance.engines import EngineFailure, UnsupportedFeatureError
+from lora_conformance.outcomes import REFUSED, not_certified
 from lora_conformance.compare.embeddings import norm
 
 register_cpu_ci(est_time=10, suite="per-commit")
@@ -21,11 +23,22 @@ SAME_ADAPTER_MIN_COS = 0.999
 CHANGED_MAX_COS = 0.999
 
 
+# The feature every other embeddings test builds on: an engine that declares embeddings but refuses
+# to embed fails this one; the others are not certified (they would only repeat its failure).
+BASIC = "embeddings/matches_reference"
+
+
 @pytest.fixture
-def encoder(lora):
+def encoder(lora, request):
     engine = lora.engine
     for name, spec in SPECS.items():
         lora.load(engine, name, spec)
+    marker = request.node.get_closest_marker("feature")
+    if marker is not None and marker.args[0] != BASIC:
+        try:
+            engine.embed(lora.prompts[:1], None)
+        except (UnsupportedFeatureError, EngineFailure) as exc:
+            not_certified(REFUSED, f"embed() failed ({type(exc).__name__}: {exc}); {BASIC} judges that")
     return engine
 
 

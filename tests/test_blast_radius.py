@@ -33,24 +33,20 @@ class Defect:
 
 
 DEFECTS = {
-    # Every accuracy and adapter-semantics test asks for prompt logprobs when the engine declares them.
+    # Only the test that certifies prompt logprobs asks for them (the others are teacher-forced).
     "prompt_logprobs_fail": Defect(
         "PromptLogprobsFail", ("test_accuracy.py", "test_adapter_semantics.py"),
-        frozenset({"accuracy/prefill_logprobs_with_adapter"}),
-        today="issue 12: 11 features red today (accuracy and adapter_semantics ask every test for prompt logprobs)"),
+        frozenset({"accuracy/prefill_logprobs_with_adapter"})),
     "rank_one_refused": Defect(
         "RankOneRefused", ("test_adapter_semantics.py",), frozenset({"adapter_semantics/rank"}),
         select="rank"),
-    # The encoder suite's every test embeds: one refusal fails all of them.
+    # The other embeddings tests are not certified when embed() refuses (test_embeddings.BASIC).
     "embeddings_refused": Defect(
-        "EmbeddingsRefused", ("test_embeddings.py",), frozenset({"embeddings/matches_reference"}),
-        today="issue 12: 5 features red today (every embeddings test needs a working embed())"),
-    # Always lru: only a test that asks for fifo can see it. Outputs are right under either
-    # policy, so no suite test sees the arg ignored today.
+        "EmbeddingsRefused", ("test_embeddings.py",), frozenset({"embeddings/matches_reference"})),
+    # Always lru: only a test that asks for fifo can see it, through the residency the engine reports.
     "eviction_policy_ignored": Defect(
         "EvictionPolicyIgnored", ("test_lifecycle.py",), frozenset({"lifecycle/eviction_and_reload"}),
-        select="eviction_and_reload and fifo",
-        today="issue 12: 0 features red today (eviction order is not observable through outputs)"),
+        select="eviction_and_reload and fifo"),
 }
 
 
