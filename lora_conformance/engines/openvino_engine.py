@@ -207,7 +207,13 @@ class OpenVINOEngine(Engine):
     # ---- adapters ----------------------------------------------------------------------
 
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
-        # pinned is accepted and meaningless: nothing is ever evicted here.
+        # pinned is accepted and meaningless: nothing is ever evicted here. The shared validator runs
+        # first: GenAI given a malformed file (truncated, non-finite, shapes of another model) can
+        # crash the process instead of raising.
+        from lora_conformance.adapters.validate import validate_adapter, validate_name
+
+        validate_name(name)
+        validate_adapter(Path(path), self.model_dir, self.max_rank)
         info = read_adapter_info(Path(path))
         self._check_servable(name, info)
         modules = adapter_modules(info.path)
