@@ -50,10 +50,10 @@ FAMILIES = {
         AdapterSpec(seed=rng.choice(SEEDS), rank=16, alpha=8, use_rslora=True),
         AdapterSpec(seed=rng.choice(SEEDS), rank=8, alpha=16, rank_pattern={"v_proj": 4},
                     alpha_pattern={"q_proj": 32})])], "single"),
-    # every linear module targeted, q/k B 5x (adapter_semantics::target_set): the family that certifies
+    # every linear module targeted, q/k B 5x, down_proj 2x (adapter_semantics::target_set): the family that certifies
     # single modules, and whose dropped modules the power runs inject
     "alllinear": lambda rng: ([AdapterSpec(seed=rng.choice(SEEDS), targets="all-linear",
-                                           b_std_pattern={"q_proj": 0.15, "k_proj": 0.15})], "single"),
+                                           b_std_pattern={"q_proj": 0.15, "k_proj": 0.15, "down_proj": 0.06})], "single"),
     # two adapters and base rows in one batch (mixed_batch, accuracy::every_dtype)
     "mixed": lambda rng: ([AdapterSpec(seed=s) for s in rng.sample(SEEDS, 2)], "mixed"),
 }
@@ -111,7 +111,7 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None)
     names = [f"a{i}" for i in range(len(specs))]
     paths = {n: synthesize_cached(model_dir, s, cache / "adapters") for n, s in zip(names, specs)}
     if shape == "single":
-        labels = [names[0]] * (12 if family == "alllinear" else 6)
+        labels = [names[0]] * (16 if family == "alllinear" else 6)
     else:
         labels = names * 2 + [None] * 2
         rng.shuffle(labels)

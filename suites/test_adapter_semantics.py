@@ -90,15 +90,19 @@ def test_rank_and_alpha_patterns(lora, device, dtype):
     _check(lora, lora.engine, "patterns", spec)
 
 
+STRONG_MODULES = {"q_proj": 0.15, "k_proj": 0.15, "down_proj": 0.06}
+
+
 @pytest.mark.feature("adapter_semantics/target_set",
                       "attention, MLP and all-linear target sets: every targeted module's delta is applied")
 @pytest.mark.parametrize("targets", ["attention", "mlp", "all-linear"])
 def test_target_set(lora, device, dtype, targets):
     """Each targeted module dropped is an alternative the test must separate, in every dtype: q_proj and
     k_proj move the output little at the default B std (bfloat16 could not tell them dropped), so
-    their B is 5x stronger here, and 12 prompts pool enough contexts for down_proj."""
-    spec = AdapterSpec(seed=61, targets=targets, b_std_pattern={"q_proj": 0.15, "k_proj": 0.15})
-    _check(lora, lora.engine, f"t-{targets}", spec, prompts=slice(0, 12), certify_modules=True)
+    their B is 5x stronger here; down_proj's 2x and 16 prompts keep its drop separable with a bfloat16
+    run's own noise (gamma standard error 0.14 at 1x and 12 prompts, above the 0.1 the verdict needs)."""
+    spec = AdapterSpec(seed=61, targets=targets, b_std_pattern=STRONG_MODULES)
+    _check(lora, lora.engine, f"t-{targets}", spec, prompts=slice(0, 16), certify_modules=True)
 
 
 @pytest.mark.feature("adapter_semantics/embed_tokens", "embed_tokens LoRA is applied", requires=("embed_tokens",))
