@@ -65,18 +65,24 @@ class ThreadShare:
         return f"torch-threads={shown} ({self.source})"
 
 
-def parse_threads(value: str) -> Optional[int]:
-    """``--lora-threads``: a positive integer, or ``auto`` (None: the per-worker share)."""
+def _positive_or_auto(value: str, what: str = "") -> Optional[int]:
+    """A positive integer, or None for ``auto``; the error names ``what`` when given."""
     text = str(value).strip().lower()
     if text == "auto":
         return None
+    prefix = f"{what} {value!r}: " if what else ""
     try:
         n = int(text)
     except ValueError:
-        raise ValueError("expected a positive integer or auto") from None
+        raise ValueError(f"{prefix}expected a positive integer or auto") from None
     if n < 1:
-        raise ValueError("expected a positive integer or auto")
+        raise ValueError(f"{prefix}expected a positive integer or auto")
     return n
+
+
+def parse_threads(value: str) -> Optional[int]:
+    """``--lora-threads``: a positive integer, or ``auto`` (None: the per-worker share)."""
+    return _positive_or_auto(value)
 
 
 def thread_share(cores: int, workers: int, option: Optional[int] = None, option_source: str = "",
@@ -128,16 +134,7 @@ class WorkerChoice:
 
 def parse_workers(value: str) -> Optional[int]:
     """``certify -n``: a positive integer, or ``auto`` (None: choose from the machine)."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return None
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"-n/--workers {value!r}: expected a positive integer or auto") from None
-    if n < 1:
-        raise ValueError(f"-n/--workers {value!r}: expected a positive integer or auto")
-    return n
+    return _positive_or_auto(value, "-n/--workers")
 
 
 def choose_workers(cores: int, memory: Optional[int], device_type: str = "cpu", devices: int = 1) -> WorkerChoice:
