@@ -120,8 +120,9 @@ def resolve_device(spec: str, worker_index: Optional[int] = None) -> str:
     return f"{dev.type}:{index}"
 
 
-# Device types OpenVINO serves besides cpu (its engine maps them onto GPU / NPU plugins).
-OPENVINO_DEVICE_TYPES = ("xpu", "gpu", "npu")
+# OpenVINO's plugin for each device type it serves besides cpu: Intel GPUs are torch's "xpu"
+# ("gpu", as OpenVINO spells it, is accepted too).
+OPENVINO_PLUGINS = {"xpu": "GPU", "gpu": "GPU", "npu": "NPU"}
 
 
 def device_type(device: str) -> str:

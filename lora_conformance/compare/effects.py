@@ -86,13 +86,17 @@ class EffectAnalysis:
     residual_max: float
     slope: float
     slope_se: float
-    correct_distance: float
     fits: list[HypothesisFit]
     failures: list[str] = field(default_factory=list)
     defects: list[str] = field(default_factory=list)
     trimmed: int = 0
     unpaired: int = 0
     plotted: list = field(default_factory=list)  # (R, E) pairs, at most MAX_PLOTTED, for the report's picture
+
+    @property
+    def correct_distance(self) -> float:
+        """rms(E - R): the distance to the correct hypothesis is the residual."""
+        return self.residual_rms
 
     @property
     def nearest(self) -> str:
@@ -166,7 +170,7 @@ def analyse(sample: EffectSample, tol: Tolerance) -> EffectAnalysis:
         fits.append(HypothesisFit(name, gamma, se, _rms([e - h for e, h in zip(E, H)]),
                                   math.sqrt(_dot(D, D)) / noise if noise > 0 else math.inf))
     a = EffectAnalysis(sample.label, len(E), sample.contexts, _rms(R), _rms(resid),
-                       max((abs(x) for x in resid), default=0.0), slope, slope_se, _rms(resid), fits,
+                       max((abs(x) for x in resid), default=0.0), slope, slope_se, fits,
                        trimmed=trimmed, unpaired=sample.contexts_unpaired,
                        plotted=[[round(R[i], 4), round(E[i], 4)] for i in range(0, len(E), max(1, len(E) // MAX_PLOTTED))])
     _judge(a, tol, sample.required)

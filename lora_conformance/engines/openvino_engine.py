@@ -65,17 +65,13 @@ CAPABILITY_NAMES = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}  #
 SCORE_ATOL = 1e-3  # generate()'s score vs the sum of the handles' per-token logprobs
 
 
-# torch device type -> OpenVINO plugin (Intel GPUs are torch's "xpu"; "gpu" is accepted as OpenVINO spells it)
-OPENVINO_DEVICES = dict(zip(devices.OPENVINO_DEVICE_TYPES, ("GPU", "GPU", "NPU")))
-
-
 def openvino_device(device: str) -> str:
     """Our device string -> OpenVINO's device name: cpu -> CPU, xpu[:N]/gpu[:N] -> GPU[.N], npu -> NPU."""
     kind = devices.device_type(device)
     index = device.split(":", 1)[1] if ":" in device else None
     if kind == "cpu":
         return "CPU"
-    name = OPENVINO_DEVICES.get(kind)
+    name = devices.OPENVINO_PLUGINS.get(kind)
     if name == "GPU" and index is not None:
         return f"GPU.{index}"
     if name is not None:
