@@ -61,10 +61,19 @@ def contexts_of(runner, label: Optional[str], prompt: str, path: Optional[Path],
     seq = prompt_ids + list(ref.token_ids[: n - 1])
     row = Row(label, prompt, seq, [len(prompt_ids) - 1 + j for j in range(n)])
     tok = runner.tokenizer
+    grown = prompt if tok(prompt).input_ids == prompt_ids else None
     for j in range(n):
         ids = seq[: len(prompt_ids) + j]
         text = tok.decode(ids, skip_special_tokens=True)
-        row.texts.append(text if tok(text).input_ids == ids else None)
+        if tok(text).input_ids != ids:
+            # Tokenizers whose decode does not round-trip (words joined without spaces, say):
+            # grow the prompt's own text one token at a time, with or without a separating space.
+            text = grown if j == 0 else None
+            if grown is not None and j > 0:
+                piece = tok.decode([seq[len(prompt_ids) + j - 1]], skip_special_tokens=True)
+                text = next((c for c in (grown + piece, grown + " " + piece) if tok(c).input_ids == ids), None)
+        grown = text
+        row.texts.append(text)
     return row
 
 
