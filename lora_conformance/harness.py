@@ -36,6 +36,9 @@ class Harness:
         self._references: dict[Path, Any] = {}
         self._engines: "OrderedDict[tuple, Any]" = OrderedDict()
         self._engine_failures: dict[tuple, BaseException] = {}
+        from lora_conformance.adapters import validate
+
+        validate.shapes_cache_dir = settings.cache_dir / "shapes"
 
     # ---- models and adapters ---------------------------------------------------------
 

@@ -114,6 +114,32 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = resolve_settings(config)
     config.stash[SETTINGS_KEY] = settings
     _register_subplugins(config, settings)
+    from lora_conformance import schedule
+
+    schedule.configure(config, schedule.durations_path(settings.cache_dir, settings.engine, settings.device_type,
+                                                       settings.dtype))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    # pytest-xdist controller: every worker orders its collection by the same durations.
+    from lora_conformance import schedule
+
+    if SETTINGS_KEY in node.config.stash:
+        node.workerinput[schedule.WORKERINPUT_KEY] = schedule.node_input(node.config)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # What collection imported (torch, transformers, the suites) lives for the whole run: move it
+    # out of the cyclic garbage collector's way, so its passes during and after the run (pytest's
+    # own at the end among them) only walk what tests create (about 1 s of a certification run).
+    import atexit
+    import gc
+
+    gc.freeze()
+    # Back to the collector for the interpreter's own final pass (extension modules such as
+    # triton's report leaked bindings when their cycles are never collected).
+    atexit.register(gc.unfreeze)
 
 
 def _register_subplugins(config: pytest.Config, settings: Settings) -> None:
@@ -207,6 +233,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 Capability.parse(cap)
             except ValueError as exc:
                 raise pytest.UsageError(f"{item.nodeid}: required capability: {exc}") from None
+    from lora_conformance import schedule
+
+    durations = schedule.worker_durations(config)
+    if durations:  # pytest-xdist worker: the long tests first (identical in every worker)
+        items[:] = schedule.order(items, durations)
 
 
 # ---- fixtures --------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lora_conformance.compare import (
     BASE,
@@ -92,6 +94,23 @@ def test_length_mismatch_and_empty_output_fail():
         assert_logprobs_close(result([1, 2]), result([1, 2, 3]), "float32")
     with pytest.raises(ConformanceAssertionError, match="no tokens"):
         assert_logprobs_close(GenerationResult([], ""), result([1]), "float32")
+
+
+_WORDS = ["the", "cat", "Sat", "on", "mat", "dog", "a1", "42", "état", "--", "it's", "x_y", ""]
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(st.lists(st.sampled_from(_WORDS), max_size=12), st.lists(st.sampled_from(_WORDS), max_size=12),
+       st.sampled_from([" ", "  ", ", ", "\n", ".", ""]))
+def test_rouge_l_equals_rouge_score(a, b, sep):
+    """Our ROUGE-L on text is rouge-score's RougeScorer(["rougeL"], use_stemmer=False), token for token."""
+    rouge_scorer = pytest.importorskip("rouge_score.rouge_scorer")
+    actual, reference = sep.join(a), sep.join(b)
+    if not actual.strip() and not reference.strip():
+        assert rouge_l(actual, reference) == 1.0  # ours: two blank texts agree (rouge-score says 0)
+        return
+    want = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False).score(reference, actual)["rougeL"].fmeasure
+    assert rouge_l(actual, reference) == pytest.approx(want, abs=1e-12)
 
 
 def test_rouge_l_text_and_ids():

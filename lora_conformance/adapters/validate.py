@@ -9,7 +9,9 @@ DoRA, ``modules_to_save`` and LoRA biases are well-formed and pass here; engines
 with UnsupportedFeatureError.
 
 The base model's module shapes come from its ``config.json`` through transformers on the meta
-device (no weights read), so module names and fused MoE expert parameters are those PEFT sees.
+device (no weights read), so module names and fused MoE expert parameters are those PEFT sees;
+they are kept under the cache (keyed by config.json and the transformers version) for the next
+process.
 """
 
 from __future__ import annotations
@@ -61,8 +63,57 @@ def validate_name(name: Any) -> str:
     return name
 
 
+# Where base shapes are kept between processes (set by the harness to <cache>/shapes; None: not kept).
+# Building them imports transformers' modelling code (about 1 s per process); every pytest-xdist
+# worker and every run would otherwise pay it again for the same config.json.
+shapes_cache_dir: Optional[Path] = None
+
+
+def _shapes_key(model_dir: str) -> Optional[str]:
+    import hashlib
+    from importlib import metadata
+
+    from lora_conformance.engines._hf_common import is_encoder_only
+
+    cfg = Path(model_dir) / "config.json"
+    try:
+        version = metadata.version("transformers")
+        blob = cfg.read_bytes()
+    except (OSError, metadata.PackageNotFoundError):
+        return None
+    h = hashlib.sha256(blob)
+    h.update(f"|transformers={version}|encoder={is_encoder_only(Path(model_dir))}".encode())
+    return h.hexdigest()[:24]
+
+
+def _shapes_from_json(data: dict) -> BaseShapes:
+    return BaseShapes({n: (k, tuple(shape)) for n, (k, shape) in data["modules"].items()},
+                      {n: tuple(shape) for n, shape in data["params"].items()}, int(data["num_layers"]))
+
+
 @lru_cache(maxsize=8)
 def _base_shapes(model_dir: str, stamp: float) -> BaseShapes:
+    key = _shapes_key(model_dir) if shapes_cache_dir is not None else None
+    path = shapes_cache_dir / f"{key}.json" if key else None
+    if path is not None and path.exists():
+        try:
+            return _shapes_from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable or from another layout: rebuilt and rewritten below
+    shapes = _build_base_shapes(model_dir)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{__import__('os').getpid()}.tmp")
+            tmp.write_text(json.dumps({"modules": shapes.modules, "params": shapes.params,
+                                       "num_layers": shapes.num_layers}))
+            tmp.replace(path)  # atomic: concurrent workers never read half a file
+        except OSError:
+            pass  # a read-only cache only costs the rebuild
+    return shapes
+
+
+def _build_base_shapes(model_dir: str) -> BaseShapes:
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 

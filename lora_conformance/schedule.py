@@ -1,0 +1,104 @@
+"""Longest tests first under pytest-xdist, from the durations of the last run with the same settings.
+
+xdist's ``load`` scheduler hands tests out in collection order; a long test collected late runs
+alone at the end while the other workers idle (2.4 s of a 23 s ``-n 2`` certification on a
+2-core machine). Sending the long tests first and the short ones after (the classic
+longest-processing-time rule) lets the short ones fill the gaps.
+
+* The controller (or a serial run) records each test's setup + call + teardown time, per engine,
+  device and dtype, in ``<cache>/durations/``, after the run (atomic replace; a missing or
+  unreadable file only means collection order).
+* The controller reads that file once and hands it to every worker through ``workerinput``, so all
+  workers reorder identically (xdist refuses workers whose collections differ), even while
+  another run rewrites the file.
+* Only tests of at least ``LONG_SECONDS`` move; the rest keep collection order, so tests of one
+  module still run together and share their engines.
+
+A serial run keeps collection order: there is nothing to balance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Mapping, Optional
+
+import pytest
+
+WORKERINPUT_KEY = "lora_durations"
+LONG_SECONDS = 0.5
+
+
+def durations_path(cache_dir: Path, engine: str, device_type: str, dtype: str) -> Path:
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{engine}-{device_type}-{dtype}")
+    return Path(cache_dir) / "durations" / f"{name}.json"
+
+
+def load(path: Path) -> dict[str, float]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): float(v) for k, v in data.items() if isinstance(v, (int, float))}
+
+
+def order(items: list, durations: Mapping[str, float], long_seconds: float = LONG_SECONDS) -> list:
+    """Tests that took at least ``long_seconds`` first, longest first; the others in their order."""
+    def key(item) -> float:
+        d = durations.get(item.nodeid, 0.0)
+        return -d if d >= long_seconds else 0.0
+    return sorted(items, key=key)  # stable: equal keys keep collection order
+
+
+class DurationRecorder:
+    """Registered in the controller or a serial run: records durations, writes them at the end."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.measured: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when in ("setup", "call", "teardown"):
+            self.measured[report.nodeid] = self.measured.get(report.nodeid, 0.0) + float(report.duration)
+
+    def pytest_sessionfinish(self, session) -> None:
+        if not self.measured:
+            return
+        merged = {**load(self.path), **{k: round(v, 3) for k, v in self.measured.items()}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(merged, indent=0, sort_keys=True))
+            tmp.replace(self.path)
+        except OSError:
+            pass  # a read-only cache only costs the ordering next time
+
+
+def configure(config: pytest.Config, path: Path) -> None:
+    """Controller / serial side: record this run; keep the last run's durations for the workers."""
+    if hasattr(config, "workerinput"):
+        return
+    config.pluginmanager.register(DurationRecorder(path), "lora-conformance-durations")
+    config.stash[_DURATIONS] = load(path)
+
+
+def worker_durations(config: pytest.Config) -> Optional[dict[str, float]]:
+    """The durations a worker orders by (None outside pytest-xdist workers)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return None
+    try:
+        return json.loads(workerinput.get(WORKERINPUT_KEY) or "{}")
+    except ValueError:
+        return {}
+
+
+def node_input(config: pytest.Config) -> str:
+    return json.dumps(config.stash.get(_DURATIONS, {}))
+
+
+_DURATIONS = pytest.StashKey[dict]()

@@ -1,0 +1,91 @@
+"""Longest tests first under pytest-xdist (issue 17): the order rule, the recorded durations, and a
+real two-worker run that reorders identically in both workers."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from lora_conformance import schedule
+
+
+def items(*ids):
+    return [SimpleNamespace(nodeid=i) for i in ids]
+
+
+def test_long_tests_first_longest_first_the_rest_in_collection_order():
+    got = schedule.order(items("a", "b", "c", "d", "e"), {"a": 0.1, "b": 3.0, "c": 0.2, "d": 5.0, "e": 0.49})
+    assert [i.nodeid for i in got] == ["d", "b", "a", "c", "e"]
+
+
+def test_no_durations_keeps_collection_order():
+    assert [i.nodeid for i in schedule.order(items("x", "y", "z"), {})] == ["x", "y", "z"]
+
+
+def test_unreadable_or_foreign_files_mean_no_durations(tmp_path):
+    p = tmp_path / "d.json"
+    assert schedule.load(p) == {}
+    p.write_text("{not json")
+    assert schedule.load(p) == {}
+    p.write_text("[1, 2]")
+    assert schedule.load(p) == {}
+    p.write_text(json.dumps({"t::a": 1.5, "t::b": "slow"}))
+    assert schedule.load(p) == {"t::a": 1.5}
+
+
+def test_path_is_per_engine_device_and_dtype(tmp_path):
+    a = schedule.durations_path(tmp_path, "builtin", "cpu", "float32")
+    b = schedule.durations_path(tmp_path, "builtin", "cpu", "bfloat16")
+    c = schedule.durations_path(tmp_path, "my.mod:Engine", "cuda", "float32")
+    assert len({a, b, c}) == 3 and c.parent == tmp_path / "durations" and ":" not in c.name
+
+
+def test_recorder_sums_phases_and_merges_with_the_last_run(tmp_path):
+    path = tmp_path / "durations" / "x.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"old::t": 2.0, "t::a": 9.0}))
+    rec = schedule.DurationRecorder(path)
+    for when, d in (("setup", 0.25), ("call", 1.0), ("teardown", 0.25)):
+        rec.pytest_runtest_logreport(SimpleNamespace(nodeid="t::a", when=when, duration=d))
+    rec.pytest_sessionfinish(None)
+    assert json.loads(path.read_text()) == {"old::t": 2.0, "t::a": 1.5}
+
+
+SLEEPS = """
+import os, time, pytest
+
+@pytest.mark.parametrize("n", range(6))
+def test_t(n):
+    with open(os.environ["ORDER_LOG"], "a") as f:  # on starting
+        f.write(os.environ.get("PYTEST_XDIST_WORKER", "serial") + " " + str(n) + "\\n")
+    time.sleep(0.6 if n == 5 else 0.01)
+"""
+
+
+def test_two_workers_run_the_long_test_first(tmp_path):
+    pytest.importorskip("xdist")
+    (tmp_path / "test_s.py").write_text(textwrap.dedent(SLEEPS))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(LORA_CONFORMANCE_LORA_CACHE=str(tmp_path / "cache"), ORDER_LOG=str(tmp_path / "order.log"))
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-m", "pytest", "test_s.py", "-p", "no:cacheprovider", "--device=cpu",
+                              *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+    run("-p", "no:xdist")  # serial: collection order, durations recorded
+    first = (tmp_path / "order.log").read_text().split()
+    assert first[1::2] == ["0", "1", "2", "3", "4", "5"]
+    recorded = json.loads(schedule.durations_path(tmp_path / "cache", "builtin", "cpu", "float32").read_text())
+    assert recorded["test_s.py::test_t[5]"] >= 0.6
+    (tmp_path / "order.log").unlink()
+    run("-n", "2")  # both workers collected test_t[5] first (else xdist would refuse them), so it ran first
+    lines = [line.split() for line in (tmp_path / "order.log").read_text().splitlines()]
+    assert sorted(n for _, n in lines) == ["0", "1", "2", "3", "4", "5"]
+    # test_t[5] was each worker's first item, so the worker that got it started with it
+    worker = next(w for w, n in lines if n == "5")
+    assert [n for w, n in lines if w == worker][0] == "5", lines
