@@ -222,7 +222,7 @@ def main() -> None:
                     ok, *_ = one_run(rng, "alllinear", engine_for("default", dtype), runner, model_dir, a.cache,
                                      dtype, tmp, f"drop:{m}")
                     hits += not ok
-                power.setdefault("drop", {})[m] = hits / max(1, a.power_runs)
+                power.setdefault("drop", {})[m] = [hits, a.power_runs]
                 _save_partial(a, results, dtype, null, alarms, power, t0)
             for fam in [f for f in families if f not in ("mixed", "alllinear")]:
                 for s in [float(x) for x in a.scales.split(",") if x]:
@@ -231,7 +231,7 @@ def main() -> None:
                         ok, *_ = one_run(rng, fam, engine_for("default", dtype), runner, model_dir, a.cache,
                                          dtype, tmp, f"scale:{s}")
                         hits += not ok
-                    power.setdefault(fam, {})[s] = hits / max(1, a.power_runs)
+                    power.setdefault(fam, {})[s] = [hits, a.power_runs]
                     _save_partial(a, results, dtype, null, alarms, power, t0)
             results[dtype] = {"null": null, "alarms": alarms[:20], "power": power, "seconds": time.time() - t0}
             if a.json:
@@ -264,10 +264,28 @@ def merge(a) -> None:
                 for k, v in row["worst"].items():
                     cr["worst"][k] = (min if k == "separation" else max)(cr["worst"].get(k, v), v)
             c["alarms"] += r["alarms"]
-            for fam, by in r["power"].items():
-                c["power"].setdefault(fam, {}).update({(float(k) if fam != "drop" else k): v for k, v in by.items()})
+            for fam, by in r["power"].items():  # runs of one cell split over processes add up
+                cell = c["power"].setdefault(fam, {})
+                for k, v in by.items():
+                    k = float(k) if fam != "drop" else k
+                    h, n = _counts(cell.get(k, [0, 0]))
+                    h2, n2 = _counts(v)
+                    cell[k] = [h + h2, n + n2]
     for dtype, c in combined.items():
         _print(dtype, c["null"], c["power"], c["alarms"], a)
+
+
+def _counts(v) -> tuple[int, int]:
+    """[hits, runs] of a power cell (older files hold a rate: counted as one run)."""
+    if isinstance(v, (list, tuple)):
+        return int(v[0]), int(v[1])
+    return (1 if v >= 1.0 else 0), 1
+
+
+def _lower_bound(hits: int, runs: int) -> float:
+    """One-sided 95% lower confidence bound on the detection rate when every run detected
+    (Clopper-Pearson: 0.05 ** (1 / runs)); 0 otherwise (not claimed)."""
+    return 0.05 ** (1 / runs) if runs and hits == runs else 0.0
 
 
 def _print(dtype, null, power, alarms, a):
@@ -289,12 +307,19 @@ def _print(dtype, null, power, alarms, a):
         print("  alarm:", al["family"], al["variation"], (al["failures"] + al["defects"])[:2])
     drops = power.pop("drop", {})
     if drops:
-        print("single module dropped, detection rate: " + "  ".join(f"{m}: {p:.0%}" for m, p in drops.items()))
+        print("single module dropped, detected: " + "  ".join(
+            f"{m}: {h}/{n}" for m, (h, n) in ((m, _counts(v)) for m, v in drops.items())))
     for fam, by_scale in power.items():
-        cells = "  ".join(f"x{s:g}: {p:.0%}" for s, p in by_scale.items())
-        detected = [abs(s - 1) for s, p in by_scale.items() if p >= 1.0]
-        print(f"power {fam:10} {cells}   smallest mis-scale detected in every run: "
-              f"{min(detected):.0%}" if detected else f"power {fam:10} {cells}   none detected in every run")
+        counts = {float(s): _counts(v) for s, v in by_scale.items()}
+        cells = "  ".join(f"x{s:g}: {h}/{n}" for s, (h, n) in sorted(counts.items()))
+        detected = [(abs(s - 1), n) for s, (h, n) in counts.items() if n and h == n]
+        if detected:
+            m, n = min(detected)
+            runs = min(n for d, n in detected if d == m)
+            print(f"power {fam:10} {cells}   smallest mis-scale detected in every run: {m:.0%} "
+                  f"({runs}/{runs}: power >= {_lower_bound(runs, runs):.1%} at 95% confidence)")
+        else:
+            print(f"power {fam:10} {cells}   none detected in every run")
 
 
 if __name__ == "__main__":
