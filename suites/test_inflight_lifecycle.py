@@ -38,7 +38,11 @@ def start(lora, engine, reqs):
 
 def change_while_running(handle, change, what):
     """Run ``change`` (a load / unload of a name the handle's requests use): it must wait for them or
-    refuse with AdapterInUseError (then it is retried once they are done). Returns how it went."""
+    refuse with AdapterInUseError (then it is retried once they are done). Returns how it went.
+    Requests already done when the change is issued would test nothing: that fails as a suite defect."""
+    if handle.done():
+        pytest.fail(f"suite defect: the requests finished before {what} was issued, so the change did not land "
+                    f"while they ran (make them longer than {STEPS} steps for this engine)", pytrace=False)
     try:
         change()
     except AdapterInUseError:

@@ -152,7 +152,7 @@ class BuiltinEngine(Engine):
         order = list(range(len(texts)))
         if self.cfg.variant.on("reverse"):
             order.reverse()
-        with self.server.cond:  # slots are not reassigned under a running step
+        with self.server._locked():  # slots are not reassigned under a running step
             return self._embed_locked(texts, names, order)
 
     def _embed_locked(self, texts: list[str], names: list, order: list[int]) -> list[list[float]]:

@@ -3,7 +3,11 @@
 One condition variable guards the serving state (scheduler, adapter pool, model runner): a step,
 an adapter registration and an admission never interleave, so no batch is torn mid-step.
 Requests are stepped by a background loop (``submit``) or by the calling thread (``generate``);
-both take the lock one step at a time.
+both take the lock one step at a time. A turnstile keeps that fair: a thread that wants the lock
+for anything else (an admission, an adapter change) holds the turnstile while it waits, and the
+loop passes the turnstile before each step, so the change gets in at the next step boundary
+instead of only when the loop runs dry (without it, a fast device's loop re-takes the lock first
+every time, and a change waits for every running request whether it should or not).
 
 Lifecycle rule: a request is served entirely by the adapter weights registered when it was
 submitted. Replacing or unloading a name therefore *drains* it first: new requests for the
@@ -13,6 +17,7 @@ name wait at the gate, and the load / unload waits until no queued or running re
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Sequence as Seq
 
 from lora_conformance.engines.base import EngineFailure, RequestHandle
@@ -25,6 +30,7 @@ class InflightServer:
     def __init__(self, llm: LLMEngine, faults):
         self.llm, self.faults = llm, faults
         self.cond = threading.Condition()
+        self._turn = threading.Lock()  # the turnstile (module docstring)
         self._draining: set[str] = set()
         self._loop: threading.Thread | None = None
         self._closed = False
@@ -37,10 +43,33 @@ class InflightServer:
         self.cond.wait_for(lambda: not names & self._draining)
         return self.llm.add(requests)
 
+    def _locked(self):
+        """The lock, taken at the next step boundary (through the turnstile)."""
+        with self._turn:
+            self.cond.acquire()
+        return _Held(self.cond)
+
+    def wait(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Until ``predicate`` (checked under the lock at step boundaries) holds, or ``timeout``.
+        It polls through the turnstile rather than ``cond.wait``: a thread woken from a condition
+        re-takes the lock in a race the stepping loop wins every time."""
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            with self._locked():
+                if predicate():
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(2 * delay, 0.01)
+
     def generate(self, requests: Seq[GenerationRequest]) -> list[GenerationResult]:
-        with self.cond:
+        with self._locked():
             seqs = self._add(requests)
         while True:
+            with self._turn:  # as the background loop: a waiting thread goes first
+                pass
             with self.cond:
                 if _finished(seqs):
                     return self.llm.results(seqs)
@@ -50,7 +79,7 @@ class InflightServer:
                     raise EngineFailure("engine 'builtin': requests left unscheduled with nothing to run")
 
     def submit(self, requests: Seq[GenerationRequest]) -> "BuiltinHandle":
-        with self.cond:
+        with self._locked():
             if self._closed:
                 raise EngineFailure("engine 'builtin' is closed")
             seqs = self._add(requests)
@@ -62,6 +91,8 @@ class InflightServer:
 
     def _serve(self) -> None:
         while True:
+            with self._turn:  # a thread waiting for the lock goes first
+                pass
             with self.cond:
                 self.cond.wait_for(lambda: self._closed or self.llm.scheduler.has_work())
                 if self._closed:
@@ -78,7 +109,7 @@ class InflightServer:
     # ---- adapters ------------------------------------------------------------------------
     def change_adapter(self, name: str, change: Callable[[], None]) -> None:
         """Run ``change`` (register / unregister ``name``) once no request uses the name."""
-        with self.cond:
+        with self._locked():
             if self.faults.on("inflight_no_drain"):
                 change()
                 return
@@ -92,11 +123,24 @@ class InflightServer:
                 self.cond.notify_all()
 
     def close(self) -> None:
-        with self.cond:
+        with self._locked():
             self._closed = True
             self.cond.notify_all()
         if self._loop is not None and self._loop is not threading.current_thread():
             self._loop.join(timeout=60)
+
+
+class _Held:
+    """Releases a lock already taken, on leaving a ``with`` block."""
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def __enter__(self):
+        return self.lock
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
 
 
 def _finished(seqs: list[Sequence]) -> bool:
@@ -108,19 +152,18 @@ class BuiltinHandle(RequestHandle):
         self.server, self.seqs = server, seqs
 
     def done(self) -> bool:
-        with self.server.cond:
+        with self.server._locked():
             return _finished(self.seqs)
 
     def wait_started(self, timeout: float) -> bool:
         started = lambda: all(s.output_ids or s.status is Status.FINISHED for s in self.seqs)  # noqa: E731
-        with self.server.cond:
-            return self.server.cond.wait_for(lambda: self.server.failure is not None or started(), timeout)
+        return self.server.wait(lambda: self.server.failure is not None or started(), timeout)
 
     def result(self, timeout: float) -> list[GenerationResult]:
         srv = self.server
-        with srv.cond:
-            if not srv.cond.wait_for(lambda: srv.failure is not None or srv._closed or _finished(self.seqs), timeout):
-                raise EngineFailure(f"engine 'builtin': {len(self.seqs)} submitted requests not done after {timeout} s")
+        if not srv.wait(lambda: srv.failure is not None or srv._closed or _finished(self.seqs), timeout):
+            raise EngineFailure(f"engine 'builtin': {len(self.seqs)} submitted requests not done after {timeout} s")
+        with srv._locked():
             if not _finished(self.seqs):
                 raise EngineFailure(f"engine 'builtin' stopped before these requests finished: {srv.failure!r}")
             return srv.llm.results(self.seqs)
