@@ -67,15 +67,15 @@ class StandIn(BaseHTTPRequestHandler):
             return self._send(200, {"success": True})
         if self.path == "/v1/completions":
             time.sleep(self.delay)
+            model = body["model"]
+            adapter = model.split(":", 1)[1] if ":" in model else model
+            if adapter != "base-model" and adapter not in self.loaded:  # as vLLM's server answers
+                return self._send(404, {"error": {"message": f"The model `{model}` does not exist."}})
             return self._send(200, self._complete(body))
         self._send(404, {"error": {"message": "no route"}})
 
     def _complete(self, body):
         model = body["model"]
-        adapter = model.split(":", 1)[1] if ":" in model else model
-        if adapter != "base-model" and adapter not in self.loaded:
-            raise_404 = {"error": {"message": f"The model `{model}` does not exist."}}
-            return raise_404
         tok = self.tokenizer
         prompt_ids = tok(body["prompt"])["input_ids"]
         as_ids = body.get("return_tokens_as_token_ids")
@@ -183,11 +183,25 @@ def test_vllm_flavor_requests_and_mapping(model_dir, server, tmp_path):
     assert res[0].logprobs[0] == {res[0].token_ids[0]: -0.5, res[0].token_ids[0] + 1: -1.5}
     assert not res[0].text.startswith("the cat sat")
     assert res[1].prompt_logprobs is None and len(res[1].token_ids) == 4 and len(res[1].logprobs[0]) == 3
+    assert e.engine_adapters() == ["a1"]  # the server's /v1/models, not the plugin's records
     e.unload_adapter("a1")
+    assert e.engine_adapters() == []
+    StandIn.seen.clear()
     with pytest.raises(AdapterNotLoadedError):
         e.generate([GenerationRequest("a dog", "a1")])
     with pytest.raises(AdapterNotLoadedError):
         e.unload_adapter("a1")
+    # both refusals are the server's answers (vLLM flavour): the requests reached it
+    assert [p for p, _ in StandIn.seen] == ["/v1/completions", "/v1/unload_lora_adapter"]
+
+
+def test_engine_adapters_shows_an_unload_the_server_did_not_do(model_dir, server, tmp_path):
+    """list_adapters() is the plugin's record; engine_adapters() asks the server, so a server that
+    keeps an adapter after acknowledging its unload is seen."""
+    e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server, "validate_adapters": "0"})
+    e.load_adapter("a1", tmp_path / "a1")
+    StandIn.loaded["ghost"] = "elsewhere"  # the server holds one the plugin never loaded
+    assert e.list_adapters() == ["a1"] and e.engine_adapters() == ["a1", "ghost"]
 
 
 def test_concurrent_requests_load_the_tokenizer_once(model_dir, server, monkeypatch):

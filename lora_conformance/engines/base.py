@@ -195,6 +195,13 @@ class Engine(ABC):
     @abstractmethod
     def list_adapters(self) -> list[str]: ...
 
+    def engine_adapters(self) -> Optional[list[str]]:
+        """The adapter names the engine itself reports loaded, asked now (its registry, a server's
+        model list), not the plugin's own records; None when the engine has no such query. The
+        lifecycle suites check ``list_adapters`` against it, and where it is None they say in the
+        report that their list checks test the plugin's bookkeeping only."""
+        return None
+
     def resident_adapters(self) -> Optional[list[str]]:
         """Names whose weights the engine holds now, within ``max_loaded_loras`` (what an eviction
         policy decides), or None when the engine cannot say: the eviction suites then do not

@@ -332,19 +332,38 @@ class OpenAIEngine(Engine):
         self._adapters[name] = str(path)
 
     def unload_adapter(self, name: str) -> None:
-        if name not in self._adapters:
+        # vLLM's server knows its adapters by name: it answers an unknown one itself (404).
+        if name not in self._adapters and self.flavor != "vllm":
             raise AdapterNotLoadedError(name, self.list_adapters())
         route = "/v1/unload_lora_adapter" if self.flavor == "vllm" else "/unload_lora_adapter"
-        self._http("POST", self.base_url + route, {"lora_name": name})
-        del self._adapters[name]
+        try:
+            self._http("POST", self.base_url + route, {"lora_name": name})
+        except EngineFailure as exc:
+            if getattr(exc, "not_found", False):
+                self._adapters.pop(name, None)
+                raise AdapterNotLoadedError(name, self.list_adapters()) from exc
+            raise
+        self._adapters.pop(name, None)
 
     def list_adapters(self) -> list[str]:
         return sorted(self._adapters)
 
+    def engine_adapters(self) -> Optional[list[str]]:
+        """vLLM's server lists each loaded LoRA adapter in ``/v1/models`` with its base as
+        ``parent``. For the other flavours no listing of the server's adapters is mapped: None."""
+        if self.flavor != "vllm":
+            return None
+        body = self._http("GET", self.base_url + "/v1/models")
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            raise EngineFailure(f"{self.base_url}/v1/models: expected an object with a 'data' list")
+        return sorted(m["id"] for m in data if isinstance(m, dict) and m.get("parent") and isinstance(m.get("id"), str))
+
     # ---- generation -------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        self.require_loaded(requests)
+        if self.flavor != "vllm":  # vLLM's server answers an unknown adapter name itself (404)
+            self.require_loaded(requests)
         if not requests:
             return []
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(requests)))) as pool:

@@ -246,6 +246,11 @@ class PeftEngine(Engine):
     def list_adapters(self) -> list[str]:
         return sorted(self._adapters)
 
+    def engine_adapters(self) -> list[str]:
+        """PEFT's own registry: the adapter configs the PeftModel holds."""
+        model = getattr(self, "_model", None)
+        return sorted(getattr(model, "peft_config", None) or {})
+
     # ---- generation -----------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:

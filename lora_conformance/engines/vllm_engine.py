@@ -245,6 +245,16 @@ class VllmEngine(Engine):
     def list_adapters(self) -> list[str]:
         return sorted(self._ids)
 
+    def engine_adapters(self) -> list[str]:
+        """The names whose LoRA ids vLLM's engine core lists (``LLMEngine.list_loras``), so an
+        unload that vLLM did not carry out shows. vLLM knows ids, not names: ours map them back."""
+        self._alive()
+        try:
+            ids = set(self.llm.llm_engine.list_loras())
+        except Exception as exc:
+            raise self._map_error(exc, "listing adapters") from exc
+        return sorted(n for n, i in self._ids.items() if i in ids)
+
     # ---- generation -----------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:

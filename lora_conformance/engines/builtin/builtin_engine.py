@@ -114,6 +114,9 @@ class BuiltinEngine(Engine):
     def list_adapters(self) -> list[str]:
         return self.pool.names()
 
+    def engine_adapters(self) -> list[str]:
+        return self.pool.names()  # the engine's own registry: there is no plugin layer between
+
     def resident_adapters(self) -> list[str]:
         """Names whose weights are in the host cache (eviction order: first = next victim under lru)."""
         return list(self.pool.host)
