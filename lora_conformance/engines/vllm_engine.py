@@ -255,6 +255,11 @@ class VllmEngine(Engine):
             raise self._map_error(exc, "listing adapters") from exc
         return sorted(n for n, i in self._ids.items() if i in ids)
 
+    def resident_adapters(self) -> list[str]:
+        """vLLM's engine core lists the adapters its workers hold in their CPU LRU cache, the one
+        ``max_cpu_loras`` (our ``max_loaded_loras``) bounds: what the eviction policy decides."""
+        return self.engine_adapters()
+
     # ---- generation -----------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
