@@ -1,7 +1,8 @@
 """Backend matrix: every LoRA / attention backend an engine declares (``Engine.backends``) serves a
 mixed batch that matches the reference. Prompts of unequal length, adapters and base rows mixed,
-prompt logprobs on: a backend that routes packed rows by a padded layout, or drops a segment,
-fails here even when the engine's default backend is right.
+prompt logprobs on where the engine has them (an auxiliary feature: otherwise decode alone, and the
+report says so): a backend that routes packed rows by a padded layout, or drops a segment, fails
+here even when the engine's default backend is right.
 """
 
 import pytest
@@ -13,7 +14,7 @@ register_cpu_ci(est_time=10, suite="per-commit")
 register_cuda_ci(est_time=10, suite="per-commit")
 register_xpu_ci(est_time=15, suite="per-commit")
 
-pytestmark = pytest.mark.requires("mixed_batch", "prompt_logprobs")
+pytestmark = pytest.mark.requires("mixed_batch")
 
 LABELS = ["A", None, "B", "A", None, "B"]
 
@@ -47,7 +48,8 @@ def test_each_declared_backend_matches_reference(lora, device, dtype, backend):
     ps = lora.prompts
     # Unequal lengths: one, two and three default prompts joined.
     prompts = [" ".join(ps[i:i + 1 + i % 3]) for i in range(len(LABELS))]
-    reqs = lora.requests(LABELS, prompts=prompts, max_new_tokens=12, prompt_logprobs=True)
+    pl = lora.auxiliary("prompt_logprobs", "accuracy/prefill_logprobs_with_adapter")
+    reqs = lora.requests(LABELS, prompts=prompts, max_new_tokens=12, prompt_logprobs=pl)
     refs = lora.reference(reqs)
     lora.assert_adapter_visible(refs, reqs, label=f"{key}={value}: adapters vs base")
     lengths = {len(r.prompt_token_ids) for r in refs}

@@ -1,7 +1,9 @@
 """Chunked prefill: prompts longer than the prefill chunk, adapters changing inside chunks and at
 chunk boundaries, mixed with base rows. Every row (prompt logprobs and decode) must match its own
 isolated reference: a chunk that continues a prompt must run with that prompt's adapter and see
-the KV its earlier chunks wrote.
+the KV its earlier chunks wrote. Prompt logprobs are an auxiliary feature here (issue 12): used when
+the engine has them and their own test is not recorded as broken; otherwise the decode, whose
+every step reads the KV all chunks wrote, is compared alone (the report says so).
 """
 
 import pytest
@@ -13,7 +15,8 @@ register_cpu_ci(est_time=15, suite="per-commit")
 register_cuda_ci(est_time=10, suite="per-commit")
 register_xpu_ci(est_time=20, suite="per-commit")
 
-pytestmark = pytest.mark.requires("mixed_batch", "prompt_logprobs")
+pytestmark = pytest.mark.requires("mixed_batch")
+PROMPT_LOGPROBS_FEATURE = "accuracy/prefill_logprobs_with_adapter"
 
 LABELS = ["A", None, "B", "A", None]
 
@@ -24,8 +27,8 @@ def long_prompts(lora, n=len(LABELS)):
     return [" ".join(ps[(3 * i + j) % len(ps)] for j in range(6)) for i in range(n)]
 
 
-def requests(prompts, labels):
-    return [GenerationRequest(prompt=p, adapter=a, max_new_tokens=10, prompt_logprobs=True)
+def requests(prompts, labels, prompt_logprobs=True):
+    return [GenerationRequest(prompt=p, adapter=a, max_new_tokens=10, prompt_logprobs=prompt_logprobs)
             for p, a in zip(prompts, labels)]
 
 
@@ -51,7 +54,7 @@ def check(lora, engine, reqs, label, spanning=None):
 def test_long_prompts_match_reference(lora, device, dtype, chunk):
     """16: chunks on KV-block boundaries; 13: chunks that end inside a block."""
     engine = lora.fresh_engine(chunked_prefill_size=chunk)
-    reqs = requests(long_prompts(lora), LABELS)
+    reqs = requests(long_prompts(lora), LABELS, lora.auxiliary("prompt_logprobs", PROMPT_LOGPROBS_FEATURE))
     check(lora, engine, reqs, f"chunk {chunk}")
 
 
@@ -66,8 +69,9 @@ def test_adapter_changes_at_chunk_boundary(lora, device, dtype, first):
     labels = [first, "B", None if first else "A", "B"]
     # A short first prompt (one default prompt) sets the chunk; the later ones span several chunks.
     prompts = [lora.prompts[5]] + long_prompts(lora, len(labels) - 1)
-    probe = lora.reference(requests(prompts[:1], labels[:1]))[0]
+    probe = lora.reference(requests(prompts[:1], labels[:1], False))[0]
     chunk = len(probe.prompt_token_ids)
     engine = lora.fresh_engine(chunked_prefill_size=chunk)
-    check(lora, engine, requests(prompts, labels), f"chunk {chunk} (first = {first or 'base'})",
+    pl = lora.auxiliary("prompt_logprobs", PROMPT_LOGPROBS_FEATURE)
+    check(lora, engine, requests(prompts, labels, pl), f"chunk {chunk} (first = {first or 'base'})",
           spanning=range(1, len(labels)))
