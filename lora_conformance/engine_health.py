@@ -1,8 +1,10 @@
 """Is an engine still the engine it was? The health check run around every bad input.
 
 A snapshot is the engine's adapter list plus its outputs (tokens and top-k logprobs, prompt
-logprobs where asked) for the base model and every loaded adapter, in one batch. A refused
-load must leave both exactly as they were: the same list, bit-identical outputs.
+logprobs where asked) for the base model and every loaded adapter, one batch per adapter (and one
+for the base): mixed-batch routing is certified by its own suites, and a routing bug (base rows
+beside adapter rows getting a delta, say) must not read as "the refusal changed the engine". A
+refused load must leave both exactly as they were: the same list, bit-identical outputs.
 """
 
 from __future__ import annotations
@@ -32,7 +34,17 @@ def probe_requests(adapters: Sequence[Optional[str]], prompts: Sequence[str] = P
 def snapshot(engine, prompts: Sequence[str] = PROBE_PROMPTS, max_new_tokens: int = 4) -> Snapshot:
     names = sorted(engine.list_adapters())
     reqs = probe_requests([None, *names], prompts, max_new_tokens)
-    return Snapshot(names, reqs, engine.generate(reqs))
+    return Snapshot(names, reqs, generate_per_adapter(engine, reqs))
+
+
+def generate_per_adapter(engine, reqs: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    """``reqs``' outputs in order, each adapter's (and the base's) requests as a batch of their own."""
+    out: list[Optional[GenerationResult]] = [None] * len(reqs)
+    for name in dict.fromkeys(r.adapter for r in reqs):
+        idx = [i for i, r in enumerate(reqs) if r.adapter == name]
+        for i, o in zip(idx, engine.generate([reqs[i] for i in idx])):
+            out[i] = o
+    return out  # type: ignore[return-value]
 
 
 def differences(before: Snapshot, after: Snapshot) -> list[str]:
@@ -56,7 +68,7 @@ def assert_healthy(engine, before: Snapshot, what: str) -> None:
     """Re-run the snapshot's batch on ``engine``; fail naming everything that changed."""
     names = sorted(engine.list_adapters())
     # With another adapter list the batch may name an adapter that is gone: report the list alone.
-    outputs = engine.generate(before.requests) if names == before.adapters else []
+    outputs = generate_per_adapter(engine, before.requests) if names == before.adapters else []
     problems = differences(before, Snapshot(names, before.requests, outputs))
     if problems:
         raise AssertionError(f"engine state changed after {what}:\n  " + "\n  ".join(problems[:10]))

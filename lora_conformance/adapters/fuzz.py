@@ -153,7 +153,7 @@ def _apply_tensor_op(w: Path, op: tuple) -> None:
 
 def try_input(engine, before, path: Path, name: str = "F") -> tuple[str, str]:
     """(outcome, detail) for one input on ``engine`` whose healthy state is the snapshot ``before``."""
-    from lora_conformance.engine_health import Snapshot, differences
+    from lora_conformance.engine_health import Snapshot, differences, generate_per_adapter
     from lora_conformance.engines.base import EngineError, EngineFailure
 
     detail = ""
@@ -176,7 +176,8 @@ def try_input(engine, before, path: Path, name: str = "F") -> tuple[str, str]:
         engine.unload_adapter(name)
     try:
         names = sorted(engine.list_adapters())
-        after = Snapshot(names, before.requests, engine.generate(before.requests) if names == before.adapters else [])
+        after = Snapshot(names, before.requests,
+                         generate_per_adapter(engine, before.requests) if names == before.adapters else [])
         problems = differences(before, after)
     except Exception as exc:  # noqa: BLE001 - an engine that cannot serve any more is damaged
         problems = [f"{type(exc).__name__}: {exc}"]
