@@ -153,3 +153,41 @@ def test_collection_error_is_reported(pytester, suite):
     feat = data["verdict"]["features"]["broken/(collection)"]
     assert feat["status"] == "error" and "not_a_module_anywhere" in feat["reason"]
     assert data["verdict"]["summary"]["certified"] is False
+
+
+XFAIL_SUITE = '''
+import pytest
+from lora_conformance.compare.errors import ConformanceAssertionError
+
+def _served_as_a(label):
+    raise ConformanceAssertionError(f"{label}: closest to: served as A (adapter base)",
+                                    {"check": "effects", "hypothesis": {"nearest": "served as A", "adapter": "base"}})
+
+@pytest.mark.xfail(reason="base rows get an adapter's delta (recorded bug)", strict=False)
+def test_composition():
+    _served_as_a("A-base-B")
+
+@pytest.mark.xfail(reason="base rows get an adapter's delta (recorded bug)", strict=False)
+def test_saturation():
+    _served_as_a("saturated")
+
+def test_routing():
+    _served_as_a("routing")
+'''
+
+
+def test_xfails_group_with_failures_by_their_nearest_hypothesis(pytester):
+    """An xfail's evidence is kept, so a recorded bug and a new failure of the same bug are one cause
+    ("hypothesis: served as A"), whatever each test's message says first."""
+    pytester.makeconftest(CONFTEST)
+    (pytester.mkdir("suites") / "test_mixed_batch.py").write_text(XFAIL_SUITE)
+    result = run(pytester)
+    result.assert_outcomes(failed=1, xfailed=2)
+    cases = {c["nodeid"].split("::")[1]: c for c in json.loads((pytester.path / "out" / "report.json").read_text())
+             ["verdict"]["cases"]}
+    assert cases["test_composition"]["evidence"]["hypothesis"]["nearest"] == "served as A"
+    result.stdout.fnmatch_lines([
+        "1 root cause* (1 with unexpected failures*",
+        "  1. hypothesis: served as A [2 xfail, 1 failed]: mixed_batch/composition, mixed_batch/routing, "
+        "mixed_batch/saturation",
+    ])

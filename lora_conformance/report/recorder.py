@@ -158,6 +158,8 @@ class ReportRecorder:
             rec["outcome"] = _evidence(report, OUTCOME_PROPERTY)
         if report.failed or getattr(report, "wasxfail", None) is not None:
             rec["failure"] = rec["failure"] or _evidence(report, FAILURE_PROPERTY)
+            # An xfail's evidence too: its nearest hypothesis groups it with the failures of its bug.
+            rec["evidence"] = rec["evidence"] or _evidence(report)
         if report.failed:
             if rec["message"] is None:  # the first failure is the cause; a teardown error follows it
                 rec["message"] = _failure_message(report)
