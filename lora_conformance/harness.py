@@ -18,6 +18,8 @@ import pytest
 from lora_conformance.settings import Settings
 from lora_conformance.types import GenerationRequest, GenerationResult
 
+# The feature that certifies prompt logprobs; other tests use them only as an auxiliary feature.
+PROMPT_LOGPROBS_FEATURE = "accuracy/prefill_logprobs_with_adapter"
 # Engines kept alive at once; heavier engines (vLLM, servers) should use few.
 MAX_LIVE_ENGINES = 3
 MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder": "synthetic:encoder",
@@ -312,15 +314,14 @@ class TestContext:
         """A remark the report shows beside this test's verdict (what the test could not establish)."""
         self.request.node.user_properties.append(("lora_note", text))
 
-    def auxiliary(self, capability: str, certified_by: str) -> bool:
-        """Whether this test may use an auxiliary feature it does not certify (issue 12): the engine
-        declares ``capability``, its expectations do not record the certifying feature
+    def auxiliary(self, engine, capability: str, certified_by: str) -> bool:
+        """Whether this test may use an auxiliary feature it does not certify (issue 12): ``engine``
+        (the one under test) declares ``capability``, its expectations do not record the certifying feature
         ``certified_by`` as broken (xfail / skip), and (prompt logprobs) a probe on an engine of its
         own, once per process, got answers that match the reference. Otherwise the test falls back to
         what it can check without it, and the report says so: a bug of the auxiliary feature turns
         only its own feature red. The probe, not another test's outcome, decides, so the answer is
         the same in every worker and every order."""
-        engine = self.engine
         if not engine.supports(capability):
             self.note(f"without {capability} (the engine does not declare it): a weaker check")
             return False

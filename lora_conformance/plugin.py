@@ -129,6 +129,9 @@ def pytest_configure_node(node: Any) -> None:
         node.workerinput[schedule.WORKERINPUT_KEY] = schedule.node_input(node.config)
 
 
+_UNFREEZE_AT_EXIT = False
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     # What collection imported (torch, transformers, the suites) lives for the whole run: move it
     # out of the cyclic garbage collector's way, so its passes during and after the run (pytest's
@@ -137,9 +140,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     import gc
 
     gc.freeze()
-    # Back to the collector for the interpreter's own final pass (extension modules such as
-    # triton's report leaked bindings when their cycles are never collected).
-    atexit.register(gc.unfreeze)
+    global _UNFREEZE_AT_EXIT
+    if not _UNFREEZE_AT_EXIT:  # once per process (pytester runs many sessions in one)
+        # Back to the collector for the interpreter's own final pass (extension modules such as
+        # triton's report leaked bindings when their cycles are never collected).
+        atexit.register(gc.unfreeze)
+        _UNFREEZE_AT_EXIT = True
 
 
 def _register_subplugins(config: pytest.Config, settings: Settings) -> None:

@@ -20,7 +20,6 @@ A serial run keeps collection order: there is nothing to balance.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Mapping, Optional
@@ -29,6 +28,7 @@ import pytest
 
 WORKERINPUT_KEY = "lora_durations"
 LONG_SECONDS = 0.5
+_DURATIONS = pytest.StashKey[dict]()  # the controller's copy of the last run's durations
 
 
 def durations_path(cache_dir: Path, engine: str, device_type: str, dtype: str) -> Path:
@@ -68,12 +68,11 @@ class DurationRecorder:
     def pytest_sessionfinish(self, session) -> None:
         if not self.measured:
             return
+        from lora_conformance.reference.cache import write_json_atomic
+
         merged = {**load(self.path), **{k: round(v, 3) for k, v in self.measured.items()}}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(merged, indent=0, sort_keys=True))
-            tmp.replace(self.path)
+            write_json_atomic(self.path, merged, indent=0, sort_keys=True)
         except OSError:
             pass  # a read-only cache only costs the ordering next time
 
@@ -100,5 +99,3 @@ def worker_durations(config: pytest.Config) -> Optional[dict[str, float]]:
 def node_input(config: pytest.Config) -> str:
     return json.dumps(config.stash.get(_DURATIONS, {}))
 
-
-_DURATIONS = pytest.StashKey[dict]()

@@ -9,6 +9,7 @@ every step reads the KV all chunks wrote, is compared alone (the report says so)
 import pytest
 
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
+from lora_conformance.harness import PROMPT_LOGPROBS_FEATURE
 from lora_conformance.types import GenerationRequest
 
 register_cpu_ci(est_time=15, suite="per-commit")
@@ -16,7 +17,6 @@ register_cuda_ci(est_time=10, suite="per-commit")
 register_xpu_ci(est_time=20, suite="per-commit")
 
 pytestmark = pytest.mark.requires("mixed_batch")
-PROMPT_LOGPROBS_FEATURE = "accuracy/prefill_logprobs_with_adapter"
 
 LABELS = ["A", None, "B", "A", None]
 
@@ -54,7 +54,8 @@ def check(lora, engine, reqs, label, spanning=None):
 def test_long_prompts_match_reference(lora, device, dtype, chunk):
     """16: chunks on KV-block boundaries; 13: chunks that end inside a block."""
     engine = lora.fresh_engine(chunked_prefill_size=chunk)
-    reqs = requests(long_prompts(lora), LABELS, lora.auxiliary("prompt_logprobs", PROMPT_LOGPROBS_FEATURE))
+    pl = lora.auxiliary(engine, "prompt_logprobs", PROMPT_LOGPROBS_FEATURE)
+    reqs = requests(long_prompts(lora), LABELS, pl)
     check(lora, engine, reqs, f"chunk {chunk}")
 
 
@@ -72,6 +73,6 @@ def test_adapter_changes_at_chunk_boundary(lora, device, dtype, first):
     probe = lora.reference(requests(prompts[:1], labels[:1], False))[0]
     chunk = len(probe.prompt_token_ids)
     engine = lora.fresh_engine(chunked_prefill_size=chunk)
-    pl = lora.auxiliary("prompt_logprobs", PROMPT_LOGPROBS_FEATURE)
+    pl = lora.auxiliary(engine, "prompt_logprobs", PROMPT_LOGPROBS_FEATURE)
     check(lora, engine, requests(prompts, labels, pl), f"chunk {chunk} (first = {first or 'base'})",
           spanning=range(1, len(labels)))

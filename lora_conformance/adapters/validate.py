@@ -102,12 +102,11 @@ def _base_shapes(model_dir: str, stamp: float) -> BaseShapes:
             pass  # unreadable or from another layout: rebuilt and rewritten below
     shapes = _build_base_shapes(model_dir)
     if path is not None:
+        from lora_conformance.reference.cache import write_json_atomic
+
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{__import__('os').getpid()}.tmp")
-            tmp.write_text(json.dumps({"modules": shapes.modules, "params": shapes.params,
-                                       "num_layers": shapes.num_layers}))
-            tmp.replace(path)  # atomic: concurrent workers never read half a file
+            write_json_atomic(path, {"modules": shapes.modules, "params": shapes.params,
+                                     "num_layers": shapes.num_layers})
         except OSError:
             pass  # a read-only cache only costs the rebuild
     return shapes

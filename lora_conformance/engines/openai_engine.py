@@ -289,16 +289,20 @@ class OpenAIEngine(Engine):
             return AdapterIncompatibleError(full)
         return EngineFailure(full)
 
-    def _discover_model(self) -> str:
+    def _models(self) -> list[dict]:
+        """The server's ``/v1/models`` entries that have a string id."""
         body = self._http("GET", self.base_url + "/v1/models")
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             raise EngineFailure(f"{self.base_url}/v1/models: expected an object with a 'data' list, got "
                                 f"{json.dumps(body)[:300] if not isinstance(body, str) else body[:300]!r}")
-        models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        bases = [m["id"] for m in models if not m.get("parent") and m.get("id") not in self._adapters]
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+    def _discover_model(self) -> str:
+        models = self._models()
+        bases = [m["id"] for m in models if not m.get("parent") and m["id"] not in self._adapters]
         if not bases:
-            raise EngineFailure(f"{self.base_url}/v1/models lists no base model: {body!r}")
+            raise EngineFailure(f"{self.base_url}/v1/models lists no base model: {models!r}")
         return bases[0]
 
     # ---- adapters ---------------------------------------------------------------------
@@ -353,11 +357,7 @@ class OpenAIEngine(Engine):
         ``parent``. For the other flavours no listing of the server's adapters is mapped: None."""
         if self.flavor != "vllm":
             return None
-        body = self._http("GET", self.base_url + "/v1/models")
-        data = body.get("data") if isinstance(body, dict) else None
-        if not isinstance(data, list):
-            raise EngineFailure(f"{self.base_url}/v1/models: expected an object with a 'data' list")
-        return sorted(m["id"] for m in data if isinstance(m, dict) and m.get("parent") and isinstance(m.get("id"), str))
+        return sorted(m["id"] for m in self._models() if m.get("parent"))
 
     # ---- generation -------------------------------------------------------------------
 

@@ -18,6 +18,21 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 
+def write_json_atomic(path: Path, value: Any, **dump_args) -> None:
+    """Write ``value`` as JSON to ``path`` through a temp file and a rename: a concurrent reader
+    (another pytest-xdist worker) sees the old file or the whole new one, never half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f, **dump_args)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def key_of(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -68,16 +83,7 @@ class ReferenceCache:
             pass
 
     def put(self, key: str, value: dict) -> None:
-        p = self._path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(value, f)
-            os.replace(tmp, p)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_json_atomic(self._path(key), value)
 
     @contextmanager
     def lock(self, key: str) -> Iterator[None]:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence as Seq
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence as Seq
 
 from lora_conformance.engines.base import EngineFailure, RequestHandle
 from lora_conformance.engines.builtin.engine.llm_engine import LLMEngine
@@ -43,11 +44,15 @@ class InflightServer:
         self.cond.wait_for(lambda: not names & self._draining)
         return self.llm.add(requests)
 
-    def _locked(self):
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
         """The lock, taken at the next step boundary (through the turnstile)."""
         with self._turn:
             self.cond.acquire()
-        return _Held(self.cond)
+        try:
+            yield
+        finally:
+            self.cond.release()
 
     def wait(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Until ``predicate`` (checked under the lock at step boundaries) holds, or ``timeout``.
@@ -128,19 +133,6 @@ class InflightServer:
             self.cond.notify_all()
         if self._loop is not None and self._loop is not threading.current_thread():
             self._loop.join(timeout=60)
-
-
-class _Held:
-    """Releases a lock already taken, on leaving a ``with`` block."""
-
-    def __init__(self, lock):
-        self.lock = lock
-
-    def __enter__(self):
-        return self.lock
-
-    def __exit__(self, *exc) -> None:
-        self.lock.release()
 
 
 def _finished(seqs: list[Sequence]) -> bool:
