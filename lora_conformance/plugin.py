@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -129,23 +130,62 @@ def pytest_configure_node(node: Any) -> None:
         node.workerinput[schedule.WORKERINPUT_KEY] = schedule.node_input(node.config)
 
 
-_UNFREEZE_AT_EXIT = False
+_EXIT_HANDLER_REGISTERED = False
+_FROZEN_KEY = pytest.StashKey[bool]()
+
+
+def _nanobind_loaded() -> bool:
+    """Whether an extension module built with nanobind (triton's, among others) is loaded: nanobind
+    counts its objects at interpreter exit and prints a leak report for every one never freed."""
+    import importlib.machinery
+
+    for mod in list(sys.modules.values()):
+        if not isinstance(getattr(mod, "__loader__", None), importlib.machinery.ExtensionFileLoader):
+            continue
+        if any(type(v).__name__ == "nb_func" for v in list(vars(mod).values())):
+            return True
+    return False
+
+
+def _gc_at_exit() -> None:
+    """The interpreter's final collection walks every object still alive (about 0.7 s a process with
+    torch and transformers loaded, paid by each worker before pytest-xdist's controller can finish).
+    Freeze them, so it skips them; but where nanobind is loaded, hand everything back to the
+    collector, so that its objects are freed and it reports no leaks."""
+    import gc
+
+    if _nanobind_loaded():
+        gc.unfreeze()
+    else:
+        gc.freeze()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # What collection imported (torch, transformers, the suites) lives for the whole run: move it
-    # out of the cyclic garbage collector's way, so its passes during and after the run (pytest's
-    # own at the end among them) only walk what tests create (about 1 s of a certification run).
+    # out of the cyclic garbage collector's way, so its passes during the run only walk what tests
+    # create (about 1 s of a certification run).
     import atexit
     import gc
 
     gc.freeze()
-    global _UNFREEZE_AT_EXIT
-    if not _UNFREEZE_AT_EXIT:  # once per process (pytester runs many sessions in one)
-        # Back to the collector for the interpreter's own final pass (extension modules such as
-        # triton's report leaked bindings when their cycles are never collected).
-        atexit.register(gc.unfreeze)
-        _UNFREEZE_AT_EXIT = True
+    session.config.stash[_FROZEN_KEY] = True
+    global _EXIT_HANDLER_REGISTERED
+    if not _EXIT_HANDLER_REGISTERED:  # once per process (pytester runs many sessions in one)
+        atexit.register(_gc_at_exit)
+        _EXIT_HANDLER_REGISTERED = True
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # pytest's closing check for unraisable exceptions runs five full collections after this hook:
+    # about 0.7 s a process once the tests have imported transformers and built engines. Collect
+    # the run's garbage once here (its finalizers run, so their exceptions still surface), then
+    # freeze what survives: those five passes, and the interpreter's at exit, only walk the rest.
+    if config.stash.get(_FROZEN_KEY, False):
+        import gc
+
+        gc.collect()
+        gc.freeze()
 
 
 def _register_subplugins(config: pytest.Config, settings: Settings) -> None:

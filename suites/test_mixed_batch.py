@@ -8,11 +8,10 @@ slots are saturated and oversubscribed; batch size and order must not matter.
 """
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close, assert_nearest_reference_routing
+from lora_conformance.suite_hypothesis import given, st
 from lora_conformance.types import GenerationRequest
 
 register_cpu_ci(est_time=35, suite="per-commit")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import pytest
@@ -22,10 +23,52 @@ def test_pytest_command(tmp_path):
     args = parse("--device", "xpu", "--engine", "sglang", "--engine-arg", "tp=2", "--engine-arg", "mem=0.5",
                  "--dtype", "bfloat16", "--base-model", "synthetic:moe", "--report", str(tmp_path / "r"),
                  "--suite-dir", str(tmp_path), "--", "-n", "4", "-k", "mixed_batch")
+    plugins = [a for name in certify.suite_plugins() for a in ("-p", name)]
     assert certify.pytest_command(args) == [
-        sys.executable, "-m", "pytest", str(tmp_path), "--device=xpu", "--engine=sglang", "--engine-arg=tp=2",
+        sys.executable, "-m", "pytest", str(tmp_path), "--device=xpu", "--engine=sglang",
+        "--disable-plugin-autoload", *plugins, "--engine-arg=tp=2",
         "--engine-arg=mem=0.5", "--dtype=bfloat16", "--base-model=synthetic:moe",
         f"--lora-report={(tmp_path / 'r').resolve()}", "-n", "4", "-k", "mixed_batch"]
+
+
+def test_only_the_suites_plugins_are_loaded_unless_asked(tmp_path):
+    cmd = certify.pytest_command(parse("--device", "cpu", "--report", str(tmp_path)))
+    assert "--disable-plugin-autoload" in cmd
+    loaded = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-p"]
+    assert loaded[0] == "lora_conformance.plugin" and set(loaded) <= set(certify.SUITE_PLUGINS)
+    assert "xdist.plugin" in loaded and "_hypothesis_pytestplugin" in loaded  # both are test extras here
+    everything = certify.pytest_command(parse("--device", "cpu", "--autoload-plugins", "--report", str(tmp_path)))
+    assert "--disable-plugin-autoload" not in everything and "-p" not in everything
+
+
+def test_an_installed_plugin_cannot_change_the_verdict(tmp_path, capsys, monkeypatch):
+    """A plugin that turns failures into passes (as a rerun plugin can for a flaky one) is installed
+    through an entry point: certify does not load it; --autoload-plugins does (and the verdict flips)."""
+    site = tmp_path / "site"
+    (site / "greenwash-0.1.dist-info").mkdir(parents=True)
+    (site / "greenwash-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: greenwash\nVersion: 0.1\n")
+    (site / "greenwash-0.1.dist-info" / "entry_points.txt").write_text("[pytest11]\ngreenwash = greenwash_plugin\n")
+    (site / "greenwash_plugin.py").write_text(
+        "import pytest\n"
+        "@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n"
+        "    outcome = yield\n"
+        "    rep = outcome.get_result()\n"
+        "    if rep.failed:\n"
+        "        rep.outcome = 'passed'\n")
+    monkeypatch.setenv("PYTHONPATH", f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    suites = tmp_path / "suites"
+    suites.mkdir()
+    (suites / "test_tiny.py").write_text("def test_broken():\n    assert False\n")
+    common = ["--device", "cpu", "--engine", "builtin", "--suite-dir", str(suites), "-n", "1"]
+    args = parse(*common, "--report", str(tmp_path / "rep"), "--", "-p", "no:cacheprovider", "-q")
+    assert certify.run(args) == 1
+    out = capsys.readouterr().out
+    assert "LoRA conformance · cpu · 0/1 (not certified)" in out
+    assert "other installed pytest plugins are not loaded" in out
+    args = parse(*common, "--autoload-plugins", "--report", str(tmp_path / "rep2"), "--", "-p", "no:cacheprovider", "-q")
+    certify.run(args)
+    assert "LoRA conformance · cpu · 1/1 (certified)" in capsys.readouterr().out  # what certify's default prevents
 
 
 def test_defaults():

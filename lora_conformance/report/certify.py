@@ -7,6 +7,11 @@ where the report is and what the badge reads. The exit code is pytest's.
 Unless told (``-n/--workers N``, or ``-n`` among the pytest arguments), it spreads the run over
 pytest-xdist workers chosen from the machine (``lora_conformance.parallel.choose_workers``) and
 prints that choice; each worker then takes its share of the cores (the plugin's thread share).
+
+The run loads only the pytest plugins the suites need (``SUITE_PLUGINS``: ours, pytest-xdist and
+hypothesis's), not every installed one: a plugin that reruns failures, reorders or reseeds tests
+or times them out would change a certification's verdict, and each auto-loaded plugin costs every
+worker its start-up. ``--autoload-plugins`` restores pytest's default; ``-- -p NAME`` adds one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 REPORT_FILES = ("report.json", "report.md", "report.html", "badge.svg")
+# The plugins a certification loads (with pytest's auto-loading off), each where it is installed.
+SUITE_PLUGINS = ("lora_conformance.plugin", "xdist.plugin", "_hypothesis_pytestplugin")
 NO_TESTS_COLLECTED = 5
 
 
@@ -36,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--workers", default=None, metavar="N|auto",
                         help="pytest-xdist worker processes (default: auto, chosen from cores, devices and memory; "
                              "1 runs in one process)")
+    parser.add_argument("--autoload-plugins", action="store_true",
+                        help="load every installed pytest plugin, as plain pytest does (default: only "
+                             + ", ".join(SUITE_PLUGINS) + "; add others with -- -p NAME)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER,
                         help="after --: extra pytest arguments (e.g. -- -n 4 -k mixed_batch)")
 
@@ -93,11 +103,22 @@ def choose_workers(args, xdist_installed: Optional[bool] = None):
     return choice
 
 
+def suite_plugins() -> list[str]:
+    """The installed ones of ``SUITE_PLUGINS`` (pytest-xdist and hypothesis are optional)."""
+    import importlib.util
+
+    return [name for name in SUITE_PLUGINS if importlib.util.find_spec(name.split(".")[0]) is not None]
+
+
 def pytest_command(args, workers: Optional[int] = None) -> list[str]:
     from lora_conformance.settings import suites_dir
 
     suite_dir = args.suite_dir or suites_dir()
     cmd = [sys.executable, "-m", "pytest", str(suite_dir), f"--device={args.device}", f"--engine={args.engine}"]
+    if not getattr(args, "autoload_plugins", False):
+        cmd.append("--disable-plugin-autoload")
+        for name in suite_plugins():
+            cmd += ["-p", name]
     cmd += [f"--engine-arg={a}" for a in args.engine_arg]
     if args.dtype:
         cmd.append(f"--dtype={args.dtype}")
@@ -135,6 +156,9 @@ def run(args, runner=subprocess.call) -> int:
     else:
         print(f"workers: {choice.workers} ({choice.reason})", flush=True)
     cmd = pytest_command(args, None if choice is None else choice.workers)
+    if not args.autoload_plugins:
+        print(f"plugins: {', '.join(suite_plugins())} (other installed pytest plugins are not loaded: "
+              "add one with -- -p NAME, or all with --autoload-plugins)", flush=True)
     print("running: " + " ".join(cmd), flush=True)
     code = int(runner(cmd))
     if code == NO_TESTS_COLLECTED:
