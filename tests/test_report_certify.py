@@ -24,6 +24,7 @@ def test_pytest_command(tmp_path):
                  "--dtype", "bfloat16", "--base-model", "synthetic:moe", "--report", str(tmp_path / "r"),
                  "--suite-dir", str(tmp_path), "--", "-n", "4", "-k", "mixed_batch")
     plugins = [a for name in certify.suite_plugins() for a in ("-p", name)]
+    assert certify._pytest_has_autoload_flag()  # pyproject asks for pytest>=8.4
     assert certify.pytest_command(args) == [
         sys.executable, "-m", "pytest", str(tmp_path), "--device=xpu", "--engine=sglang",
         "--disable-plugin-autoload", *plugins, "--engine-arg=tp=2",
@@ -39,6 +40,17 @@ def test_only_the_suites_plugins_are_loaded_unless_asked(tmp_path):
     assert "xdist.plugin" in loaded and "_hypothesis_pytestplugin" in loaded  # both are test extras here
     everything = certify.pytest_command(parse("--device", "cpu", "--autoload-plugins", "--report", str(tmp_path)))
     assert "--disable-plugin-autoload" not in everything and "-p" not in everything
+
+
+def test_an_older_pytest_gets_the_environment_variable(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(certify, "_pytest_has_autoload_flag", lambda: False)
+    seen = []
+    args = parse("--device", "cpu", "-n", "1", "--report", str(tmp_path))
+    certify.run(args, runner=lambda cmd, **kw: seen.append((cmd, kw)) or 1)
+    cmd, kw = seen[0]
+    assert "--disable-plugin-autoload" not in cmd and kw["env"]["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] == "1"
+    assert cmd[cmd.index("-p") + 1] == "lora_conformance.plugin"
+    assert "running: PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 " in capsys.readouterr().out
 
 
 def test_an_installed_plugin_cannot_change_the_verdict(tmp_path, capsys, monkeypatch):

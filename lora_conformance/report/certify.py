@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,13 +111,24 @@ def suite_plugins() -> list[str]:
     return [name for name in SUITE_PLUGINS if importlib.util.find_spec(name.split(".")[0]) is not None]
 
 
+def _pytest_has_autoload_flag() -> bool:
+    """pytest 8.4 added --disable-plugin-autoload; older ones read PYTEST_DISABLE_PLUGIN_AUTOLOAD only."""
+    import pytest
+
+    try:
+        return tuple(int(p) for p in pytest.__version__.split(".")[:2]) >= (8, 4)
+    except ValueError:  # a development version: assume a recent one
+        return True
+
+
 def pytest_command(args, workers: Optional[int] = None) -> list[str]:
     from lora_conformance.settings import suites_dir
 
     suite_dir = args.suite_dir or suites_dir()
     cmd = [sys.executable, "-m", "pytest", str(suite_dir), f"--device={args.device}", f"--engine={args.engine}"]
     if not getattr(args, "autoload_plugins", False):
-        cmd.append("--disable-plugin-autoload")
+        if _pytest_has_autoload_flag():
+            cmd.append("--disable-plugin-autoload")  # else run() sets PYTEST_DISABLE_PLUGIN_AUTOLOAD
         for name in suite_plugins():
             cmd += ["-p", name]
     cmd += [f"--engine-arg={a}" for a in args.engine_arg]
@@ -159,8 +171,12 @@ def run(args, runner=subprocess.call) -> int:
     if not args.autoload_plugins:
         print(f"plugins: {', '.join(suite_plugins())} (other installed pytest plugins are not loaded: "
               "add one with -- -p NAME, or all with --autoload-plugins)", flush=True)
-    print("running: " + " ".join(cmd), flush=True)
-    code = int(runner(cmd))
+    if not args.autoload_plugins and not _pytest_has_autoload_flag():
+        print("running: PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 " + " ".join(cmd), flush=True)
+        code = int(runner(cmd, env=dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")))
+    else:
+        print("running: " + " ".join(cmd), flush=True)
+        code = int(runner(cmd))
     if code == NO_TESTS_COLLECTED:
         print(f"lora-conformance certify: error: no tests were collected from {cmd[3]} "
               "(check --suite-dir and any -k/-m given after --); nothing was certified", file=sys.stderr)
