@@ -4,12 +4,18 @@
     python bench/certify_time.py --workers 1,2 --skip-cold
     python bench/certify_time.py --device cuda --workers 1,8,16 --warm-cache /tmp/lora-cache
     python bench/certify_time.py --unshared              # also each N > 1 with every worker at all cores' threads
+    python bench/certify_time.py --workers 1,2 --skip-cold --repeat 5   # noisy (shared, virtual) machines
 
 Warm: one untimed run fills a cache (or ``--warm-cache DIR`` names a filled one), then every worker
 count is timed against it. Cold: every worker count starts from an empty cache of its own (models,
 adapters and references are built again). Each row has the wall time, the speed-up over the serial
 row of the same cache state, the cpu seconds of the whole process tree, the 1-minute load average
-before and after (on a shared machine wall times mean little without it), and certify's exit code.
+before and after and the cpu time the hypervisor gave to others meanwhile (steal: on a shared
+machine wall times mean little without them), and certify's exit code.
+
+``--repeat R`` times every worker count R times, interleaved (1, 2, 1, 2, ...), so that a slow
+spell of the machine hits every count alike; a closing table gives each count's median and range
+and the median of the per-round speed-ups (each round's serial time over its own N-worker time).
 """
 
 from __future__ import annotations
@@ -49,6 +55,16 @@ def load1() -> float:
     return os.getloadavg()[0]
 
 
+def steal_seconds() -> float:
+    """CPU time the hypervisor ran other guests instead of this machine (Linux /proc/stat), all cpus."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def certify(a, workers: int, cache: Path, report: Path, threads: str | None) -> dict:
     cmd = [sys.executable, "-m", "lora_conformance.cli", "certify", "--device", a.device, "--engine", a.engine,
            "-n", str(workers), "--report", str(report)]
@@ -59,14 +75,15 @@ def certify(a, workers: int, cache: Path, report: Path, threads: str | None) -> 
     if threads:
         cmd.append(f"--lora-threads={threads}")
     cmd += a.pytest_args
-    before_load, before_cpu = load1(), children_cpu()
+    before_load, before_cpu, before_steal = load1(), children_cpu(), steal_seconds()
     start = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - start
+    steal = steal_seconds() - before_steal
     tail = [ln for ln in out.stdout.splitlines() if " passed" in ln or " failed" in ln or "badge:" in ln]
     return {"workers": workers, "threads": threads or "share", "wall_s": round(wall, 2),
             "cpu_s": round(children_cpu() - before_cpu, 2), "load_before": round(before_load, 2),
-            "load_after": round(load1(), 2), "exit": out.returncode, "summary": tail[-2:] if tail else
+            "load_after": round(load1(), 2), "steal_s": round(steal, 2), "exit": out.returncode, "summary": tail[-2:] if tail else
             [(out.stdout + out.stderr).strip().splitlines()[-1:] or ["(no output)"]][0]}
 
 
@@ -83,6 +100,8 @@ def main() -> int:
     p.add_argument("--skip-warm", action="store_true")
     p.add_argument("--unshared", action="store_true",
                    help="also run each N > 1 with --lora-threads=<cores> (every worker at all cores: before issue 17)")
+    p.add_argument("--repeat", type=int, default=1, metavar="R",
+                   help="time each warm worker count R times, interleaved, and print medians (default 1)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: extra pytest arguments")
     a = p.parse_args()
@@ -96,13 +115,13 @@ def main() -> int:
 
     cold_counts = [int(x) for x in a.cold_workers.split(",")] if a.cold_workers else counts
 
-    def timed(state: str, cache_for, counts: list[int]) -> None:
+    def timed(state: str, cache_for, counts: list[int], round_: int = 0) -> None:
         serial = None
         for n in counts:
             variants = [None] + ([str(cores)] if a.unshared and n > 1 else [])
             for threads in variants:
                 row = certify(a, n, cache_for(n, threads), work / f"report-{state}-{n}-{threads}", threads)
-                row["cache"] = state
+                row["cache"], row["round"] = state, round_
                 if n == 1 and threads is None:
                     serial = row["wall_s"]
                 row["speedup"] = round(serial / row["wall_s"], 2) if serial else None  # None: no serial row
@@ -116,7 +135,10 @@ def main() -> int:
             warm = work / "warm-cache"
             prime = certify(a, max(counts), warm, work / "report-prime", None)
             print(f"(priming run: {prime['wall_s']} s, exit {prime['exit']})", flush=True)
-        timed("warm", lambda n, t: warm, counts)
+        for round_ in range(max(1, a.repeat)):
+            timed("warm", lambda n, t: warm, counts, round_)
+        if a.repeat > 1:
+            print(summary([r for r in rows if r["cache"] == "warm"]), flush=True)
     if not a.skip_cold:
         timed("cold", lambda n, t: work / f"cold-cache-{n}-{t}", cold_counts)
     if a.json:
@@ -124,16 +146,36 @@ def main() -> int:
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 
 
+def summary(rows: list[dict]) -> str:
+    """Median and range of each worker count's wall time over the rounds, and the median per-round
+    speed-up over that round's serial time."""
+    from statistics import median
+
+    lines = [f"warm, {len({r['round'] for r in rows})} rounds interleaved:",
+             f"{'workers':>7} {'threads':>8} {'median s':>9} {'min-max s':>13} {'median speed-up':>16} "
+             f"{'per-round speed-ups':>20}"]
+    keys = sorted({(r["workers"], r["threads"]) for r in rows}, key=lambda k: (k[0], str(k[1])))
+    for workers, threads in keys:
+        mine = [r for r in rows if (r["workers"], r["threads"]) == (workers, threads)]
+        walls = [r["wall_s"] for r in mine]
+        ups = [r["speedup"] for r in mine if r["speedup"]]
+        up = f"{median(ups):.2f}x" if ups and workers > 1 else "-"
+        each = " ".join(f"{u:.2f}" for u in ups) if workers > 1 else ""
+        lines.append(f"{workers:>7} {threads:>8} {median(walls):>9.1f} {min(walls):>6.1f}-{max(walls):<6.1f} "
+                     f"{up:>16} {each:>20}")
+    return "\n".join(lines)
+
+
 def header() -> str:
     return (f"{'cache':6} {'workers':>7} {'threads':>8} {'wall s':>8} {'speed-up':>8} {'cpu s':>8} "
-            f"{'load 1m before/after':>21}  exit  summary")
+            f"{'load 1m before/after':>21} {'steal s':>7}  exit  summary")
 
 
 def fmt(r: dict) -> str:
     speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
     load = f"{r['load_before']:.1f} / {r['load_after']:.1f}"
     return (f"{r['cache']:6} {r['workers']:>7} {r['threads']:>8} {r['wall_s']:>8.1f} {speed:>8} {r['cpu_s']:>8.1f} "
-            f"{load:>21}  {r['exit']:>4}  {' | '.join(r['summary'])}")
+            f"{load:>21} {r.get('steal_s', 0):>7.1f}  {r['exit']:>4}  {' | '.join(r['summary'])}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,10 @@ class Harness:
         self.auxiliary_probes: dict[tuple, str] = {}  # (model, dtype, capability) -> '' or what broke
         from lora_conformance.adapters import validate
 
+        from lora_conformance.models import tokenizer
+
         validate.shapes_cache_dir = settings.cache_dir / "shapes"
+        tokenizer.resolution_cache_dir = settings.cache_dir / "tokenizers"
 
     # ---- models and adapters ---------------------------------------------------------
 

@@ -56,6 +56,62 @@ def test_synthetic_models_load_as_standard_checkpoints(cache, kind):
         assert out.logits.shape[-1] == model.config.vocab_size == len(tok)
 
 
+def _same_tokenizer(a, b, texts) -> None:
+    assert type(a) is type(b)
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "padding_side", "model_max_length"):
+        assert getattr(a, attr) == getattr(b, attr), attr
+    assert a.get_vocab() == b.get_vocab()
+    ea, eb = a(texts, padding=True), b(texts, padding=True)
+    assert ea["input_ids"] == eb["input_ids"] and ea["attention_mask"] == eb["attention_mask"]
+    assert a.batch_decode(ea["input_ids"], skip_special_tokens=True) == b.batch_decode(eb["input_ids"],
+                                                                                     skip_special_tokens=True)
+    assert a.batch_decode(ea["input_ids"]) == b.batch_decode(eb["input_ids"])
+
+
+@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+def test_a_remembered_tokenizer_class_gives_autotokenizers_tokenizer(cache, kind, tmp_path, monkeypatch):
+    """load_tokenizer records AutoTokenizer's class choice; a later process that calls the class
+    directly gets the same tokenizer (Qwen2's choice is not the class tokenizer_config.json names)."""
+    from transformers import AutoTokenizer
+
+    from lora_conformance.models import tokenizer as tk
+
+    d = resolve_base_model(f"synthetic:{kind}", cache)
+    monkeypatch.setattr(tk, "resolution_cache_dir", tmp_path / "tokenizers")
+    first = tk.load_tokenizer(d)  # AutoTokenizer, recorded
+    (record,) = (tmp_path / "tokenizers").glob("*.json")
+    assert json.loads(record.read_text())["class"] == type(first).__name__
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("AutoTokenizer again"))
+    second = tk.load_tokenizer(d)
+    monkeypatch.undo()
+    texts = default_prompts()[:6] + ["water and fire", "unknownword the old man", ""]
+    _same_tokenizer(AutoTokenizer.from_pretrained(str(d)), second, texts)
+    _same_tokenizer(first, second, texts)
+
+
+def test_tokenizer_records_are_keyed_by_files_and_fall_back(cache, tmp_path, monkeypatch):
+    import shutil
+
+    from lora_conformance.models import tokenizer as tk
+
+    monkeypatch.setattr(tk, "resolution_cache_dir", tmp_path / "tokenizers")
+    src = resolve_base_model("synthetic:llama", cache)
+    d = tmp_path / "model"
+    shutil.copytree(src, d)
+    tk.load_tokenizer(d)
+    (record,) = (tmp_path / "tokenizers").glob("*.json")
+    record.write_text('{"class": "NoSuchTokenizerClass"}')  # a class this transformers lacks
+    assert type(tk.load_tokenizer(d)).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    record.write_text("{not json")
+    assert tk.load_tokenizer(d).bos_token_id is not None
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, model_max_length=77)))
+    assert tk._resolution_key(d) != record.stem  # another file, another key
+    assert tk.load_tokenizer(d).model_max_length == 77
+    (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, auto_map={"AutoTokenizer": ["x.Y", None]})))
+    assert tk._remote_code(d)  # remote code: never recorded, AutoTokenizer decides each time
+
+
 def test_moe_keeps_fused_experts_in_memory(cache):
     model = load_model(resolve_base_model("synthetic:moe", cache))
     experts = model.model.layers[0].mlp.experts

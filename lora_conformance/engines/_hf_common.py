@@ -160,9 +160,9 @@ def arg_float(engine: str, args: Mapping[str, str], key: str, default: Optional[
 
 
 def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
+    from lora_conformance.models.tokenizer import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return load(model_dir)
 
 
 def is_encoder_only(model_dir: Path) -> bool:

@@ -7,6 +7,7 @@ compares the same units the model predicts.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from lora_conformance.settings import fixtures_dir
 
@@ -76,3 +77,72 @@ def words_as_added_tokens(out: Path) -> None:
     tj["added_tokens"] += [{"id": i, "content": w, "single_word": True, "lstrip": True, "rstrip": False,
                             "normalized": False, "special": False} for w, i in words]
     path.write_text(json.dumps(tj, ensure_ascii=False))
+
+
+# ---- loading: AutoTokenizer, its class choice kept between processes ----------------------
+
+# Where AutoTokenizer's class choices are kept (set by the harness to <cache>/tokenizers; None: not
+# kept). AutoTokenizer reads the model's config.json into a config object, importing that
+# architecture's modelling package (about 0.8 s a process), only to choose a tokenizer class; it
+# then calls that class's ``from_pretrained``. The choice depends on the checkpoint's config and
+# tokenizer files and on the transformers version alone: with those as the key, a later process
+# (every pytest-xdist worker, every run) calls the chosen class the same way directly.
+resolution_cache_dir: Optional[Path] = None
+RESOLUTION_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
+
+
+def _resolution_key(model_dir: Path) -> Optional[str]:
+    import hashlib
+    from importlib import metadata
+
+    try:
+        h = hashlib.sha256(f"transformers={metadata.version('transformers')}".encode())
+    except metadata.PackageNotFoundError:
+        return None
+    for name in RESOLUTION_FILES:
+        path = model_dir / name
+        h.update(f"|{name}=".encode())
+        if path.exists():
+            h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()[:24]
+
+
+def _remote_code(model_dir: Path) -> bool:
+    """A tokenizer_config.json with an ``auto_map``: AutoTokenizer may load code from the checkpoint."""
+    import json
+
+    try:
+        return "auto_map" in json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def load_tokenizer(model_dir: Path):
+    """``AutoTokenizer.from_pretrained(model_dir)``; where an earlier process recorded the class it
+    chose for these files (``resolution_cache_dir``), that class's ``from_pretrained`` with the
+    arguments AutoTokenizer passes it (tests/test_models.py checks both give the same tokenizer)."""
+    import transformers
+
+    model_dir = Path(model_dir)
+    path = None
+    if resolution_cache_dir is not None and not _remote_code(model_dir):
+        key = _resolution_key(model_dir)
+        path = resolution_cache_dir / f"{key}.json" if key else None
+    if path is not None and path.exists():
+        import json
+
+        try:
+            cls = getattr(transformers, json.loads(path.read_text())["class"])
+            return cls.from_pretrained(str(model_dir), _from_auto=True)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # unreadable, or a class this transformers lacks: AutoTokenizer below decides again
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    name = type(tok).__name__
+    if path is not None and getattr(transformers, name, None) is type(tok):
+        from lora_conformance.reference.cache import write_json_atomic
+
+        try:
+            write_json_atomic(path, {"class": name})
+        except OSError:
+            pass  # a read-only cache only costs AutoTokenizer's lookup next time
+    return tok

@@ -60,9 +60,9 @@ class ReferenceRunner:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from lora_conformance.models.tokenizer import load_tokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
 
     def decode_token(self, token_id: int) -> str:

@@ -48,9 +48,9 @@ class BuiltinEngine(Engine):
 
         self.fused_kernels = kernels.select(self.device, self.cfg.kernels)
         kernels.attach(self.model, self.fused_kernels)
-        from transformers import AutoTokenizer
+        from lora_conformance.models.tokenizer import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.tokenizer = load_tokenizer(self.model_dir)
         bs = self.cfg.kv_block_size
         num_blocks = self.cfg.num_kv_blocks or 1 + self.cfg.max_batch_size * ((min(max_len, 1024) + bs - 1) // bs)
         self._modules = model_lora_modules(self.model)
