@@ -27,6 +27,12 @@ WORKER_MEMORY_BYTES = 2 * 1024**3
 # device, not the host, is the bottleneck (bench/certify_time.py measures it on a machine).
 WORKERS_PER_DEVICE = 8
 USER_THREAD_VARIABLE = "OMP_NUM_THREADS"
+# Test time a worker should have to be worth starting. Each worker pays about 2 s of start-up
+# (python, pytest, torch, collection) and its own first uses (imports, engines, models) before its
+# tests; with less work than that, another worker costs more than it saves. On the H200 host's
+# 16-core cpu (bench/certify_time.py, warm, 2026-12-01), about 24 s of recorded tests certified in
+# 20.7 s with 2 workers, 16.1 s with 4, 15.6 s with 8 and 18.4 s with 16 (one per core).
+MIN_WORK_PER_WORKER_S = 3.0
 
 
 def cpu_cores() -> int:
@@ -137,10 +143,13 @@ def parse_workers(value: str) -> Optional[int]:
     return _positive_or_auto(value, "-n/--workers")
 
 
-def choose_workers(cores: int, memory: Optional[int], device_type: str = "cpu", devices: int = 1) -> WorkerChoice:
+def choose_workers(cores: int, memory: Optional[int], device_type: str = "cpu", devices: int = 1,
+                   recorded_work_s: Optional[float] = None) -> WorkerChoice:
     """One worker per core; at most one per ``WORKER_MEMORY_BYTES`` of available memory; on an
     accelerator at most ``WORKERS_PER_DEVICE`` per device (xdist worker gwN uses device N mod
-    count, so the workers spread over every device)."""
+    count, so the workers spread over every device); and, where the last run with these settings
+    recorded its test durations (``recorded_work_s``, their sum), at most one per
+    ``MIN_WORK_PER_WORKER_S`` of them."""
     limits = [(max(1, cores), f"{cores} cores")]
     if memory is not None:
         limits.append((max(1, memory // WORKER_MEMORY_BYTES),
@@ -148,6 +157,9 @@ def choose_workers(cores: int, memory: Optional[int], device_type: str = "cpu", 
     if device_type != "cpu":
         limits.append((max(1, devices) * WORKERS_PER_DEVICE,
                        f"{devices} {device_type} device{'s' if devices != 1 else ''} x {WORKERS_PER_DEVICE}"))
+    if recorded_work_s:
+        limits.append((max(1, int(recorded_work_s // MIN_WORK_PER_WORKER_S)),
+                       f"{recorded_work_s:.0f} s of tests in the last run / {MIN_WORK_PER_WORKER_S:g} s per worker"))
     workers, binding = min(limits, key=lambda item: item[0])
     others = ", ".join(text for n, text in limits if text != binding)
     return WorkerChoice(workers, f"auto: {binding}" + (f"; also {others}" if others else ""))

@@ -151,7 +151,8 @@ def parse(*argv):
     return parser.parse_args(list(argv))
 
 
-def test_certify_auto_uses_the_machine(monkeypatch):
+def test_certify_auto_uses_the_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("LORA_CONFORMANCE_LORA_CACHE", str(tmp_path))  # no recorded durations
     monkeypatch.setattr(parallel, "cpu_cores", lambda: 6)
     monkeypatch.setattr(parallel, "available_memory", lambda: 64 * GiB)
     choice = certify.choose_workers(parse("--device", "cpu"), xdist_installed=True)
@@ -174,6 +175,7 @@ def test_certify_without_xdist_runs_in_one_process():
 
 
 def test_certify_prints_its_choice_and_passes_it_to_pytest(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LORA_CONFORMANCE_LORA_CACHE", str(tmp_path / "empty-cache"))  # no recorded durations
     monkeypatch.setattr(parallel, "cpu_cores", lambda: 3)
     monkeypatch.setattr(parallel, "available_memory", lambda: 64 * GiB)
     seen = []
@@ -192,3 +194,36 @@ def test_certify_refuses_a_bad_worker_count_before_running(tmp_path, capsys):
     ran = []
     assert certify.run(parse("--device", "cpu", "-n", "many", "--report", str(tmp_path)), runner=ran.append) == 2
     assert not ran and "-n/--workers 'many': expected a positive integer or auto" in capsys.readouterr().err
+
+
+def test_auto_leaves_each_worker_enough_recorded_work():
+    # 16 cores, 24 s of recorded tests: 8 workers of 3 s each (the H200 host certified fastest at 8)
+    choice = parallel.choose_workers(16, 128 * GiB, "cpu", 1, recorded_work_s=24.0)
+    assert choice.workers == 8 and choice.reason.startswith("auto: 24 s of tests in the last run / 3 s per worker")
+    assert parallel.choose_workers(16, 128 * GiB, "cpu", 1, recorded_work_s=1.0).workers == 1
+    assert parallel.choose_workers(2, 128 * GiB, "cpu", 1, recorded_work_s=24.0).workers == 2  # cores bind
+    assert parallel.choose_workers(16, 128 * GiB, "cpu", 1, recorded_work_s=None).workers == 16  # nothing recorded
+    assert parallel.choose_workers(16, 128 * GiB, "cuda", 1, recorded_work_s=600.0).workers == 8  # the device binds
+
+
+def test_certify_reads_the_recorded_durations_of_its_own_settings(tmp_path, monkeypatch):
+    from lora_conformance import schedule
+
+    monkeypatch.setattr(parallel, "cpu_cores", lambda: 16)
+    monkeypatch.setattr(parallel, "available_memory", lambda: 128 * GiB)
+    monkeypatch.delenv("LORA_CONFORMANCE_LORA_CACHE", raising=False)
+    schedule.durations_path(tmp_path, "builtin", "cpu", "float32").parent.mkdir(parents=True)
+    # suite tests count; our own tests (also run under the plugin) and unknown files do not
+    schedule.durations_path(tmp_path, "builtin", "cpu", "float32").write_text(
+        '{"suites/test_accuracy.py::t1": 10.0, "suites/test_mixed_batch.py::t2[x]": 2.5,'
+        ' "tests/test_models.py::t3": 300.0, "suites/test_gone.py::t4": 50.0}')
+    schedule.durations_path(tmp_path, "builtin", "cpu", "bfloat16").write_text('{"suites/test_accuracy.py::t1": 100.0}')
+    for given in ([f"--lora-cache={tmp_path}"], ["--lora-cache", str(tmp_path)]):
+        choice = certify.choose_workers(parse("--device", "cpu", "--", "-q", *given), xdist_installed=True)
+        assert choice.workers == 4, choice  # 12.5 s / 3 s
+    monkeypatch.setenv("LORA_CONFORMANCE_LORA_CACHE", str(tmp_path))
+    assert certify.choose_workers(parse("--device", "cpu", "--dtype", "bfloat16"), xdist_installed=True).workers == 16
+    assert certify.choose_workers(parse("--device", "cpu", "--dtype", "float32"), xdist_installed=True).workers == 4
+    assert certify.choose_workers(parse("--device", "cpu", "--engine", "peft"), xdist_installed=True).workers == 16
+    (tmp_path / "durations" / "builtin-cpu-float32.json").write_text("{broken")
+    assert certify.choose_workers(parse("--device", "cpu"), xdist_installed=True).workers == 16

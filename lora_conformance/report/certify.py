@@ -79,6 +79,39 @@ def _devices_for(spec: str) -> tuple[str, int]:
     return kind, 1 if one_device else max(1, devices.device_count(kind))
 
 
+def _cache_dir(args) -> Path:
+    """The cache the run will use: --lora-cache among the pytest arguments, else its environment
+    variable, else the default (the plugin's own precedence; an ini key is not looked at here)."""
+    import os
+
+    from lora_conformance.options import ENV_PREFIX
+    from lora_conformance.settings import default_cache_dir
+
+    extra = _extra_args(args)
+    for i, a in enumerate(extra):
+        if a.startswith("--lora-cache="):
+            return Path(a.split("=", 1)[1]).expanduser()
+        if a == "--lora-cache" and i + 1 < len(extra):
+            return Path(extra[i + 1]).expanduser()
+    env = os.environ.get(ENV_PREFIX + "LORA_CACHE")
+    return Path(env).expanduser() if env else default_cache_dir()
+
+
+def recorded_work(args, device_type: str) -> Optional[float]:
+    """Seconds of the suites' tests that earlier runs with this engine, device type and dtype recorded
+    (None: none). The durations file also holds other runs' tests (our own tests, other suite
+    directories): only node ids of a test file in this suite directory count."""
+    from lora_conformance import schedule
+    from lora_conformance.settings import suites_dir
+
+    suite_dir = Path(args.suite_dir or suites_dir())
+    files = {f"{suite_dir.name}/{f.name}" for f in suite_dir.glob("test_*.py")}
+    dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
+    durations = schedule.load(schedule.durations_path(_cache_dir(args), args.engine, device_type, dtype))
+    mine = [d for nodeid, d in durations.items() if "/".join(nodeid.split("::")[0].split("/")[-2:]) in files]
+    return sum(mine) or None
+
+
 def choose_workers(args, xdist_installed: Optional[bool] = None):
     """The worker count for this run (a parallel.WorkerChoice), or None where the pytest arguments
     after -- already give one. Raises ValueError for a bad or doubly given -n."""
@@ -93,7 +126,8 @@ def choose_workers(args, xdist_installed: Optional[bool] = None):
         choice = parallel.WorkerChoice(told, "-n/--workers")
     else:
         kind, count = _devices_for(args.device)
-        choice = parallel.choose_workers(parallel.cpu_cores(), parallel.available_memory(), kind, count)
+        choice = parallel.choose_workers(parallel.cpu_cores(), parallel.available_memory(), kind, count,
+                                         recorded_work(args, kind))
     if xdist_installed is None:
         import importlib.util
 
