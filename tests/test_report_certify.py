@@ -78,9 +78,14 @@ def test_an_installed_plugin_cannot_change_the_verdict(tmp_path, capsys, monkeyp
     out = capsys.readouterr().out
     assert "LoRA conformance · cpu · 0/1 (not certified)" in out
     assert "other installed pytest plugins are not loaded" in out
+    plugins = json.loads((tmp_path / "rep" / "report.json").read_text())["environment"]["pytest_plugins"]
+    assert plugins["autoload"] is False and not any("greenwash" in p for p in plugins["loaded"])
     args = parse(*common, "--autoload-plugins", "--report", str(tmp_path / "rep2"), "--", "-p", "no:cacheprovider", "-q")
     certify.run(args)
     assert "LoRA conformance · cpu · 1/1 (certified)" in capsys.readouterr().out  # what certify's default prevents
+    plugins = json.loads((tmp_path / "rep2" / "report.json").read_text())["environment"]["pytest_plugins"]
+    assert plugins["autoload"] is True and "greenwash 0.1" in plugins["loaded"]  # the report names it
+    assert "greenwash 0.1" in (tmp_path / "rep2" / "report.md").read_text()
 
 
 def test_defaults():

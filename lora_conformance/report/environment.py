@@ -77,6 +77,45 @@ def _deep_merge(base: dict, extra: Mapping) -> dict:
     return out
 
 
+def pytest_plugins(config: Any) -> dict[str, Any]:
+    """The run's pytest plugins other than pytest's own, ours and conftest files (a plugin can
+    rerun, reorder or reseed tests, so the report names them), and whether auto-loading was on."""
+    import os
+
+    names = set()
+    for _, plugin in config.pluginmanager.list_name_plugin():
+        mod = getattr(plugin, "__name__", None)
+        if not isinstance(mod, str) or not hasattr(plugin, "__file__"):
+            continue  # objects registered by pytest or by plugins, not plugin modules
+        if mod.startswith(("_pytest.", "lora_conformance.")) or os.path.basename(plugin.__file__ or "") == "conftest.py":
+            continue
+        names.add(mod)
+    from importlib import metadata
+
+    try:
+        owners = metadata.packages_distributions()
+    except Exception:  # a broken installation must not lose the report
+        owners = {}
+
+    loaded_from = {getattr(mod, "__name__", ""): f"{dist.project_name} {dist.version}"
+                   for mod, dist in config.pluginmanager.list_plugin_distinfo()}  # auto-loaded ones
+
+    def named(module: str) -> str:
+        if module in loaded_from:
+            return loaded_from[module]
+        dists = owners.get(module.split(".")[0]) or []
+        if not dists:
+            return module
+        try:
+            return f"{dists[0]} {metadata.version(dists[0])}"
+        except metadata.PackageNotFoundError:
+            return dists[0]
+
+    off = bool(getattr(config.known_args_namespace, "disable_plugin_autoload", False)
+               or os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"))
+    return {"autoload": not off, "loaded": sorted({named(n) for n in names})}
+
+
 def fingerprint(settings: Any, extra: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """Environment from the resolved settings, overridden (deeply) by ``extra``: the dict the
     plugin leaves at ``config.stash[ENV_KEY]`` (engine version, device name, ...)."""

@@ -19,6 +19,13 @@ def _short(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _plugins_cell(plugins: Any) -> str:
+    if not isinstance(plugins, Mapping):
+        return "-"  # a report from before plugins were recorded
+    loaded = ", ".join(plugins.get("loaded") or ()) or "none besides pytest's and lora_conformance's"
+    return loaded + ("" if plugins.get("autoload") else " (auto-loading off)")
+
+
 def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
     engine = env.get("engine") or {}
     device = env.get("device") or {}
@@ -33,6 +40,7 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("reference", f"{ref.get('device')} / {ref.get('dtype')}"),
         ("base model", str(env.get("base_model"))),
         ("torch / transformers / peft", " / ".join(str(pk.get(n)) for n in ("torch", "transformers", "peft"))),
+        ("pytest plugins", _plugins_cell(env.get("pytest_plugins"))),
         ("suite version", str(env.get("suite_version"))),
         ("python", f"{env.get('python')} on {env.get('platform')}"),
         ("git commit", str(env.get("git_commit") or "-")),

@@ -183,9 +183,11 @@ class ReportRecorder:
             self.report_dir = Path(session.config.invocation_params.dir) / self.report_dir
 
     def environment(self, config: Optional[pytest.Config]) -> dict[str, Any]:
-        from lora_conformance.report.environment import fingerprint
+        from lora_conformance.report.environment import fingerprint, pytest_plugins
 
-        extra = config.stash.get(ENV_KEY, None) if config is not None else None
+        extra = dict(config.stash.get(ENV_KEY, None) or {}) if config is not None else {}
+        if config is not None:
+            extra["pytest_plugins"] = pytest_plugins(config)
         return fingerprint(self.settings, extra)
 
     @pytest.hookimpl(trylast=True)
