@@ -108,6 +108,8 @@ def resolve_settings(config: pytest.Config) -> Settings:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    global _OPEN_CONFIGS
+    _OPEN_CONFIGS += 1
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     if config.getoption("help", False) or config.getoption("version", False):
@@ -132,6 +134,10 @@ def pytest_configure_node(node: Any) -> None:
 
 _EXIT_HANDLER_REGISTERED = False
 _FROZEN_KEY = pytest.StashKey[bool]()
+# pytest runs configured in this process and not yet unconfigured: 1 for the process's own run, 2
+# and more while a test runs pytest inline (pytester). Only the process's own run freezes objects:
+# an inline run's session becomes garbage when it ends, and frozen garbage is never collected.
+_OPEN_CONFIGS = 0
 
 
 def _nanobind_loaded() -> bool:
@@ -167,6 +173,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     import atexit
     import gc
 
+    if _OPEN_CONFIGS != 1:
+        return  # a run inside a test (see _OPEN_CONFIGS)
     gc.freeze()
     session.config.stash[_FROZEN_KEY] = True
     global _EXIT_HANDLER_REGISTERED
@@ -181,6 +189,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     # about 0.7 s a process once the tests have imported transformers and built engines. Collect
     # the run's garbage once here (its finalizers run, so their exceptions still surface), then
     # freeze what survives: those five passes, and the interpreter's at exit, only walk the rest.
+    global _OPEN_CONFIGS
+    _OPEN_CONFIGS = max(0, _OPEN_CONFIGS - 1)
     if config.stash.get(_FROZEN_KEY, False):
         import gc
 

@@ -166,3 +166,15 @@ def test_bad():
     line = next(l for l in result.outlines if "EVIDENCE " in l)
     evidence = json.loads(line.split("EVIDENCE ", 1)[1])
     assert evidence["check"] == "rouge_l" and evidence["label"] == "demo" and evidence["score"] == 0.0
+
+
+def test_only_the_processs_own_run_freezes_objects(pytester):
+    """gc.freeze moves objects out of the collector for good: a pytest run inside a test (pytester)
+    must not freeze its session, which is garbage once it ends."""
+    import gc
+
+    pytester.makepyfile(test_tiny="def test_a():\n    pass\n")
+    before = gc.get_freeze_count()
+    result = pytester.inline_run("--device=cpu", "-p", "no:cacheprovider")  # the plugin auto-loads
+    result.assertoutcome(passed=1)
+    assert gc.get_freeze_count() <= before  # frozen objects that die leave the count; only a freeze adds
