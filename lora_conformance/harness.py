@@ -40,7 +40,6 @@ class Harness:
         self._engine_failures: dict[tuple, BaseException] = {}
         self.auxiliary_probes: dict[tuple, str] = {}  # (model, dtype, capability) -> '' or what broke
         from lora_conformance.adapters import validate
-
         from lora_conformance.models import tokenizer
 
         validate.shapes_cache_dir = settings.cache_dir / "shapes"

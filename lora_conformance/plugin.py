@@ -170,11 +170,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # What collection imported (torch, transformers, the suites) lives for the whole run: move it
     # out of the cyclic garbage collector's way, so its passes during the run only walk what tests
     # create (about 1 s of a certification run).
+    if _OPEN_CONFIGS != 1:
+        return  # a run inside a test (see _OPEN_CONFIGS)
     import atexit
     import gc
 
-    if _OPEN_CONFIGS != 1:
-        return  # a run inside a test (see _OPEN_CONFIGS)
     gc.freeze()
     session.config.stash[_FROZEN_KEY] = True
     global _EXIT_HANDLER_REGISTERED

@@ -70,20 +70,10 @@ shapes_cache_dir: Optional[Path] = None
 
 
 def _shapes_key(model_dir: str) -> Optional[str]:
-    import hashlib
-    from importlib import metadata
-
     from lora_conformance.engines._hf_common import is_encoder_only
+    from lora_conformance.models import transformers_files_key
 
-    cfg = Path(model_dir) / "config.json"
-    try:
-        version = metadata.version("transformers")
-        blob = cfg.read_bytes()
-    except (OSError, metadata.PackageNotFoundError):
-        return None
-    h = hashlib.sha256(blob)
-    h.update(f"|transformers={version}|encoder={is_encoder_only(Path(model_dir))}".encode())
-    return h.hexdigest()[:24]
+    return transformers_files_key(model_dir, ("config.json",), f"encoder={is_encoder_only(Path(model_dir))}")
 
 
 def _shapes_from_json(data: dict) -> BaseShapes:

@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 from lora_conformance.settings import fixtures_dir
 
@@ -87,6 +87,24 @@ def model_kind(model_dir: Union[str, Path]) -> str:
     if cfg.get("is_decoder") is False or "Bert" in archs or cfg.get("model_type") == "bert":
         return "encoder"
     return "decoder"
+
+
+def transformers_files_key(model_dir: Union[str, Path], names: tuple[str, ...], extra: str = "") -> Optional[str]:
+    """A short key for what transformers derives from these files of a checkpoint (the base shapes,
+    AutoTokenizer's class choice): their contents (a missing file counts as missing), the installed
+    transformers version and ``extra``; None where transformers is not installed."""
+    from importlib import metadata
+
+    try:
+        h = hashlib.sha256(f"transformers={metadata.version('transformers')}|{extra}".encode())
+    except metadata.PackageNotFoundError:
+        return None
+    for name in names:
+        path = Path(model_dir) / name
+        h.update(f"|{name}=".encode())
+        if path.exists():
+            h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()[:24]
 
 
 def content_hash(model_dir: Union[str, Path]) -> str:

@@ -92,19 +92,9 @@ RESOLUTION_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json", "s
 
 
 def _resolution_key(model_dir: Path) -> Optional[str]:
-    import hashlib
-    from importlib import metadata
+    from lora_conformance.models import transformers_files_key
 
-    try:
-        h = hashlib.sha256(f"transformers={metadata.version('transformers')}".encode())
-    except metadata.PackageNotFoundError:
-        return None
-    for name in RESOLUTION_FILES:
-        path = model_dir / name
-        h.update(f"|{name}=".encode())
-        if path.exists():
-            h.update(hashlib.sha256(path.read_bytes()).digest())
-    return h.hexdigest()[:24]
+    return transformers_files_key(model_dir, RESOLUTION_FILES)
 
 
 def _remote_code(model_dir: Path) -> bool:

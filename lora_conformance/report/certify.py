@@ -82,9 +82,7 @@ def _devices_for(spec: str) -> tuple[str, int]:
 def _cache_dir(args) -> Path:
     """The cache the run will use: --lora-cache among the pytest arguments, else its environment
     variable, else the default (the plugin's own precedence; an ini key is not looked at here)."""
-    import os
-
-    from lora_conformance.options import ENV_PREFIX
+    from lora_conformance.options import BY_NAME
     from lora_conformance.settings import default_cache_dir
 
     extra = _extra_args(args)
@@ -93,7 +91,7 @@ def _cache_dir(args) -> Path:
             return Path(a.split("=", 1)[1]).expanduser()
         if a == "--lora-cache" and i + 1 < len(extra):
             return Path(extra[i + 1]).expanduser()
-    env = os.environ.get(ENV_PREFIX + "LORA_CACHE")
+    env = os.environ.get(BY_NAME["lora_cache"].env)
     return Path(env).expanduser() if env else default_cache_dir()
 
 
@@ -102,11 +100,12 @@ def recorded_work(args, device_type: str) -> Optional[float]:
     (None: none). The durations file also holds other runs' tests (our own tests, other suite
     directories): only node ids of a test file in this suite directory count."""
     from lora_conformance import schedule
+    from lora_conformance.devices import default_dtype_for
     from lora_conformance.settings import suites_dir
 
     suite_dir = Path(args.suite_dir or suites_dir())
     files = {f"{suite_dir.name}/{f.name}" for f in suite_dir.glob("test_*.py")}
-    dtype = args.dtype or ("float32" if device_type == "cpu" else "bfloat16")
+    dtype = args.dtype or default_dtype_for(device_type)
     durations = schedule.load(schedule.durations_path(_cache_dir(args), args.engine, device_type, dtype))
     mine = [d for nodeid, d in durations.items() if "/".join(nodeid.split("::")[0].split("/")[-2:]) in files]
     return sum(mine) or None
@@ -155,14 +154,22 @@ def _pytest_has_autoload_flag() -> bool:
         return True
 
 
+def _autoload_env(args) -> Optional[dict]:
+    """The environment that turns pytest's plugin auto-loading off, where the command line cannot
+    (a pytest before 8.4, without --disable-plugin-autoload); else None."""
+    if args.autoload_plugins or _pytest_has_autoload_flag():
+        return None
+    return dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+
+
 def pytest_command(args, workers: Optional[int] = None) -> list[str]:
     from lora_conformance.settings import suites_dir
 
     suite_dir = args.suite_dir or suites_dir()
     cmd = [sys.executable, "-m", "pytest", str(suite_dir), f"--device={args.device}", f"--engine={args.engine}"]
-    if not getattr(args, "autoload_plugins", False):
-        if _pytest_has_autoload_flag():
-            cmd.append("--disable-plugin-autoload")  # else run() sets PYTEST_DISABLE_PLUGIN_AUTOLOAD
+    if not args.autoload_plugins:
+        if _autoload_env(args) is None:
+            cmd.append("--disable-plugin-autoload")  # else run() passes the environment variable
         for name in suite_plugins():
             cmd += ["-p", name]
     cmd += [f"--engine-arg={a}" for a in args.engine_arg]
@@ -205,12 +212,9 @@ def run(args, runner=subprocess.call) -> int:
     if not args.autoload_plugins:
         print(f"plugins: {', '.join(suite_plugins())} (other installed pytest plugins are not loaded: "
               "add one with -- -p NAME, or all with --autoload-plugins)", flush=True)
-    if not args.autoload_plugins and not _pytest_has_autoload_flag():
-        print("running: PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 " + " ".join(cmd), flush=True)
-        code = int(runner(cmd, env=dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")))
-    else:
-        print("running: " + " ".join(cmd), flush=True)
-        code = int(runner(cmd))
+    env = _autoload_env(args)
+    print("running: " + ("PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 " if env else "") + " ".join(cmd), flush=True)
+    code = int(runner(cmd, env=env) if env else runner(cmd))
     if code == NO_TESTS_COLLECTED:
         print(f"lora-conformance certify: error: no tests were collected from {cmd[3]} "
               "(check --suite-dir and any -k/-m given after --); nothing was certified", file=sys.stderr)

@@ -185,10 +185,9 @@ class ReportRecorder:
     def environment(self, config: Optional[pytest.Config]) -> dict[str, Any]:
         from lora_conformance.report.environment import fingerprint, pytest_plugins
 
-        extra = dict(config.stash.get(ENV_KEY, None) or {}) if config is not None else {}
-        if config is not None:
-            extra["pytest_plugins"] = pytest_plugins(config)
-        return fingerprint(self.settings, extra)
+        if config is None:
+            return fingerprint(self.settings)
+        return fingerprint(self.settings, {**config.stash.get(ENV_KEY, {}), "pytest_plugins": pytest_plugins(config)})
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session, exitstatus):
