@@ -1,8 +1,11 @@
 """Repository-level pytest configuration.
 
-The plugin itself is loaded through its ``pytest11`` entry point (``pip install -e .``), so
-nothing here registers it. This file only keeps ``pytest`` run from the repository root
-away from folders that hold scripts rather than tests.
+Installed, the plugin does nothing in a pytest run that does not ask for it (see
+lora_conformance/autoload.py); this repository's own tests use its fixtures and options, so this
+file loads it. It also keeps ``pytest`` run from the repository root away from folders that hold
+scripts rather than tests.
 """
+
+pytest_plugins = ["lora_conformance.plugin"]
 
 collect_ignore = ["bench", "ci", "fixtures", "reports"]

@@ -53,6 +53,8 @@ OPTIONS: tuple[Option, ...] = (
            False, is_flag=True),
     Option("lora_threads", "--lora-threads", "torch intra-op threads per process: a number, or auto (cores // "
            "pytest-xdist workers; OMP_NUM_THREADS, when set, is then left to torch)", "auto"),
+    Option("lora_test_timeout", "--lora-test-timeout", "time budget in seconds for each phase (setup, call, "
+           "teardown) of a test; past it the test fails with a message and the run goes on (0: none)", "600"),
     Option("lora_report", "--lora-report", "write report.json/md/html and badge.svg to this directory", None),
     Option("expectations", "--expectations", "expectations file (test-id prefix -> xfail/skip with reason)", None),
     Option("ci_hw", "--ci-hw", "run only suite files registered for this hardware (cpu, cuda, xpu, npu, ...)", None),

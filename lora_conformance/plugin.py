@@ -1,4 +1,9 @@
-"""The pytest11 entry point: options, markers, collection rules, fixtures.
+"""The lora-conformance pytest plugin: options, markers, collection rules, fixtures.
+
+Loaded only where a run asks for it, never into every pytest run of the environment (the pytest11
+entry point, ``lora_conformance.autoload``, leaves other projects' runs alone): by the suites' own
+``conftest.py`` (``pytest suites ...``), by ``-p lora_conformance.plugin`` (what ``lora-conformance
+certify`` passes; any project's tests can use it too), or by ``--pyargs lora_conformance.suites``.
 
 Thin by design: importing this module imports pytest and our option tables only. torch,
 transformers, PEFT and engines load inside hooks and fixtures, and only when a run needs
@@ -9,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ from lora_conformance import options, parallel
 from lora_conformance.devices import SHORTHAND_TYPES
 from lora_conformance.features import MARKER_HELP as FEATURE_MARKER_HELP
 from lora_conformance.settings import SETTINGS_KEY, Settings, default_cache_dir, get_settings
+from lora_conformance.time_budget import parse_seconds
 
 MARKERS = (
     f"device(*types): run only on these device types ({', '.join(SHORTHAND_TYPES)}, or a vendor type)",
@@ -77,6 +82,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
         "engine": _check_engine,
         "base_model": _check_base_model,
         "lora_threads": parallel.parse_threads,
+        "lora_test_timeout": parse_seconds,
     })
     try:
         device = check_device(r["device"])
@@ -101,6 +107,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
         ci_nightly=bool(r["ci_nightly"]),
         ci_partition=r["ci_partition"],
         ci_durations=Path(r["ci_durations"]) if r["ci_durations"] else None,
+        test_timeout=r["lora_test_timeout"],
         sources=dict(r.sources),
         threads=parallel.thread_share(parallel.cpu_cores(), parallel.xdist_workers(config), r["lora_threads"],
                                       r.source("lora_threads")),
@@ -108,14 +115,15 @@ def resolve_settings(config: pytest.Config) -> Settings:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _OPEN_CONFIGS
-    _OPEN_CONFIGS += 1
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     if config.getoption("help", False) or config.getoption("version", False):
         return
     settings = resolve_settings(config)
     config.stash[SETTINGS_KEY] = settings
+    from lora_conformance import gc_tuning
+
+    config.pluginmanager.register(gc_tuning, "lora-conformance-gc")
     _register_subplugins(config, settings)
     from lora_conformance import schedule
 
@@ -132,74 +140,15 @@ def pytest_configure_node(node: Any) -> None:
         node.workerinput[schedule.WORKERINPUT_KEY] = schedule.node_input(node.config)
 
 
-_EXIT_HANDLER_REGISTERED = False
-_FROZEN_KEY = pytest.StashKey[bool]()
-# pytest runs configured in this process and not yet unconfigured: 1 for the process's own run, 2
-# and more while a test runs pytest inline (pytester). Only the process's own run freezes objects:
-# an inline run's session becomes garbage when it ends, and frozen garbage is never collected.
-_OPEN_CONFIGS = 0
-
-
-def _nanobind_loaded() -> bool:
-    """Whether an extension module built with nanobind (triton's, among others) is loaded: nanobind
-    counts its objects at interpreter exit and prints a leak report for every one never freed."""
-    import importlib.machinery
-
-    for mod in list(sys.modules.values()):
-        if not isinstance(getattr(mod, "__loader__", None), importlib.machinery.ExtensionFileLoader):
-            continue
-        if any(type(v).__name__ == "nb_func" for v in list(vars(mod).values())):
-            return True
-    return False
-
-
-def _gc_at_exit() -> None:
-    """The interpreter's final collection walks every object still alive (about 0.7 s a process with
-    torch and transformers loaded, paid by each worker before pytest-xdist's controller can finish).
-    Freeze them, so it skips them; but where nanobind is loaded, hand everything back to the
-    collector, so that its objects are freed and it reports no leaks."""
-    import gc
-
-    if _nanobind_loaded():
-        gc.unfreeze()
-    else:
-        gc.freeze()
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    # What collection imported (torch, transformers, the suites) lives for the whole run: move it
-    # out of the cyclic garbage collector's way, so its passes during the run only walk what tests
-    # create (about 1 s of a certification run).
-    if _OPEN_CONFIGS != 1:
-        return  # a run inside a test (see _OPEN_CONFIGS)
-    import atexit
-    import gc
-
-    gc.freeze()
-    session.config.stash[_FROZEN_KEY] = True
-    global _EXIT_HANDLER_REGISTERED
-    if not _EXIT_HANDLER_REGISTERED:  # once per process (pytester runs many sessions in one)
-        atexit.register(_gc_at_exit)
-        _EXIT_HANDLER_REGISTERED = True
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config: pytest.Config) -> None:
-    # pytest's closing check for unraisable exceptions runs five full collections after this hook:
-    # about 0.7 s a process once the tests have imported transformers and built engines. Collect
-    # the run's garbage once here (its finalizers run, so their exceptions still surface), then
-    # freeze what survives: those five passes, and the interpreter's at exit, only walk the rest.
-    global _OPEN_CONFIGS
-    _OPEN_CONFIGS = max(0, _OPEN_CONFIGS - 1)
-    if config.stash.get(_FROZEN_KEY, False):
-        import gc
-
-        gc.collect()
-        gc.freeze()
-
-
 def _register_subplugins(config: pytest.Config, settings: Settings) -> None:
     from lora_conformance.expectations import ExpectationsPlugin, default_expectations_path
+
+    if settings.test_timeout:
+        from lora_conformance.time_budget import TimeBudget
+
+        config.pluginmanager.register(TimeBudget(settings.test_timeout, settings.sources.get("lora_test_timeout", "default"),
+                                                 on_timeout=lambda item: _discard_engines(item.config)),
+                                      "lora-conformance-time-budget")
 
     path = settings.expectations or default_expectations_path(settings.engine, settings.device_type)
     if path is not None:
@@ -294,6 +243,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     durations = schedule.worker_durations(config)
     if durations:  # pytest-xdist worker: the long tests first (identical in every worker)
         items[:] = schedule.order(items, durations)
+
+
+def _discard_engines(config: pytest.Config) -> None:
+    if HARNESS_KEY in config.stash:
+        config.stash[HARNESS_KEY].discard_engines()
 
 
 # ---- fixtures --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ class Settings:
     ci_nightly: bool = False
     ci_partition: Optional[str] = None
     ci_durations: Optional[Path] = None
+    test_timeout: float = 0.0  # seconds per test phase (0: no budget; see lora_conformance.time_budget)
     threads: Any = None  # parallel.ThreadShare: torch threads of this process, and why
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -65,16 +66,45 @@ def default_cache_dir() -> Path:
 
 
 def repo_root() -> Path:
-    """The checkout holding suites/ and fixtures/ (the package is installed editable)."""
+    """The folder above the package: the checkout in an editable install or a source run (its git
+    commit goes into the report); site-packages in a plain install."""
     return Path(__file__).resolve().parents[1]
+
+
+def shipped_dir(name: str) -> Path:
+    """A folder that ships inside the package as ``lora_conformance.<name>`` (``suites``, ``fixtures``).
+
+    In a plain install that is the installed package's folder. A source checkout keeps the folder at
+    its top (pyproject.toml maps it into the package), and its own copy wins there: a run from the
+    checkout without reinstalling (PYTHONPATH, or an editable install made before the folder
+    shipped) finds no such package, or finds another checkout's through that editable install.
+    """
+    import importlib.util
+
+    here = Path(__file__).resolve().parent
+    try:
+        spec = importlib.util.find_spec(f"lora_conformance.{name}")
+    except ImportError:
+        spec = None
+    installed = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+    if installed is not None and installed.resolve().parent == here:
+        return installed  # inside this package (a wheel install)
+    source = here.parent / name
+    if (here.parent / "pyproject.toml").is_file() and source.is_dir():
+        return source
+    if installed is not None:
+        return installed
+    raise FileNotFoundError(f"lora_conformance.{name} is not installed with the package, and {source} does not "
+                            "exist: reinstall lora-conformance")
 
 
 def fixtures_dir() -> Path:
     import os
 
     env = os.environ.get("LORA_CONFORMANCE_FIXTURES")
-    return Path(env) if env else repo_root() / "fixtures"
+    return Path(env) if env else shipped_dir("fixtures")
 
 
 def suites_dir() -> Path:
-    return repo_root() / "suites"
+    """The bundled conformance suites (``lora_conformance.suites``)."""
+    return shipped_dir("suites")

@@ -1,5 +1,10 @@
-"""Conformance suites: run with `pytest suites --device=... --engine=...` (fixtures come from the plugin).
+"""Conformance suites: run with `pytest suites --device=... --engine=...`.
+
+This conftest activates the lora-conformance plugin (options, fixtures, report header) for runs of
+the suites: installed, the plugin does nothing in other projects' pytest runs.
 
 Suites that draw examples with hypothesis import ``given`` from ``lora_conformance.suite_hypothesis``,
 which loads the suites' profile first.
 """
+
+pytest_plugins = ["lora_conformance.plugin"]

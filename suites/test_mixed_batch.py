@@ -11,7 +11,7 @@ import pytest
 
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close, assert_nearest_reference_routing
-from lora_conformance.suite_hypothesis import given, st
+from lora_conformance.suite_hypothesis import given, note, st
 from lora_conformance.types import GenerationRequest
 
 register_cpu_ci(est_time=35, suite="per-commit")
@@ -154,4 +154,7 @@ def test_random_compositions(lora, device, dtype, data):
         length = data.draw(st.integers(1, 20), label="prompt words")
         tokens = data.draw(st.integers(1, 12), label="max new tokens")
         reqs.append(GenerationRequest(prompt=" ".join(words[start:start + length]), adapter=label, max_new_tokens=tokens))
+    note("composition (one row a line):\n" + "\n".join(
+        f"  row {i}: adapter={r.adapter or 'base'} max_new_tokens={r.max_new_tokens} prompt={r.prompt!r}"
+        for i, r in enumerate(reqs)))
     lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs), reqs, label=f"composition {labels}")

@@ -4,7 +4,13 @@ The heavy libraries are imported here, at collection, on purpose: an in-process 
 run restores ``sys.modules`` afterwards, and a lazily imported transformers submodule
 dropped that way breaks the next run ("Could not import module 'AutoModel'"). Modules
 imported before the first run stay in the snapshot.
+
+The plugin does nothing in a run that does not ask for it: the repository's conftest.py loads it
+for these tests, and ``PYTEST_PLUGINS`` loads it into the pytest runs they start (pytester, in
+process or in a child); a test of the plugin's absence removes that variable.
 """
+
+import os
 
 import peft  # noqa: F401
 import pytest
@@ -15,6 +21,9 @@ import lora_conformance.engines.builtin  # noqa: F401
 import lora_conformance.engines.peft_engine  # noqa: F401
 import lora_conformance.harness  # noqa: F401
 import lora_conformance.reference  # noqa: F401
+
+os.environ["PYTEST_PLUGINS"] = ",".join(
+    p for p in (*os.environ.get("PYTEST_PLUGINS", "").split(","), "lora_conformance.plugin") if p)
 
 
 @pytest.fixture(scope="session")

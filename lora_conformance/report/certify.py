@@ -28,6 +28,7 @@ REPORT_FILES = ("report.json", "report.md", "report.html", "badge.svg")
 # The plugins a certification loads (with pytest's auto-loading off), each where it is installed.
 SUITE_PLUGINS = ("lora_conformance.plugin", "xdist.plugin", "_hypothesis_pytestplugin")
 NO_TESTS_COLLECTED = 5
+CERTIFY_INI = "certify.ini"  # in the bundled suites: the run's only pytest configuration
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,13 +166,19 @@ def _autoload_env(args) -> Optional[dict]:
 def pytest_command(args, workers: Optional[int] = None) -> list[str]:
     from lora_conformance.settings import suites_dir
 
-    suite_dir = args.suite_dir or suites_dir()
+    suite_dir = Path(args.suite_dir or suites_dir()).resolve()
     cmd = [sys.executable, "-m", "pytest", str(suite_dir), f"--device={args.device}", f"--engine={args.engine}"]
     if not args.autoload_plugins:
         if _autoload_env(args) is None:
             cmd.append("--disable-plugin-autoload")  # else run() passes the environment variable
         for name in suite_plugins():
             cmd += ["-p", name]
+    else:
+        cmd += ["-p", SUITE_PLUGINS[0]]  # installed, it is not auto-loaded (lora_conformance.autoload)
+    # Wherever the package is installed: this configuration only, test ids suites/test_*.py::...
+    # pytest's cache (--lf, --ff) where pytest run here would keep it, never inside an installed package.
+    cmd += ["-c", str(suites_dir() / CERTIFY_INI), f"--rootdir={suite_dir.parent}", f"--confcutdir={suite_dir}",
+            "-o", f"cache_dir={Path.cwd() / '.pytest_cache'}"]
     cmd += [f"--engine-arg={a}" for a in args.engine_arg]
     if args.dtype:
         cmd.append(f"--dtype={args.dtype}")
