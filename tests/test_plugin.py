@@ -175,6 +175,6 @@ def test_only_the_processs_own_run_freezes_objects(pytester):
 
     pytester.makepyfile(test_tiny="def test_a():\n    pass\n")
     before = gc.get_freeze_count()
-    result = pytester.inline_run("--device=cpu", "-p", "no:cacheprovider")  # the plugin auto-loads
+    result = pytester.inline_run("--device=cpu", "-p", "no:cacheprovider")  # the plugin: PYTEST_PLUGINS (conftest)
     result.assertoutcome(passed=1)
     assert gc.get_freeze_count() <= before  # frozen objects that die leave the count; only a freeze adds

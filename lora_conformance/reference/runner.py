@@ -31,6 +31,20 @@ def _versions() -> dict[str, str]:
             for name in ("torch", "transformers", "peft")}
 
 
+def kv_cache_argument(model: Any) -> str:
+    """The name under which ``model`` takes (and returns) its KV cache: ``cache`` in the transformers
+    releases that have it (``past_key_values`` is deprecated there, for removal in 5.40), else
+    ``past_key_values``. Read from the base model's ``forward`` signature (PEFT's takes ``**kwargs``)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        parameters = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def _topk(logprobs_row, k: int, extra: Optional[int] = None) -> TopK:
     vals, ids = logprobs_row.topk(k)
     out = {int(i): float(v) for i, v in zip(ids.tolist(), vals.tolist())}
@@ -184,7 +198,8 @@ class ReferenceRunner:
             prompt_lps = None
             if req.prompt_logprobs:
                 prompt_lps = [_topk(lps[p], req.top_k, extra=int(ids[0, p + 1])) for p in range(ids.shape[1] - 1)]
-            past = out.past_key_values
+            cache_arg = kv_cache_argument(model)
+            past = getattr(out, cache_arg)
             step_lp = lps[-1]
             generated: list[int] = []
             step_topk: list[TopK] = []
@@ -194,9 +209,9 @@ class ReferenceRunner:
                 step_topk.append(_topk(step_lp, req.top_k))
                 if (not req.ignore_eos and nxt == eos) or step == req.max_new_tokens - 1:
                     break
-                out = model(input_ids=torch.tensor([[nxt]], device=self.device), past_key_values=past, use_cache=True)
+                out = model(input_ids=torch.tensor([[nxt]], device=self.device), use_cache=True, **{cache_arg: past})
                 self.forward_passes += 1
-                past = out.past_key_values
+                past = getattr(out, cache_arg)
                 step_lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
         return GenerationResult(
             token_ids=generated,
