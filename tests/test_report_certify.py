@@ -6,11 +6,13 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
 from lora_conformance.report import certify
 from lora_conformance.report.document import build_report, write_report
+from lora_conformance.settings import suites_dir
 
 
 def parse(*argv):
@@ -25,9 +27,11 @@ def test_pytest_command(tmp_path):
                  "--suite-dir", str(tmp_path), "--", "-n", "4", "-k", "mixed_batch")
     plugins = [a for name in certify.suite_plugins() for a in ("-p", name)]
     assert certify._pytest_has_autoload_flag()  # pyproject asks for pytest>=8.4
+    isolation = ["-c", str(suites_dir() / "certify.ini"), f"--rootdir={tmp_path.parent}", f"--confcutdir={tmp_path}",
+                 "-o", f"cache_dir={Path.cwd() / '.pytest_cache'}"]
     assert certify.pytest_command(args) == [
         sys.executable, "-m", "pytest", str(tmp_path), "--device=xpu", "--engine=sglang",
-        "--disable-plugin-autoload", *plugins, "--engine-arg=tp=2",
+        "--disable-plugin-autoload", *plugins, *isolation, "--engine-arg=tp=2",
         "--engine-arg=mem=0.5", "--dtype=bfloat16", "--base-model=synthetic:moe",
         f"--lora-report={(tmp_path / 'r').resolve()}", "-n", "4", "-k", "mixed_batch"]
 
@@ -39,7 +43,9 @@ def test_only_the_suites_plugins_are_loaded_unless_asked(tmp_path):
     assert loaded[0] == "lora_conformance.plugin" and set(loaded) <= set(certify.SUITE_PLUGINS)
     assert "xdist.plugin" in loaded and "_hypothesis_pytestplugin" in loaded  # both are test extras here
     everything = certify.pytest_command(parse("--device", "cpu", "--autoload-plugins", "--report", str(tmp_path)))
-    assert "--disable-plugin-autoload" not in everything and "-p" not in everything
+    assert "--disable-plugin-autoload" not in everything
+    # Installed, lora_conformance.plugin is not auto-loaded (the entry point is inert): it is still named.
+    assert [everything[i + 1] for i, a in enumerate(everything) if a == "-p"] == ["lora_conformance.plugin"]
 
 
 def test_an_older_pytest_gets_the_environment_variable(tmp_path, capsys, monkeypatch):
@@ -126,7 +132,6 @@ def test_missing_report_is_an_error(tmp_path, capsys):
 
 
 def test_certify_runs_pytest_for_real(tmp_path, capsys):
-    pytest.importorskip("lora_conformance.plugin", reason="lora_conformance.plugin not written yet")
     suites = tmp_path / "suites"
     suites.mkdir()
     (suites / "test_tiny.py").write_text("def test_ok():\n    pass\n")
