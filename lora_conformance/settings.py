@@ -65,10 +65,12 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("lora-conformance"))
 
 
-def repo_root() -> Path:
-    """The folder above the package: the checkout in an editable install or a source run (its git
-    commit goes into the report); site-packages in a plain install."""
-    return Path(__file__).resolve().parents[1]
+def repo_root() -> Optional[Path]:
+    """The source checkout the package runs from (editable install, or PYTHONPATH), whose git commit
+    the report records; None for a plain install (site-packages may sit inside some other project's
+    git work tree, whose commit says nothing about this package)."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "suites").is_dir() else None
 
 
 def shipped_dir(name: str) -> Path:

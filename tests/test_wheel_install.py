@@ -82,3 +82,4 @@ def test_a_plain_install_certifies(installed, lora_settings):
     assert len(records) == 3 and all(r["nodeid"].startswith("suites/test_mixed_batch.py::") for r in records)
     assert data["verdict"]["features"]["mixed_batch/nearest_reference_routing"]["status"] == "passed"
     assert not (outside / "suites").exists()  # nothing of the checkout is needed, nor copied
+    assert data["environment"]["git_commit"] is None  # a plain install has no checkout to name

@@ -140,7 +140,7 @@ def fingerprint(settings: Any, extra: Optional[Mapping[str, Any]] = None) -> dic
         "packages": package_versions(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "git_commit": git_commit(repo_root()),
+        "git_commit": git_commit(repo_root()) if repo_root() else None,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     extra = dict(extra or {})
