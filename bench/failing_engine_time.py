@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             r = one_run(args.fault, args.workers, Path(tmp) / "report")
         load = lambda l: "/".join(f"{x:.1f}" for x in l)  # noqa: E731
-        print(f"run {i + 1}: wall {r['wall']:.1f} s, cpu {r['cpu']:.1f} s, exit {r['exit']}, "
+        print(f"run {i + 1}: wall {r['wall']:.1f} s, cpu {r['cpu']:.1f} s (processes waited for; pytest-xdist workers may be missing), exit {r['exit']}, "
               f"load {load(r['load_before'])} -> {load(r['load_after'])} (1/5/15 min), {os.cpu_count()} cores")
         print("\n".join(r["durations"]))
         print(r["badge"])
