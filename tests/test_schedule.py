@@ -73,8 +73,8 @@ def test_two_workers_run_the_long_test_first(tmp_path):
     env.update(LORA_CONFORMANCE_LORA_CACHE=str(tmp_path / "cache"), ORDER_LOG=str(tmp_path / "order.log"))
 
     def run(*args):
-        out = subprocess.run([sys.executable, "-m", "pytest", "test_s.py", "-p", "no:cacheprovider", "--device=cpu",
-                              *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-m", "pytest", "test_s.py", "-p", "no:cacheprovider",
+                              "-p", "lora_conformance.plugin", "--device=cpu", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
     run("-p", "no:xdist")  # serial: collection order, durations recorded
