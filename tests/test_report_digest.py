@@ -99,11 +99,16 @@ def test_edited_reports_are_refused(report, tmp_path, capsys, action, change):
     assert not (tmp_path / "o").exists(), "nothing written from a refused report"
 
 
-def test_ignore_digest_reads_an_edited_report_and_verify_tells_the_verdict_apart(report, tmp_path):
+def test_ignore_digest_reads_an_edited_report_and_verify_tells_the_verdict_apart(report, tmp_path, capsys):
     _edit(report, _turn_failed_into_passed)
     # The stored verdict (failed) is not what these records give: verify says so (exit 1).
     assert _cli("verify", report, "--ignore-digest") == 1
     assert _cli("render", report, "-o", tmp_path / "o", "--ignore-digest") == 0
+    # What is rendered from an unchecked report says so, under its new digest.
+    capsys.readouterr()
+    assert _cli("verify", tmp_path / "o") == 0
+    assert "digest ok, but rendered with --ignore-digest" in capsys.readouterr().out
+    assert "rendered with --ignore-digest" in (tmp_path / "o" / "report.md").read_text()
 
 
 def test_report_without_digest_is_refused_unless_ignored(report, tmp_path, capsys):

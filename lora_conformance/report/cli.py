@@ -27,6 +27,8 @@ DIGEST_EXIT = 3  # the report does not match its digest (2: any other unreadable
 def _digest_words(report, checked: bool) -> str:
     if not checked:
         return "digest not checked (--ignore-digest)"
+    if report.get("unverified"):
+        return f"digest ok, but {report['unverified']}"
     if report.get("legacy"):
         return ("records checksum ok (schema 1: its checksum covers the records only; the environment is "
                 "covered by no digest and the selection was not recorded)")
@@ -69,6 +71,9 @@ def run(args) -> int:
             # Rules changed since the run (or the file was edited): the records decide.
             print("note: the stored verdict differs from the re-verified one; writing the re-verified verdict",
                   file=sys.stderr)
+        if not check:
+            report = {**report, "unverified": report.get("unverified") or
+                      f"rendered with --ignore-digest from {args.report}: its digest was not checked"}
         paths = write_report(report, args.output)
         print(_verdict_words(report, verdict))
         print(f"wrote {paths['report.html']}")

@@ -55,8 +55,9 @@ def _finish(report: Mapping[str, Any]) -> tuple[dict[str, Any], Verdict]:
     verdict = verify(records, report.get("selection"))
     out = {"schema": SCHEMA, "environment": dict(report.get("environment") or {}),
            "selection": report.get("selection"), "records": records, "verdict": verdict.as_dict()}
-    if report.get("legacy"):
-        out["legacy"] = report["legacy"]  # rendered from a schema-1 report: stays marked
+    for mark in ("legacy", "unverified"):  # rendered from a schema-1 or an unchecked report: stays marked
+        if report.get(mark):
+            out[mark] = report[mark]
     out["digest"] = report_digest(out)
     return out, verdict
 

@@ -211,6 +211,8 @@ def render_html(report: Mapping[str, Any], verdict: Verdict) -> str:
     run_rows = selection_rows(report, verdict)
     if report.get("legacy"):
         run_rows.append(("report", "schema 1: its checksum covered the records only (not the environment)"))
+    if report.get("unverified"):
+        run_rows.append(("report", str(report["unverified"])))
     body.append(_table(("", ""), [[f"<th>{escape(k)}</th>", f"<td>{escape(v)}</td>"] for k, v in run_rows]))
     body.append('<h2 id="environment">Environment</h2>')
     body.append(environment_html(env))

@@ -189,6 +189,8 @@ def render_markdown(report: Mapping[str, Any], verdict: Verdict) -> str:
     lines += [f"| {k} | {text(v)} |" for k, v in selection_rows(report, verdict)]
     if report.get("legacy"):
         lines.append("| report | schema 1: its checksum covered the records only (not the environment) |")
+    if report.get("unverified"):
+        lines.append(f"| report | {text(report['unverified'])} |")
     lines += ["", "## Environment", "", "| | |", "| --- | --- |"]
     lines += [f"| {k} | {text(v)} |" for k, v in environment_rows(env)]
     lines += ["", "The HTML report beside this file shows each failure's evidence (token tables, margins, "
