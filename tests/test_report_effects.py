@@ -54,3 +54,13 @@ def test_a_base_row_shows_no_infinite_interval():
     svg = scatter_svg(base)
     assert "inf" not in svg and "no adapter effect expected" in svg
     assert "inf" not in distances_table(base)
+
+
+def test_a_base_row_summary_has_no_infinite_interval():
+    from lora_conformance.compare.effects import EffectAnalysis
+
+    base = EffectAnalysis("base", points=440, contexts=22, effect_rms=0.0, residual_rms=0.0, residual_max=0.0,
+                          slope=0.0, slope_se=float("inf"), fits=[])
+    assert "inf" not in base.summary() and "no adapter effect expected" in base.summary()
+    adapter = EffectAnalysis("A", 10, 2, 1.0, 0.01, 0.02, 0.99, 0.004, [])
+    assert "slope 0.990 ± 0.004" in adapter.summary()

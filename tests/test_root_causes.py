@@ -96,7 +96,8 @@ def test_one_routing_bug_is_one_root_cause_headed_by_its_diagnosis():
         rec("suites/test_mixed_batch.py::test_order", "passed", "mixed_batch/order"),
     ]
     (cause,) = verify(records).root_causes
-    assert cause.heading == "closest to: served as B (also served as C, served as S3)"  # most frequent first
+    assert cause.heading == ("closest to: served as B (also served as C, served as S3): "  # most frequent first
+                             "rows got a wrong adapter (another one, or none)")
     assert "correct" not in cause.heading and not cause.signature.startswith("hypothesis")
     assert sorted(cause.features) == ["mixed_batch/composition", "mixed_batch/oversubscribed",
                                       "mixed_batch/random_compositions", "mixed_batch/routing", "mixed_batch/saturation"]
@@ -123,7 +124,7 @@ def test_undiagnosed_failures_elsewhere_stay_apart_and_keep_their_names():
     heads = [c.heading for c in verify(records).root_causes]
     assert heads == ["logprobs_close: decode diff 1.73 > 0.002 at step 2",
                      "ModuleNotFoundError: No module named 'sglang'", "ModuleNotFoundError: No module named 'vllm'",
-                     "closest to: served as B"], heads
+                     "closest to: served as B: rows got a wrong adapter (another one, or none)"], heads
 
 
 
