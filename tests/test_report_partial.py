@@ -135,3 +135,15 @@ def test_partial_under_xdist(pytester, suite):
     assert data["selection"]["deselected"] == {"suites/test_lifecycle.py::test_reload": "lifecycle/reload"}
     assert data["verdict"]["summary"]["certified"] is False
     assert data["verdict"]["summary"]["coverage"]["not_run"] == ["lifecycle/reload"]
+
+
+def test_an_interrupted_run_is_partial_and_says_so(pytester, suite):
+    # pytest.exit with status 2 is how pytest ends an interrupted session (a KeyboardInterrupt would
+    # also stop this inline run's caller).
+    (suite / "test_routing.py").write_text(ROUTING + "\n\ndef test_zz_interrupt():\n"
+                                           "    pytest.exit('interrupted', returncode=2)\n")
+    result, data, _ = run(pytester, "suites", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    assert data["selection"]["interrupted"] is True
+    assert data["verdict"]["summary"]["certified"] is False
+    assert "an interrupt" in (pytester.path / "report" / "report.md").read_text()

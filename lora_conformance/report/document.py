@@ -94,9 +94,9 @@ def write_report(report: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
 _ENV_TEXT = ("dtype", "base_model", "suite_version", "python", "platform", "git_commit", "date")
 _ENV_OBJECTS = {"engine": ("name", "version"), "device": ("name", "type", "device_name", "runtime", "driver"),
                 "reference": ("device", "dtype"), "packages": None, "pytest_plugins": ()}
-_SELECTION_TYPES = {"args": list, "paths": list, "keyword": str, "markexpr": str, "last_failed": bool, "failed_first": bool,
-                    "deselect": list, "ignore": list, "stepwise": bool, "maxfail": int, "deselected": dict,
-                    "declared_features": list, "suite": dict, "shards": int}
+_SELECTION_TYPES = {"args": list, "paths": list, "keyword": str, "markexpr": str, "last_failed": bool,
+                    "failed_first": bool, "deselect": list, "ignore": list, "stepwise": bool, "maxfail": int,
+                    "interrupted": bool, "deselected": dict, "declared_features": list, "suite": dict, "shards": int}
 
 
 def _expect(value: Any, types: Any, where: str, what: str) -> None:

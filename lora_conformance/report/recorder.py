@@ -155,7 +155,7 @@ class ReportRecorder:
         from lora_conformance.report.selection import describe
         from lora_conformance.report.verify import verify
 
-        selection = describe(config, self.deselected, self.records)
+        selection = describe(config, self.deselected, self.records, exitstatus)
         self.report = build_report(self.environment(config), self.records.values(), selection)
         self.written = write_report(self.report, self.report_dir)
         self.verdict = verify(self.report["records"], selection)

@@ -6,7 +6,8 @@ report is *partial*, never certified. The report records the selection (``descri
 
 - the pytest arguments and selection options as given (``args``, ``paths``: the files, directories
   and node ids collected from, relative to the rootdir, ``keyword``, ``markexpr``,
-  ``last_failed``, ``failed_first``, ``deselect``, ``ignore``, ``stepwise``, ``maxfail``);
+  ``last_failed``, ``failed_first``, ``deselect``, ``ignore``, ``stepwise``, ``maxfail``), and
+  whether the run was ``interrupted`` (pytest's exit status 2);
 - ``deselected``: each collected case that was left out, with its feature id;
 - ``declared_features``: the feature vocabulary of the suite files (their ``feature`` markers,
   read from the source, so a file that was not collected still counts);
@@ -114,8 +115,10 @@ def suite_facts(directories: Iterable[Path]) -> tuple[dict[str, Any], list[str]]
         sorted(set(declared))
 
 
-def describe(config: Any, deselected: Mapping[str, str], nodeids: Iterable[str]) -> dict[str, Any]:
-    """The selection of a finished run (``config``: its pytest config, on the controller)."""
+def describe(config: Any, deselected: Mapping[str, str], nodeids: Iterable[str],
+             exitstatus: Optional[int] = None) -> dict[str, Any]:
+    """The selection of a finished run (``config``: its pytest config, on the controller;
+    ``exitstatus``: pytest's, where 2 means the run was interrupted)."""
     opt = config.option
     invocation = Path(config.invocation_params.dir)
     args = [str(a) for a in config.invocation_params.args]
@@ -142,6 +145,7 @@ def describe(config: Any, deselected: Mapping[str, str], nodeids: Iterable[str])
         "ignore": [str(p) for p in (getattr(opt, "ignore", None) or ()) + (getattr(opt, "ignore_glob", None) or ())],
         "stepwise": bool(getattr(opt, "stepwise", False) or getattr(opt, "stepwise_skip", False)),
         "maxfail": int(getattr(opt, "maxfail", 0) or 0),
+        "interrupted": int(exitstatus) == 2 if exitstatus is not None else False,
         "deselected": dict(sorted(deselected.items())),
         "declared_features": declared,
         "suite": suite,
@@ -166,6 +170,8 @@ def narrowing(selection: Optional[Mapping[str, Any]]) -> list[str]:
     out += [f"--ignore {d}" for d in selection.get("ignore") or ()]
     if selection.get("stepwise"):
         out.append("--stepwise")
+    if selection.get("interrupted"):
+        out.append("an interrupt")
     if selection.get("maxfail"):
         out.append(f"--maxfail {selection['maxfail']}")
     if selection.get("deselected"):
