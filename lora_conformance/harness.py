@@ -314,7 +314,9 @@ class TestContext:
 
     def note(self, text: str) -> None:
         """A remark the report shows beside this test's verdict (what the test could not establish)."""
-        self.request.node.user_properties.append(("lora_note", text))
+        from lora_conformance import evidence
+
+        evidence.add(self.request.node, evidence.NOTE, text)
 
     def auxiliary(self, engine, capability: str, certified_by: str) -> bool:
         """Whether this test may use an auxiliary feature it does not certify (issue 12): ``engine``
@@ -395,10 +397,9 @@ class TestContext:
                                 conformance.required_hypotheses(alts, certify_modules))
         runner = self.harness.reference(self.model_dir)
         analyses = conformance.run(plan, engine, runner, self.tolerance)
-        import json
+        from lora_conformance import evidence
 
-        self.request.node.user_properties.append(
-            ("lora_effects", json.dumps([a.as_evidence() for a in analyses], default=str)))
+        evidence.add(self.request.node, evidence.EFFECTS, [a.as_evidence() for a in analyses])
         assert_effects_conform(analyses, label=label or ", ".join(names) or "base")
         if free_running:
             from dataclasses import replace

@@ -7,9 +7,10 @@ A suite test that cannot judge the engine says why in one of a few words, not in
 - ``refused``: the engine refused the configuration or the model the test needs.
 
 ``not_certified(cause, detail)`` skips the test with a ``NotCertified`` exception (a pytest
-skip, so every runner treats it as one); the report reads the cause from the exception, not
-from the message text. The message keeps the ``not certified: ...`` form for people and for
-reports written before the cause was recorded.
+skip, so every runner treats it as one); the report reads the cause from the exception (the
+plugin records it as ``lora_conformance.evidence.OUTCOME``), not from the message text. The
+message keeps the ``not certified: ...`` form for people and for reports written before the
+cause was recorded.
 """
 
 from __future__ import annotations
@@ -20,11 +21,6 @@ import pytest
 
 CAPABILITY, LIMIT, REFUSED = "capability", "limit", "refused"
 CAUSES = (CAPABILITY, LIMIT, REFUSED)
-# User properties the plugin sets on every suite test's reports (JSON strings), read by the report:
-OUTCOME_PROPERTY = "lora_outcome"  # {"status": "not certified", "cause", "detail"}
-FEATURE_PROPERTY = "lora_feature"  # {"id", "description"}: the test's feature marker
-FAILURE_PROPERTY = "lora_failure"  # {"type", "message"}: the exception that failed (or xfailed) the test
-MAX_FAILURE_MESSAGE = 2000
 
 
 class NotCertified(pytest.skip.Exception):  # type: ignore[misc,name-defined]
@@ -39,11 +35,6 @@ class NotCertified(pytest.skip.Exception):  # type: ignore[misc,name-defined]
 
     def as_dict(self) -> dict[str, str]:
         return {"status": "not certified", "cause": self.cause, "detail": self.detail}
-
-
-def failure_facts(exc: BaseException) -> dict[str, str]:
-    """What the report groups failures by: the exception's type and its message (bounded)."""
-    return {"type": type(exc).__name__, "message": str(exc)[:MAX_FAILURE_MESSAGE]}
 
 
 def not_certified(cause: str, detail: str) -> NoReturn:

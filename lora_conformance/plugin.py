@@ -330,35 +330,24 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    # Structured facts travel as user properties (JSON strings: they cross from xdist workers):
-    # the feature the test certifies, a not-certified outcome with its cause, and the type and
-    # message of the exception that failed it (for the report's root causes).
-    from lora_conformance.outcomes import FAILURE_PROPERTY, FEATURE_PROPERTY, OUTCOME_PROPERTY
+    # The one writer of the structured facts the report reads (lora_conformance.evidence): the
+    # feature, a not-certified outcome with its cause, a failure's type and message, a comparison's
+    # evidence. User properties are JSON strings: they cross from xdist workers.
+    from lora_conformance import evidence
 
-    names = {p[0] for p in item.user_properties if isinstance(p, tuple) and len(p) == 2}
-    if FEATURE_PROPERTY not in names:
-        from lora_conformance.features import FeatureMarkerError, feature_of_item
-
-        try:
-            feature = feature_of_item(item)
-        except FeatureMarkerError:
-            feature = None  # reported as a usage error at collection
-        if feature is not None:
-            item.user_properties.append((FEATURE_PROPERTY, json.dumps(
-                {"id": feature.id, "description": feature.description})))
-    if call.excinfo is not None:
-        from lora_conformance.compare.errors import ConformanceAssertionError
+    evidence.attach_call_facts(item, call.excinfo)
+    if call.excinfo is not None and HARNESS_KEY in item.config.stash:
         from lora_conformance.engines.base import EngineFailure
-        from lora_conformance.outcomes import NotCertified, failure_facts
 
-        exc = call.excinfo.value
-        if isinstance(exc, NotCertified):
-            if OUTCOME_PROPERTY not in names:
-                item.user_properties.append((OUTCOME_PROPERTY, json.dumps(exc.as_dict())))
-        elif not isinstance(exc, pytest.skip.Exception) and FAILURE_PROPERTY not in names:
-            item.user_properties.append((FAILURE_PROPERTY, json.dumps(failure_facts(exc), default=str)))
-        if isinstance(exc, ConformanceAssertionError):
-            item.user_properties.append(("lora_evidence", json.dumps(exc.evidence, default=str)))
-        if isinstance(exc, EngineFailure) and HARNESS_KEY in item.config.stash:
+        if isinstance(call.excinfo.value, EngineFailure):
             item.config.stash[HARNESS_KEY].discard_engines()
     yield
+
+
+def pytest_deselected(items: list) -> None:
+    # On a pytest-xdist worker: the cases it deselected (-k, -m, --lf, CI shards) travel to the
+    # controller's report, which records what a run left out (report.recorder).
+    if items and hasattr(items[0].config, "workeroutput"):
+        from lora_conformance.report.recorder import ship_deselected
+
+        ship_deselected(items[0].config, items)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lora_conformance.outcomes import FEATURE_PROPERTY
+from lora_conformance.evidence import FEATURE as FEATURE_PROPERTY
 from lora_conformance.settings import suites_dir
 
 

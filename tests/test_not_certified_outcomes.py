@@ -1,6 +1,7 @@
 """Structured not-certified outcomes reach the verdict: a NotCertified skip (refused start, too
-small a limit) is "not certified" however pytest writes its reason, and an engine that declares
-fewer logprobs per token than the paired check needs is not certified by it, not judged."""
+small a limit) is "not certified" by its recorded outcome, and in a schema-1 record (no outcome)
+however pytest wrote its reason; an engine that declares fewer logprobs per token than the paired
+check needs is not certified by it, not judged."""
 
 from __future__ import annotations
 
@@ -9,12 +10,22 @@ import pytest
 from lora_conformance import conformance
 from lora_conformance.engines import Limits
 from lora_conformance.outcomes import LIMIT, NotCertified
+from lora_conformance.report.legacy import upgrade_record
 from lora_conformance.report.verify import NOT_CERTIFIED, SKIPPED, classify
 
 
 def _skipped(reason: str) -> dict:
-    return {"nodeid": "suites/test_moe.py::test_x[cpu-float32]", "phases": {"setup": "skipped"},
-            "skip_reason": reason, "wasxfail": None, "message": None}
+    """A schema-1 record: the skip's text is all it has."""
+    return upgrade_record({"nodeid": "suites/test_moe.py::test_x[cpu-float32]", "phases": {"setup": "skipped"},
+                           "skip_reason": reason, "wasxfail": None, "message": None})
+
+
+def test_recorded_outcome_decides_not_the_text():
+    exc = NotCertified(LIMIT, "needs 3 top-k logprobs, engine allows 1")
+    record = {"nodeid": "suites/test_moe.py::test_x[cpu-float32]", "phases": {"setup": "skipped"},
+              "skip_reason": str(exc), "outcome": exc.as_dict()}
+    assert classify(record)[0] == NOT_CERTIFIED
+    assert classify({**record, "outcome": None})[0] == SKIPPED
 
 
 @pytest.mark.parametrize("reason", [

@@ -37,7 +37,8 @@ def write(tmp_path, name, environment, records):
 def reports(tmp_path):
     a = write(tmp_path, "builtin-cpu-0", env("builtin", "cpu", "float32"), [
         r("suites/test_mixed_batch.py::test_routing[1]", OK),
-        r("suites/test_pinning.py::test_pinned", NC, skip_reason="not certified: engine does not declare pinning")])
+        r("suites/test_pinning.py::test_pinned", NC, skip_reason="not certified: engine does not declare pinning",
+          outcome={"status": "not certified", "cause": "capability", "detail": "engine does not declare pinning"})])
     # A second shard of the same configuration: merges into the same column.
     b = write(tmp_path, "builtin-cpu-1", env("builtin", "cpu", "float32"), [
         r("suites/test_dora.py::test_dora", OK)])
@@ -72,7 +73,8 @@ def test_merge_command(reports, tmp_path):
     out = tmp_path / "merged"
     done = subprocess.run([sys.executable, "-m", "lora_conformance.report", "merge", *map(str, reports), "-o", str(out)],
                           capture_output=True, text=True, check=True)
-    assert "into 2 column(s): builtin@cpu/float32 2/3, sglang@xpu/bfloat16 1/2" in done.stdout
+    assert ("into 2 column(s): builtin@cpu/float32 2/3 (certified (selection not recorded)), "
+            "sglang@xpu/bfloat16 1/2 (not certified)") in done.stdout
     data = json.loads((out / "report.json").read_text())
     assert data["schema"] == "lora-conformance/matrix/1"
     md = (out / "report.md").read_text()
@@ -91,7 +93,8 @@ def test_render_reverifies_from_records(reports, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     report_cli.add_arguments(parser)
     out = tmp_path / "rendered"
-    assert report_cli.run(parser.parse_args(["render", str(tampered), "-o", str(out)])) == 0
+    assert report_cli.run(parser.parse_args(["render", str(tampered), "-o", str(out)])) == report_cli.DIGEST_EXIT
+    assert report_cli.run(parser.parse_args(["render", str(tampered), "-o", str(out), "--ignore-digest"])) == 0
     captured = capsys.readouterr()
     assert "stored verdict differs" in captured.err
     assert "not certified: 1/2 features pass" in captured.out
@@ -104,8 +107,49 @@ def test_render_reverifies_from_records(reports, tmp_path, capsys):
 def test_load_rejects_other_files(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text('{"schema": "something/else"}')
-    with pytest.raises(ReportFormatError, match=f"expected schema '{SCHEMA}', got 'something/else'"):
+    with pytest.raises(ReportFormatError, match=f"expected schema '{SCHEMA}' .*, got 'something/else'"):
         load_report(bad)
     parser = argparse.ArgumentParser()
     report_cli.add_arguments(parser)
     assert report_cli.run(parser.parse_args(["render", str(bad), "-o", str(tmp_path / "o")])) == 2
+
+
+def _selection(declared, deselected=(), keyword=None, digest="d1"):
+    return {"args": [], "paths": ["suites"], "keyword": keyword, "deselected": {n: f for n, f in deselected},
+            "declared_features": declared, "suite": {"files": {}, "sha256": digest, "version": "0.1.0"}}
+
+
+DECLARED = ["dora/dora", "mixed_batch/routing"]
+ROUTING, DORA = "suites/test_mixed_batch.py::test_routing[1]", "suites/test_dora.py::test_dora"
+
+
+def _shard(tmp_path, name, records, selection):
+    out = tmp_path / name
+    write_report(build_report(env("builtin", "cpu", "float32"), records, selection), out)
+    return load_report(out)
+
+
+def test_shards_that_together_ran_everything_make_a_certified_column(tmp_path):
+    one = _shard(tmp_path, "one", [r(ROUTING, OK)], _selection(DECLARED, [(DORA, "dora/dora")]))
+    two = _shard(tmp_path, "two", [r(DORA, OK)], _selection(DECLARED, [(ROUTING, "mixed_batch/routing")]))
+    assert one["verdict"]["summary"]["certified"] is False, "each shard alone is partial"
+    (column,) = merge([one, two])["columns"]
+    assert column["summary"]["certified"] is True and column["status"] == "certified"
+    assert column["summary"]["coverage"]["complete"] is True
+
+
+def test_a_partial_column_is_never_certified(tmp_path):
+    one = _shard(tmp_path, "one", [r(ROUTING, OK)], _selection(DECLARED, [(DORA, "dora/dora")], keyword="routing"))
+    matrix = merge([one])
+    (column,) = matrix["columns"]
+    assert column["summary"]["certified"] is False and column["status"] == "partial: 1 of 2 features"
+    from lora_conformance.report.merge import render_matrix_markdown
+
+    assert "| **status** | **partial: 1 of 2 features** |" in render_matrix_markdown(matrix)
+
+
+def test_merge_refuses_shards_of_different_suite_files(tmp_path):
+    one = _shard(tmp_path, "one", [r(ROUTING, OK)], _selection(DECLARED, digest="d1"))
+    two = _shard(tmp_path, "two", [r(DORA, OK)], _selection(DECLARED, digest="d2"))
+    with pytest.raises(MergeConflict, match="different suite files"):
+        merge([one, two])

@@ -9,9 +9,18 @@ import pytest
 pytest_plugins = ["pytester"]
 
 # Registers the recorder directly (the lead's plugin is disabled with -p no:lora_conformance),
-# with the environment facts a plugin would leave in the stash.
+# with the environment facts a plugin would leave in the stash, and the one evidence writer the
+# plugin's makereport hook calls.
 CONFTEST = """
 from types import SimpleNamespace
+
+import pytest
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    from lora_conformance.evidence import attach_call_facts
+    attach_call_facts(item, call.excinfo)
+    yield
 
 def pytest_configure(config):
     from lora_conformance.report.recorder import ENV_KEY, ReportRecorder
@@ -81,7 +90,7 @@ def run(pytester, *args):
 
 def check_report(out):
     data = json.loads((out / "report.json").read_text())
-    assert data["schema"] == "lora-conformance/report/1"
+    assert data["schema"] == "lora-conformance/report/2"
     features = data["verdict"]["features"]
     assert {fid: f["status"] for fid, f in features.items()} == EXPECTED
     assert features["mixed_batch/dora_matches"]["reason"] == "engine bug #41"
@@ -127,8 +136,7 @@ def test_recorder_writes_the_report(pytester, suite):
     result.stdout.fnmatch_lines([
         "*LoRA conformance*",
         "3 root causes (2 with unexpected failures, 1 recorded as xfail only)",
-        "  1. ConformanceAssertionError: greedy_tokens: step <n>: reference '<id>' vs engine '<id>' [1 failed]: "
-        "mixed_batch/greedy_tokens",
+        "  1. greedy_tokens: step 1: reference 'cat' vs engine 'dog' [1 failed]: mixed_batch/greedy_tokens",
         "  2. RuntimeError: engine failed to start [1 error]: mixed_batch/needs_engine",
         "  3. AssertionError: assert False [1 xfail]: mixed_batch/dora_matches",
         "suite       | passed | failed | error | xfail | not certified | skipped",
@@ -188,6 +196,6 @@ def test_xfails_group_with_failures_by_their_nearest_hypothesis(pytester):
     assert cases["test_composition"]["evidence"]["hypothesis"]["nearest"] == "served as A"
     result.stdout.fnmatch_lines([
         "1 root cause* (1 with unexpected failures*",
-        "  1. hypothesis: served as A [2 xfail, 1 failed]: mixed_batch/composition, mixed_batch/routing, "
-        "mixed_batch/saturation",
+        "  1. closest to: served as A: rows got a wrong adapter (another one, or none) [2 xfail, 1 failed]: "
+        "mixed_batch/composition, mixed_batch/routing, mixed_batch/saturation",
     ])

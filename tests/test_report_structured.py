@@ -72,14 +72,20 @@ def test_report_records_feature_outcome_and_failure(pytester, tmp_path):
 
 
 def test_old_records_fall_back_to_node_id_and_skip_text():
+    """Schema-1 records are read by report.legacy: a not-certified skip told by its text gets its
+    outcome there; every other reader sees only structured outcomes."""
+    from lora_conformance.report.legacy import upgrade_record
+
     old = {"nodeid": "suites/test_lifecycle.py::test_pinning[cpu-float32]", "phases": {"setup": "skipped"},
-           "wasxfail": None, "skip_reason": "not certified: engine does not declare pinning", "message": None}
-    assert classify(old) == ("not certified", "not certified: engine does not declare pinning")
+           "wasxfail": None, "skip_reason": "not certified: engine does not declare pinning", "message": None,
+           "repro": None}
+    assert classify(upgrade_record(old)) == ("not certified", "not certified: engine does not declare pinning")
     # A new record says so structurally: the same text without an outcome is a neutral skip.
-    assert classify({**old, "outcome": None})[0] == "skipped"
-    assert classify({**old, "outcome": {"status": "not certified", "cause": "capability", "detail": "x"}})[0] == \
-        "not certified"
-    v = verify([old, {**old, "nodeid": "suites/test_lifecycle.py::test_renamed[cpu-float32]",
-                      "feature": {"id": "lifecycle/pinning", "description": "pinning"}}])
+    assert classify({**upgrade_record(old), "outcome": None})[0] == "skipped"
+    assert classify({**upgrade_record(old), "outcome": {"status": "not certified", "cause": "capability",
+                                                         "detail": "x"}})[0] == "not certified"
+    v = verify([upgrade_record(old), upgrade_record({
+        **old, "nodeid": "suites/test_lifecycle.py::test_renamed[cpu-float32]",
+        "feature": {"id": "lifecycle/pinning", "description": "pinning"}})])
     assert set(v.features) == {"lifecycle/pinning"}
     assert v.features["lifecycle/pinning"].description == "pinning"

@@ -106,7 +106,10 @@ class EffectAnalysis:
     def summary(self) -> str:
         ranked = sorted(self.fits, key=lambda f: f.distance)[:3]
         alts = ", ".join(f"{f.name} {f.distance:.3g} (gamma {f.gamma:+.2f})" for f in ranked)
-        return (f"{self.label}: slope {self.slope:.3f} ± {self.slope_se:.3f}, residual rms {self.residual_rms:.3g} "
+        # A base row's reference effect is zero: no slope to fit (its standard error is infinite).
+        slope = (f"slope {self.slope:.3f} ± {self.slope_se:.3f}" if math.isfinite(self.slope_se)
+                 else "no adapter effect expected (no slope)")
+        return (f"{self.label}: {slope}, residual rms {self.residual_rms:.3g} "
                 f"(effect rms {self.effect_rms:.3g}, {self.points} points / {self.contexts} contexts); distance to "
                 f"correct {self.correct_distance:.3g}; nearest alternatives: {alts}")
 

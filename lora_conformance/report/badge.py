@@ -10,16 +10,19 @@ GREEN, YELLOW, RED, GREY = "#2e7d32", "#b58900", "#c62828", "#555"
 
 
 def badge_text(verdict: Verdict, device_type: str) -> tuple[str, str]:
+    """A partial run's value says so: ``2/2 partial``."""
     passed, counted = verdict.score()
-    return f"LoRA conformance · {device_type}", f"{passed}/{counted}"
+    return f"LoRA conformance · {device_type}", f"{passed}/{counted}" + (" partial" if verdict.partial else "")
 
 
 def badge_color(verdict: Verdict) -> str:
+    """Red: something failed; green: certified and every counted feature passed; else yellow
+    (a partial run is never green)."""
     by = verdict.summary["features_by_status"]
     if by["failed"] or by["error"]:
         return RED
     passed, counted = verdict.score()
-    return GREEN if counted and passed == counted else YELLOW
+    return GREEN if verdict.certified and counted and passed == counted else YELLOW
 
 
 def _width(text: str) -> int:

@@ -17,7 +17,6 @@ worker its start-up. ``--autoload-plugins`` restores pytest's default; ``-- -p N
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -191,14 +190,14 @@ def pytest_command(args, workers: Optional[int] = None) -> list[str]:
 
 
 def badge_line(report_dir: Path) -> Optional[str]:
+    """The badge's words and the run's status (``certified``, ``partial: N of M features``, ...)."""
+    from lora_conformance.report.document import ReportFormatError, load_report, reverify, status_line
+
     try:
-        data = json.loads((report_dir / "report.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        report = load_report(report_dir)
+    except ReportFormatError:
         return None
-    summary = data["verdict"]["summary"]
-    device = ((data.get("environment") or {}).get("device") or {}).get("type") or "unknown"
-    verdict = "certified" if summary["certified"] else "not certified"
-    return f"LoRA conformance · {device} · {summary['features_passed']}/{summary['features_counted']} ({verdict})"
+    return status_line(report, reverify(report)[0])
 
 
 def run(args, runner=subprocess.call) -> int:

@@ -1,7 +1,9 @@
 """report.html: one self-contained page (inline CSS, no script, nothing fetched).
 
-Sections: verdict and summary, the feature matrix, each failure with its evidence (token
-diff, the per-step table with margins, the raw evidence), the environment.
+Sections: verdict and summary (a partial run says so first), the root causes, each headed by
+its diagnosis with its failures inside (message, evidence: token diff, per-step table with
+margins, effect plots, the raw evidence; the command that reruns it), the feature matrix, the
+run's selection, the environment. Every value from a run is escaped.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from string import Template
 from typing import Any, Iterable, Mapping, Optional
 
 from lora_conformance.report.badge import badge_color, badge_text, render_badge
-from lora_conformance.report.markdown import environment_rows
+from lora_conformance.report.markdown import environment_rows, rerun_command, selection_rows
 from lora_conformance.report.verify import STATUSES, Verdict
 
 _TEMPLATE = Template((Path(__file__).with_name("template.html")).read_text(encoding="utf-8"))
@@ -106,19 +108,46 @@ def _summary_html(verdict: Verdict) -> str:
         f'<span class="muted">{verdict.summary["features"]} features, {verdict.summary["cases"]} cases</span></p>')
 
 
-def root_causes_html(causes: list, heading: str = "h2") -> str:
-    """``N root causes``, each with its signature, case counts and the features under it."""
+def _failure_html(case: Any, record: Any, env: Mapping[str, Any], by_place: bool) -> str:
+    from lora_conformance.report.effects_svg import figures
+
+    failed = case.status in ("failed", "error", "xfail")
+    note = ('<p class="muted">no diagnosis of its own: a comparison failure in the suite of this cause</p>'
+            if by_place else "")
+    return ('<div class="failure">'
+            f"<h4>{status_badge(case.status)} <code>{escape(case.nodeid)}</code></h4>{note}"
+            f"<pre>{escape(case.reason[:4000])}</pre>"
+            + evidence_html(case.evidence)
+            + figures(getattr(record, "effects", None) or [], with_distances=failed)
+            + f'<p class="muted">rerun: <code>{escape(rerun_command(env, case.nodeid))}</code></p>'
+            + (f"<details><summary>traceback</summary><pre>{escape(case.longrepr)}</pre></details>"
+               if case.longrepr else "")
+            + "</div>")
+
+
+def root_causes_html(causes: list, heading: str = "h2", cases: Optional[Mapping[str, Any]] = None,
+                     records: Optional[Mapping[str, Any]] = None, env: Optional[Mapping[str, Any]] = None) -> str:
+    """``N root causes``, each headed by its diagnosis, with its features and (given ``cases``)
+    each of its failures inside it."""
+    from lora_conformance.report.effects_svg import EXPLANATION
     from lora_conformance.report.root_causes import headline
 
-    parts = [f'<{heading} class="root-causes">Root causes: {escape(headline(causes))}</{heading}>']
-    if causes:
-        items = []
-        for cause in causes:
-            counts = ", ".join(f"{n} {s}" for s, n in cause.statuses.items())
-            example = f'<br><span class="muted">e.g. {escape(cause.example[:300])}</span>' if cause.example else ""
-            items.append(f"<li><code>{escape(cause.signature)}</code> ({escape(counts)}){example}<ul>"
-                         + "".join(f"<li><code>{escape(f)}</code></li>" for f in cause.features) + "</ul></li>")
-        parts.append("<ol>" + "".join(items) + "</ol>")
+    parts = [f'<{heading} class="root-causes" id="root-causes">Root causes: {escape(headline(causes))}</{heading}>']
+    if cases is not None and any(getattr((records or {}).get(n), "effects", None) for c in causes for n in c.cases):
+        parts.append(EXPLANATION)
+    sub = "h3" if heading == "h2" else "h4"
+    for i, cause in enumerate(causes, start=1):
+        counts = ", ".join(f"{n} {s}" for s, n in cause.statuses.items())
+        block = [f'<section class="cause"><{sub}>{i}. {escape(cause.title)}</{sub}>',
+                 f'<p class="muted">{escape(counts)}; features: '
+                 + ", ".join(f"<code>{escape(f)}</code>" for f in cause.features) + "</p>"]
+        if cases is not None:
+            by_place = set(cause.by_place)
+            block += [_failure_html(cases[n], (records or {}).get(n), env or {}, n in by_place)
+                      for n in cause.cases if n in cases]
+        elif cause.example:
+            block.append(f'<p class="muted">e.g. {escape(cause.example[:300])}</p>')
+        parts.append("".join(block) + "</section>")
     return "".join(parts)
 
 
@@ -130,21 +159,38 @@ def _verdict_status(verdict: Verdict) -> str:
     by = verdict.summary["features_by_status"]
     if verdict.certified:
         return "passed"
-    return "failed" if by["failed"] or by["error"] else "not certified"
+    return "failed" if by["failed"] or by["error"] else "not certified"  # a partial run included
 
 
 def render_html(report: Mapping[str, Any], verdict: Verdict) -> str:
+    from lora_conformance.evidence import as_records
+    from lora_conformance.report.effects_svg import effects_html
+
     env = report.get("environment") or {}
     device = (env.get("device") or {}).get("type") or "unknown"
     engine = (env.get("engine") or {}).get("name")
     label, value = badge_text(verdict, device)
+    records = {r.nodeid: r for r in as_records(report.get("records") or [])}
+    cases = {c.nodeid: c for c in verdict.cases}
     body = [
         f"<h1>LoRA conformance: {escape(str(engine))} on {escape(device)}</h1>",
         render_badge(label, value, badge_color(verdict)),
-        f'<p class="verdict">{status_badge(_verdict_status(verdict))} '
-        f'{"certified" if verdict.certified else "not certified"}: {value} features pass</p>',
+        f'<p class="verdict">{status_badge(_verdict_status(verdict))} {escape(verdict.status_text())}: '
+        f"{escape(value)} features pass</p>",
+    ]
+    if verdict.partial:
+        cov = verdict.summary["coverage"]
+        from lora_conformance.report.selection import narrowing
+
+        narrowed = narrowing(report.get("selection"))
+        body.append('<p class="partial"><b>Partial run: '
+                    f"{cov['features_run']} of {cov['features_declared']} features ran</b>"
+                    + (f", selected by {escape(', '.join(narrowed))}" if narrowed else "")
+                    + ". A partial run certifies nothing: run the whole suite to certify.</p>"
+                    + (f'<p class="muted">Not run: {escape(", ".join(cov.get("not_run") or []))}</p>'))
+    body += [
         _summary_html(verdict),
-        root_causes_html(verdict.root_causes),
+        root_causes_html(verdict.root_causes, cases=cases, records=records, env=env),
         '<h2 id="matrix">Feature matrix</h2>',
     ]
     rows = []
@@ -155,29 +201,19 @@ def render_html(report: Mapping[str, Any], verdict: Verdict) -> str:
                     + [f'<td class="num">{c[s]}</td>' for s in STATUSES]
                     + [f"<td>{escape(feat.reason[:300])}</td>"])
     body.append(_table(("feature", "status") + STATUSES + ("reason",), rows))
-    failures = [c for c in verdict.cases if c.status in ("failed", "error")]
-    body.append(f'<h2 id="failures">Failures ({len(failures)})</h2>')
-    if not failures:
-        body.append('<p class="muted">none</p>')
-    for case in failures:
-        body.append('<div class="failure">'
-                    f"<h3>{status_badge(case.status)} <code>{escape(case.nodeid)}</code></h3>"
-                    f"<pre>{escape(case.reason[:4000])}</pre>"
-                    + evidence_html(case.evidence)
-                    + (f"<details><summary>reproduction</summary><pre>{escape(case.repro)}</pre></details>"
-                       if case.repro else "")
-                    + (f"<details><summary>traceback</summary><pre>{escape(case.longrepr)}</pre></details>"
-                       if case.longrepr else "")
-                    + "</div>")
-    from lora_conformance.report.effects_svg import effects_html
-
-    records = {r.get("nodeid"): r for r in report.get("records") or [] if isinstance(r, Mapping)}
-    notes = [(nodeid, n) for nodeid, r in records.items() for n in r.get("notes") or ()]
+    notes = [(nodeid, n) for nodeid, r in records.items() for n in r.notes or ()]
     if notes:
         body.append('<h2 id="notes">What the passing tests could not establish</h2><ul>'
                     + "".join(f"<li><code>{escape(str(k))}</code>: {escape(str(n))}</li>" for k, n in notes)
                     + "</ul>")
     body.append(effects_html(verdict.cases, records))
+    body.append('<h2 id="run">Run</h2>')
+    run_rows = selection_rows(report, verdict)
+    if report.get("legacy"):
+        run_rows.append(("report", "schema 1: its checksum covered the records only (not the environment)"))
+    if report.get("unverified"):
+        run_rows.append(("report", str(report["unverified"])))
+    body.append(_table(("", ""), [[f"<th>{escape(k)}</th>", f"<td>{escape(v)}</td>"] for k, v in run_rows]))
     body.append('<h2 id="environment">Environment</h2>')
     body.append(environment_html(env))
     return page(f"LoRA conformance: {engine} on {device} ({value})", "\n".join(body))

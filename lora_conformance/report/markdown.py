@@ -1,28 +1,50 @@
-"""report.md: summary, feature x status table, failures in one line each, environment."""
+"""report.md: verdict, root causes (each failure under its cause), feature table, selection, environment.
+
+Everything that comes from a run (test ids, messages, evidence, environment) is text, never
+markup: ``text`` escapes HTML and table pipes, ``code`` makes a code span that no backtick in
+the value can close.
+"""
 
 from __future__ import annotations
 
+import html
+import re
+import shlex
 from typing import Any, Mapping
 
 from lora_conformance.report.badge import badge_text
 from lora_conformance.report.verify import STATUSES, Verdict
 
 ICON = {"passed": "✅", "failed": "❌", "error": "💥", "xfail": "⚠️", "not certified": "➖", "skipped": "⏭️"}
+MAX_NOT_RUN = 12
 
 
-def _cell(text: Any) -> str:
-    return str(text if text is not None else "").replace("|", "\\|").replace("\n", " ").strip()
+def text(value: Any) -> str:
+    """Run-supplied text for a Markdown line or table cell: HTML escaped, one line, pipes escaped."""
+    return html.escape(" ".join(str(value if value is not None else "").split()), quote=False).replace("|", "\\|")
 
 
-def _short(text: str, limit: int = 160) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+def code(value: Any) -> str:
+    """A code span of ``value`` (one line) that backticks inside it cannot close."""
+    body = " ".join(str(value if value is not None else "").split()).replace("|", "\\|")
+    longest = max((len(m) for m in re.findall(r"`+", body)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if body.startswith("`") or body.endswith("`") or longest else ""
+    return f"{fence}{pad}{body}{pad}{fence}"
+
+
+_cell = text  # table cells
+
+
+def _short(value: str, limit: int = 160) -> str:
+    value = " ".join(str(value).split())
+    return value if len(value) <= limit else value[: limit - 1] + "…"
 
 
 def _plugins_cell(plugins: Any) -> str:
     if not isinstance(plugins, Mapping):
         return "-"  # a report from before plugins were recorded
-    loaded = ", ".join(plugins.get("loaded") or ()) or "none besides pytest's and lora_conformance's"
+    loaded = ", ".join(str(p) for p in plugins.get("loaded") or ()) or "none besides pytest's and lora_conformance's"
     return loaded + ("" if plugins.get("autoload") else " (auto-loading off)")
 
 
@@ -35,7 +57,8 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
     return [
         ("engine", f"{engine.get('name')} {engine.get('version') or ''}".strip()),
         ("engine args", args),
-        ("device", " ".join(str(x) for x in (device.get("name"), device.get("device_name"), device.get("runtime") or device.get("driver")) if x)),
+        ("device", " ".join(str(x) for x in (device.get("name"), device.get("device_name"),
+                                             device.get("runtime") or device.get("driver")) if x)),
         ("dtype", str(env.get("dtype"))),
         ("reference", f"{ref.get('device')} / {ref.get('dtype')}"),
         ("base model", str(env.get("base_model"))),
@@ -48,19 +71,86 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
-def root_causes_markdown(causes: list) -> list[str]:
-    """The report's first section: ``N root causes`` and the features under each."""
+def selection_rows(report: Mapping[str, Any], verdict: Verdict) -> list[tuple[str, str]]:
+    """What the run selected (schema 2), for the report's "Run" table."""
+    from lora_conformance.report.selection import narrowing
+
+    selection = report.get("selection")
+    if not isinstance(selection, Mapping):
+        return [("selection", "not recorded (a report written before runs recorded their selection)")]
+    cov = verdict.summary.get("coverage") or {}
+    suite = selection.get("suite") or {}
+    rows = [
+        ("coverage", f"{cov.get('features_run')} of {cov.get('features_declared')} features ran"
+                     + ("" if cov.get("complete") else " (partial)")),
+        ("selected by", ", ".join(narrowing(selection)) or "nothing: the whole suite"),
+        ("pytest arguments", " ".join(shlex.quote(str(a)) for a in selection.get("args") or ()) or "-"),
+        ("suite files", f"{len(suite.get('files') or {})} files, sha256 {str(suite.get('sha256') or '-')[:16]}…, "
+                        f"lora-conformance {suite.get('version')}"),
+    ]
+    if selection.get("shards"):
+        rows.append(("shards", str(selection["shards"])))
+    return rows
+
+
+def rerun_command(env: Mapping[str, Any], nodeid: str) -> str:
+    """The command that runs one case again on the engine and device of the report."""
+    engine = env.get("engine") or {}
+    device = env.get("device") or {}
+    parts = ["python", "-m", "pytest", nodeid, f"--device={device.get('type') or 'cpu'}",
+             f"--engine={engine.get('name') or 'builtin'}"]
+    parts += [f"--engine-arg={k}={v}" for k, v in sorted((engine.get("args") or {}).items())]
+    if env.get("dtype"):
+        parts.append(f"--dtype={env['dtype']}")
+    if env.get("base_model") and env.get("base_model") != "synthetic:llama":
+        parts.append(f"--base-model={env['base_model']}")
+    return " ".join(shlex.quote(str(p)) for p in parts)
+
+
+def partial_lines(report: Mapping[str, Any], verdict: Verdict) -> list[str]:
+    from lora_conformance.report.selection import narrowing
+
+    if not verdict.partial:
+        return []
+    cov = verdict.summary["coverage"]
+    narrowed = narrowing(report.get("selection"))
+    not_run = cov.get("not_run") or []
+    shown = ", ".join(code(f) for f in not_run[:MAX_NOT_RUN]) + (
+        f" and {len(not_run) - MAX_NOT_RUN} more" if len(not_run) > MAX_NOT_RUN else "")
+    return [f"> **Partial run: {cov['features_run']} of {cov['features_declared']} features ran**"
+            + (f", selected by {text(', '.join(narrowed))}" if narrowed else "")
+            + ". A partial run certifies nothing: run the whole suite to certify.",
+            f"> Not run: {shown}.", ""]
+
+
+def _counts(cause: Any) -> str:
+    return ", ".join(f"{n} {st}" for st, n in cause.statuses.items())
+
+
+def root_causes_markdown(causes: list, report: Mapping[str, Any] | None = None,
+                         cases: Mapping[str, Any] | None = None) -> list[str]:
+    """The report's first section: ``N root causes``, each headed by its diagnosis, with each
+    failure under it (its message as it was, and the command that reruns it)."""
     from lora_conformance.report.root_causes import headline
 
+    env = (report or {}).get("environment") or {}
     lines = [f"## Root causes: {headline(causes)}", ""]
     for i, cause in enumerate(causes, start=1):
-        counts = ", ".join(f"{n} {st}" for st, n in cause.statuses.items())
-        lines.append(f"{i}. `{_cell(cause.signature)}` ({counts}; {len(cause.features)} "
-                     f"feature{'s' if len(cause.features) != 1 else ''})")
-        lines += [f"   - `{fid}`" for fid in cause.features]
-        if cause.example:
-            lines.append(f"   - e.g. {_cell(_short(cause.example, 200))}")
-    return lines + [""]
+        nfeat = len(cause.features)
+        lines += [f"### {i}. {text(cause.title)}", "",
+                  f"{_counts(cause)}; {nfeat} feature{'s' if nfeat != 1 else ''}: "
+                  + ", ".join(code(f) for f in cause.features), ""]
+        by_place = set(cause.by_place)
+        for nodeid in cause.cases:
+            case = (cases or {}).get(nodeid)
+            status = f" ({case.status})" if case is not None else ""
+            message = cause.messages.get(nodeid) or ""
+            mark = " — no diagnosis of its own (same suite)" if nodeid in by_place else ""
+            lines.append(f"- {code(nodeid)}{status}{mark}: {text(_short(message, 300))}")
+            if report is not None:
+                lines.append(f"  - rerun: {code(rerun_command(env, nodeid))}")
+        lines.append("")
+    return lines
 
 
 def render_markdown(report: Mapping[str, Any], verdict: Verdict) -> str:
@@ -69,14 +159,16 @@ def render_markdown(report: Mapping[str, Any], verdict: Verdict) -> str:
     label, value = badge_text(verdict, device)
     s = verdict.summary
     by = s["features_by_status"]
+    cases = {c.nodeid: c for c in verdict.cases}
     lines = [
-        f"# LoRA conformance report: {(env.get('engine') or {}).get('name')} on {device}",
+        f"# LoRA conformance report: {text((env.get('engine') or {}).get('name'))} on {text(device)}",
         "",
-        f"**{label} · {value}**: {'certified' if s['certified'] else 'not certified'}. "
+        f"**{text(label)} · {text(value)}**: {text(verdict.status_text())}. "
         f"{s['features']} features: " + ", ".join(f"{by[k]} {k}" for k in STATUSES if by[k]) + ". "
         f"{s['cases']} cases.",
         "",
-        *root_causes_markdown(verdict.root_causes),
+        *partial_lines(report, verdict),
+        *root_causes_markdown(verdict.root_causes, report, cases),
         "## Features",
         "",
         "| Feature | Description | Status | passed | failed | error | xfail | not certified | skipped | Reason |",
@@ -85,21 +177,22 @@ def render_markdown(report: Mapping[str, Any], verdict: Verdict) -> str:
     for fid, feat in verdict.features.items():
         c = feat.counts
         lines.append(
-            f"| `{fid}` | {_cell(feat.description)} | {ICON[feat.status]} {feat.status} | {c['passed']} | {c['failed']} | {c['error']} | "
-            f"{c['xfail']} | {c['not certified']} | {c['skipped']} | {_cell(_short(feat.reason))} |"
-        )
-    failures = [c for c in verdict.cases if c.status in ("failed", "error")]
-    if failures:
-        lines += ["", "## Failures", ""]
-        for case in failures:
-            summary = (case.evidence or {}).get("summary") if isinstance(case.evidence, dict) else None
-            lines.append(f"- `{case.nodeid}` ({case.status}): {_short(summary or case.reason, 300)}")
+            f"| {code(fid)} | {text(feat.description)} | {ICON[feat.status]} {feat.status} | {c['passed']} | "
+            f"{c['failed']} | {c['error']} | {c['xfail']} | {c['not certified']} | {c['skipped']} | "
+            f"{text(_short(feat.reason))} |")
     notes = [(r.get("nodeid"), n) for r in report.get("records") or [] if isinstance(r, Mapping)
              for n in r.get("notes") or ()]
     if notes:
         lines += ["", "## What the passing tests could not establish", ""]
-        lines += [f"- `{nodeid}`: {_short(str(n), 300)}" for nodeid, n in notes]
+        lines += [f"- {code(nodeid)}: {text(_short(str(n), 300))}" for nodeid, n in notes]
+    lines += ["", "## Run", "", "| | |", "| --- | --- |"]
+    lines += [f"| {k} | {text(v)} |" for k, v in selection_rows(report, verdict)]
+    if report.get("legacy"):
+        lines.append("| report | schema 1: its checksum covered the records only (not the environment) |")
+    if report.get("unverified"):
+        lines.append(f"| report | {text(report['unverified'])} |")
     lines += ["", "## Environment", "", "| | |", "| --- | --- |"]
-    lines += [f"| {k} | {_cell(v)} |" for k, v in environment_rows(env)]
-    lines += ["", "The HTML report beside this file shows each failure's evidence (token tables, margins).", ""]
+    lines += [f"| {k} | {text(v)} |" for k, v in environment_rows(env)]
+    lines += ["", "The HTML report beside this file shows each failure's evidence (token tables, margins, "
+                  "effect plots) inside its root cause.", ""]
     return "\n".join(lines)

@@ -1,8 +1,9 @@
 """Many reports -> one engine x device matrix (rows: features; columns: ``engine@device/dtype``).
 
 Reports with the same column key (the shards of one CI run) are combined into one column by
-concatenating their records; every column is re-verified from its records, so a stored
-verdict is never trusted.
+concatenating their records and uniting their selections (a case one shard deselected and
+another ran counts as run); every column is re-verified from its records and selection, so a
+stored verdict is never trusted, and a column that did not run every feature is partial.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Iterable, Mapping
 from lora_conformance.report.environment import column_key
 from lora_conformance.report.markdown import ICON
 from lora_conformance.report.root_causes import describe, from_dicts, headline
+from lora_conformance.report.selection import merge_selections
 from lora_conformance.report.verify import verify
 
 MATRIX_SCHEMA = "lora-conformance/matrix/1"
@@ -29,8 +31,10 @@ def merge(reports: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     columns: dict[str, dict[str, Any]] = {}
     for report in reports:
         key = column_key(report.get("environment") or {})
-        col = columns.setdefault(key, {"environment": report.get("environment") or {}, "records": {}, "runs": 0})
+        col = columns.setdefault(key, {"environment": report.get("environment") or {}, "records": {}, "runs": 0,
+                                       "selections": []})
         col["runs"] += 1
+        col["selections"].append(report.get("selection"))
         for rec in report["records"]:
             old = col["records"].get(rec["nodeid"])
             if old is not None and old != rec:
@@ -40,7 +44,11 @@ def merge(reports: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     out_cols, cells, features = [], {}, set()
     for key in sorted(columns):
         col = columns[key]
-        verdict = verify(col["records"].values())
+        try:
+            selection = merge_selections(col["selections"], f"{key}: ")
+        except ValueError as exc:
+            raise MergeConflict(str(exc)) from None
+        verdict = verify(col["records"].values(), selection)
         passed, counted = verdict.score()
         out_cols.append({
             "key": key,
@@ -48,6 +56,7 @@ def merge(reports: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             "environment": col["environment"],
             "summary": verdict.summary,
             "score": f"{passed}/{counted}",
+            "status": verdict.status_text(),
             "root_causes": [asdict(c) for c in verdict.root_causes],
         })
         for fid, feat in verdict.features.items():
@@ -66,7 +75,7 @@ def render_matrix_markdown(matrix: Mapping[str, Any]) -> str:
     lines = ["# LoRA conformance matrix", "", "## Root causes per column", ""]
     for c in matrix["columns"]:
         causes = from_dicts(c.get("root_causes") or [])
-        lines.append(f"### `{c['key']}`: {headline(causes)}")
+        lines.append(f"### `{c['key']}` ({c.get('status', '')}): {headline(causes)}")
         lines.append("")
         lines += [f"{i}. {describe(cause)}" for i, cause in enumerate(causes, start=1)]
         lines.append("")
@@ -80,6 +89,7 @@ def render_matrix_markdown(matrix: Mapping[str, Any]) -> str:
             row.append(f"{ICON[cell['status']]} {cell['status']}" if cell else "—")
         lines.append(f"| `{fid}` | " + " | ".join(row) + " |")
     lines.append("| **passed / counted** | " + " | ".join(f"**{c['score']}**" for c in matrix["columns"]) + " |")
+    lines.append("| **status** | " + " | ".join(f"**{c.get('status', '')}**" for c in matrix["columns"]) + " |")
     lines.append("| **root causes** | " + " | ".join(f"**{len(c.get('root_causes') or [])}**"
                                                    for c in matrix["columns"]) + " |")
     lines += ["", "## Columns", ""]
@@ -107,6 +117,8 @@ def render_matrix_html(matrix: Mapping[str, Any]) -> str:
         rows.append(f"<tr><td><code>{escape(fid)}</code></td>{''.join(tds)}</tr>")
     rows.append("<tr><th>passed / counted</th>" + "".join(f"<th>{escape(c['score'])}</th>"
                                                          for c in matrix["columns"]) + "</tr>")
+    rows.append("<tr><th>status</th>" + "".join(f"<th>{escape(c.get('status', ''))}</th>"
+                                               for c in matrix["columns"]) + "</tr>")
     rows.append("<tr><th>root causes</th>" + "".join(f"<th>{len(c.get('root_causes') or [])}</th>"
                                                       for c in matrix["columns"]) + "</tr>")
     causes_html = "".join(

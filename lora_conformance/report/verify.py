@@ -1,17 +1,22 @@
-"""Verification: a pure function from execution records to a verdict.
+"""Verification: a pure function from execution records (and the run's selection) to a verdict.
 
-A record is what the recorder saw of one test (plain JSON, see ``recorder``): the outcome
-of each phase, the xfail reason, the skip reason, the failure message and evidence. The
-rules that turn records into case and feature statuses live only here, so an old
-report.json re-verifies under today's rules without rerunning anything.
+A record (``lora_conformance.evidence.Record``) is what the recorder saw of one test: the
+outcome of each phase, the xfail reason, the skip reason, the structured not-certified outcome,
+the failure and its evidence. The rules that turn records into case and feature statuses live
+only here, so a stored report.json re-verifies under today's rules without rerunning anything.
+
+Certified: something was shown to work, nothing was shown to be wrong, and the run ran every
+feature the suite declares (``selection.coverage``). A narrowed run is *partial: N of M
+features*, never certified. A report that recorded no selection (schema 1) has no coverage and
+says so.
 """
 
 from __future__ import annotations
 
-import re
-
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Optional
+
+from lora_conformance.evidence import Record, as_records
 
 PASSED, FAILED, ERROR, XFAIL, NOT_CERTIFIED, SKIPPED = (
     "passed", "failed", "error", "xfail", "not certified", "skipped")
@@ -19,23 +24,19 @@ STATUSES = (PASSED, FAILED, ERROR, XFAIL, NOT_CERTIFIED, SKIPPED)
 
 # A skip recorded with a structured outcome ({"status": "not certified", "cause": ...}, set by
 # lora_conformance.outcomes.not_certified) is "not certified": the engine was not shown to do
-# it; a record with an empty outcome is a neutral skip (not applicable on this device, ...),
-# whatever its text says. Records written before outcomes were recorded (no "outcome" key)
-# fall back to the skip text: a reason that says the engine lacks a capability, or starts
-# with "not certified:".
-NOT_CERTIFIED_MARKER = "engine does not declare"
-_NOT_CERTIFIED_REASON = re.compile(r"^(?:[\w.]*NotCertified: )?not certified:")
+# it; a skip without one is a neutral skip (not applicable on this device, ...), whatever its
+# text says. (Schema-1 records are given their outcome by report.legacy.)
 
 COLLECTION = "(collection)"
 
 
-def record_feature(record: Mapping[str, Any]) -> tuple[str, str, str]:
+def record_feature(record: Record) -> tuple[str, str, str]:
     """(suite, feature id, description) of a record: its feature marker where the run recorded
     one, else derived from the node id (older reports, unmarked tests; no description)."""
-    feature = record.get("feature")
+    feature = record.feature
     if isinstance(feature, Mapping) and isinstance(feature.get("id"), str) and "/" in feature["id"]:
         return feature["id"].split("/", 1)[0], feature["id"], str(feature.get("description") or "")
-    suite, fid = feature_of(record["nodeid"])
+    suite, fid = feature_of(record.nodeid)
     return suite, fid, ""
 
 
@@ -57,11 +58,13 @@ def feature_of(nodeid: str) -> tuple[str, str]:
     return suite, f"{suite}/{function}"
 
 
-def classify(record: Mapping[str, Any]) -> tuple[str, str]:
+def classify(record: "Record | Mapping[str, Any]") -> tuple[str, str]:
     """(status, reason) of one case."""
-    phases: Mapping[str, str] = record.get("phases") or {}
-    message = record.get("message") or ""
-    wasxfail = record.get("wasxfail")
+    if not isinstance(record, Record):
+        record = Record.from_dict(record)
+    phases = record.phases
+    message = record.message or ""
+    wasxfail = record.wasxfail
     if phases.get("call") == "failed":
         return FAILED, message
     for when in ("collect", "setup", "teardown"):
@@ -71,14 +74,10 @@ def classify(record: Mapping[str, Any]) -> tuple[str, str]:
     if wasxfail is not None and skipped:
         return XFAIL, wasxfail
     if skipped:
-        reason = record.get("skip_reason") or ""
-        if "outcome" in record:  # recorded structurally: the outcome decides, not the text
-            outcome = record["outcome"]
-            structured = isinstance(outcome, Mapping) and outcome.get("status") == NOT_CERTIFIED
-            return (NOT_CERTIFIED if structured else SKIPPED), reason
-        # pytest writes a skip subclass's reason as "<module>.NotCertified: not certified: ..."
-        not_certified = NOT_CERTIFIED_MARKER in reason or _NOT_CERTIFIED_REASON.match(reason) is not None
-        return (NOT_CERTIFIED if not_certified else SKIPPED), reason
+        reason = record.skip_reason or ""
+        outcome = record.outcome
+        structured = isinstance(outcome, Mapping) and outcome.get("status") == NOT_CERTIFIED
+        return (NOT_CERTIFIED if structured else SKIPPED), reason
     if phases.get("call") == "passed":
         return PASSED, (f"XPASS: {wasxfail}" if wasxfail is not None else "")
     return ERROR, "incomplete: the test did not finish (interrupted or crashed worker)"
@@ -102,7 +101,6 @@ class Case:
     reason: str
     duration: float = 0.0
     evidence: Optional[dict] = None
-    repro: Optional[str] = None
     longrepr: Optional[str] = None
     failure: Optional[dict] = None  # {"type", "message"} of the exception behind a failure or an xfail
     cause: Optional[str] = None  # a not-certified case's cause (outcomes.CAUSES), when recorded
@@ -131,6 +129,24 @@ class Verdict:
     def certified(self) -> bool:
         return self.summary["certified"]
 
+    @property
+    def partial(self) -> bool:
+        coverage = self.summary.get("coverage")
+        return isinstance(coverage, Mapping) and not coverage.get("complete")
+
+    def status_text(self) -> str:
+        """``certified``, ``partial: N of M features`` or ``not certified`` (with the partial part
+        when both apply); a report without a recorded selection says so."""
+        coverage = self.summary.get("coverage")
+        by = self.summary["features_by_status"]
+        part = (f"partial: {coverage['features_run']} of {coverage['features_declared']} features"
+                if self.partial else "")
+        if self.certified:
+            return "certified" + ("" if coverage is not None else " (selection not recorded)")
+        if part and not (by[FAILED] or by[ERROR]):
+            return part
+        return "not certified" + (f"; {part}" if part else "")
+
     def score(self) -> tuple[int, int]:
         """(passed features, features that are not 'skipped')."""
         return self.summary["features_passed"], self.summary["features_counted"]
@@ -149,21 +165,24 @@ def _counts() -> dict[str, int]:
     return {s: 0 for s in STATUSES}
 
 
-def verify(records: Iterable[Mapping[str, Any]]) -> Verdict:
+def verify(records: Iterable["Record | Mapping[str, Any]"],
+           selection: Optional[Mapping[str, Any]] = None) -> Verdict:
+    """The verdict of ``records`` (Records, or their stored form); ``selection`` is what the run
+    selected (``selection.describe``), None where it was not recorded."""
     from lora_conformance.report.root_causes import root_causes
+    from lora_conformance.report.selection import coverage
 
+    records = sorted(as_records(records), key=lambda r: r.nodeid)
     cases: list[Case] = []
     descriptions: dict[str, str] = {}
-    for rec in sorted(records, key=lambda r: r["nodeid"]):
+    for rec in records:
         suite, fid, description = record_feature(rec)
         if description:
             descriptions.setdefault(fid, description)
         status, reason = classify(rec)
-        outcome = rec.get("outcome") if isinstance(rec.get("outcome"), Mapping) else {}
-        failure = rec.get("failure") if isinstance(rec.get("failure"), Mapping) else None
-        cases.append(Case(rec["nodeid"], suite, fid, status, reason, float(rec.get("duration") or 0.0),
-                          rec.get("evidence"), rec.get("repro"), rec.get("longrepr"),
-                          dict(failure) if failure else None,
+        outcome = rec.outcome or {}
+        cases.append(Case(rec.nodeid, suite, fid, status, reason, rec.duration, rec.evidence, rec.longrepr,
+                          dict(rec.failure) if rec.failure else None,
                           outcome.get("cause") if status == NOT_CERTIFIED else None))
     features: dict[str, Feature] = {}
     suites: dict[str, dict[str, int]] = {}
@@ -184,6 +203,7 @@ def verify(records: Iterable[Mapping[str, Any]]) -> Verdict:
     for case in cases:
         case_counts[case.status] += 1
     counted = len(features) - by_status[SKIPPED]
+    covered = coverage(records, selection)
     summary = {
         "features": len(features),
         "features_by_status": by_status,
@@ -191,8 +211,11 @@ def verify(records: Iterable[Mapping[str, Any]]) -> Verdict:
         "features_counted": counted,
         "cases": len(cases),
         "cases_by_status": case_counts,
-        # Certified: something was shown to work and nothing was shown to be wrong.
-        "certified": by_status[PASSED] > 0 and by_status[FAILED] == 0 and by_status[ERROR] == 0,
+        # Certified: something was shown to work, nothing was shown to be wrong, and nothing
+        # the suite declares was left out (where the selection was recorded).
+        "certified": (by_status[PASSED] > 0 and by_status[FAILED] == 0 and by_status[ERROR] == 0
+                      and (covered is None or covered["complete"])),
+        "coverage": covered,
     }
     causes = root_causes(cases)
     summary["root_causes"] = len(causes)

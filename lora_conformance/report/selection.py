@@ -1,0 +1,220 @@
+"""What a run selected, and whether it ran the whole suite.
+
+A certification is a claim about every feature the suite declares. A run narrowed by ``-k``,
+``-m``, ``--lf``, ``--deselect``, explicit node ids or files, or a CI shard shows less: its
+report is *partial*, never certified. The report records the selection (``describe``):
+
+- the pytest arguments and selection options as given (``args``, ``paths``: the files, directories
+  and node ids collected from, relative to the rootdir, ``keyword``, ``markexpr``,
+  ``last_failed``, ``failed_first``, ``deselect``, ``ignore``, ``stepwise``, ``maxfail``), and
+  whether the run was ``interrupted`` (pytest's exit status 2);
+- ``deselected``: each collected case that was left out, with its feature id;
+- ``declared_features``: the feature vocabulary of the suite files (their ``feature`` markers,
+  read from the source, so a file that was not collected still counts);
+- ``suite``: a sha256 of each suite file and one over all of them, and the package version:
+  two reports are of the same suite exactly when these agree.
+
+``coverage(records, selection)`` is pure (``verify`` calls it): features that ran every one of
+their collected cases, out of every feature the suite declares or the run saw. Reports that
+recorded no selection (schema 1) have no coverage: ``None``.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+MAX_LISTED = 200
+_SKIP_DIRS = {"__pycache__", "node_modules", "site-packages", "build", "dist"}
+
+
+def item_feature_id(item: Any) -> str:
+    """The feature id a collected item is reported under: its marker's id, else its node id's."""
+    from lora_conformance.features import FeatureMarkerError, feature_of_item
+    from lora_conformance.report.verify import feature_of
+
+    try:
+        feature = feature_of_item(item)
+    except FeatureMarkerError:
+        feature = None
+    return feature.id if feature is not None else feature_of(item.nodeid)[1]
+
+
+def _is_feature_mark(func: ast.expr) -> bool:
+    # pytest.mark.feature(...) or mark.feature(...)
+    if not (isinstance(func, ast.Attribute) and func.attr == "feature"):
+        return False
+    owner = func.value
+    return (isinstance(owner, ast.Attribute) and owner.attr == "mark") or (isinstance(owner, ast.Name)
+                                                                          and owner.id == "mark")
+
+
+def declared_in_source(source: str) -> list[str]:
+    """Feature ids of the ``feature`` markers written literally in a test file."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []  # pytest reports the file as a collection error
+    ids = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _is_feature_mark(node.func):
+            arg = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "id"), None)
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                ids.append(arg.value)
+    return ids
+
+
+def _test_files(directory: Path) -> list[Path]:
+    out = []
+    for root, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIP_DIRS)
+        out += [Path(root) / f for f in sorted(files)
+                if (f.startswith("test_") and f.endswith(".py")) or f == "conftest.py"]
+    return out
+
+
+def suite_directories(args: Iterable[str], invocation_dir: Path, rootpath: Path,
+                      nodeids: Iterable[str]) -> list[Path]:
+    """Where the run's suite files live: each path argument's directory (a file's parent), and the
+    directory of each recorded test file; nested ones fold into the outermost."""
+    dirs: set[Path] = set()
+    for arg in args:
+        path = (invocation_dir / str(arg).split("::", 1)[0]).resolve()
+        if path.is_dir():
+            dirs.add(path)
+        elif path.is_file():
+            dirs.add(path.parent)
+    for nodeid in nodeids:
+        path = (rootpath / nodeid.split("::", 1)[0]).resolve()
+        if path.is_file():
+            dirs.add(path.parent)
+    return sorted(d for d in dirs if not any(o != d and o in d.parents for o in dirs))
+
+
+def suite_facts(directories: Iterable[Path]) -> tuple[dict[str, Any], list[str]]:
+    """(``{"files": {name: sha256}, "sha256": digest over them, "version"}``, declared feature ids)."""
+    import lora_conformance
+
+    files: dict[str, str] = {}
+    declared: list[str] = []
+    for directory in directories:
+        for path in _test_files(directory):
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue
+            name = f"{directory.name}/{path.relative_to(directory).as_posix()}"
+            files[name] = hashlib.sha256(data).hexdigest()
+            if path.name != "conftest.py":
+                declared += declared_in_source(data.decode("utf-8", "replace"))
+    overall = hashlib.sha256("".join(f"{n}\0{h}\n" for n, h in sorted(files.items())).encode()).hexdigest()
+    return {"files": dict(sorted(files.items())), "sha256": overall, "version": lora_conformance.__version__}, \
+        sorted(set(declared))
+
+
+def describe(config: Any, deselected: Mapping[str, str], nodeids: Iterable[str],
+             exitstatus: Optional[int] = None) -> dict[str, Any]:
+    """The selection of a finished run (``config``: its pytest config, on the controller;
+    ``exitstatus``: pytest's, where 2 means the run was interrupted)."""
+    opt = config.option
+    invocation = Path(config.invocation_params.dir)
+    args = [str(a) for a in config.invocation_params.args]
+    suite, declared = suite_facts(suite_directories([str(a) for a in config.args], invocation,
+                                                    Path(config.rootpath), nodeids))
+    root = Path(config.rootpath)
+
+    def shown(arg: str) -> str:
+        path, sep, rest = str(arg).partition("::")
+        try:
+            path = Path(path).resolve().relative_to(root).as_posix()
+        except ValueError:
+            pass
+        return path + sep + rest
+
+    return {
+        "args": args,
+        "paths": [shown(a) for a in config.args],
+        "keyword": getattr(opt, "keyword", "") or None,
+        "markexpr": getattr(opt, "markexpr", "") or None,
+        "last_failed": bool(getattr(opt, "lf", False)),
+        "failed_first": bool(getattr(opt, "failedfirst", False)),
+        "deselect": [str(d) for d in getattr(opt, "deselect", None) or ()],
+        "ignore": [str(p) for p in (getattr(opt, "ignore", None) or ()) + (getattr(opt, "ignore_glob", None) or ())],
+        "stepwise": bool(getattr(opt, "stepwise", False) or getattr(opt, "stepwise_skip", False)),
+        "maxfail": int(getattr(opt, "maxfail", 0) or 0),
+        "interrupted": int(exitstatus) == 2 if exitstatus is not None else False,
+        "deselected": dict(sorted(deselected.items())),
+        "declared_features": declared,
+        "suite": suite,
+    }
+
+
+def narrowing(selection: Optional[Mapping[str, Any]]) -> list[str]:
+    """The selection options a run was narrowed by, as a reader would type them."""
+    if not isinstance(selection, Mapping):
+        return []
+    out = []
+    narrow = [p for p in selection.get("paths") or () if "::" in p or str(p).endswith(".py")]
+    if narrow:
+        out.append("only " + " ".join(narrow))
+    if selection.get("keyword"):
+        out.append(f"-k {selection['keyword']!r}")
+    if selection.get("markexpr"):
+        out.append(f"-m {selection['markexpr']!r}")
+    if selection.get("last_failed"):
+        out.append("--lf")
+    out += [f"--deselect {d}" for d in selection.get("deselect") or ()]
+    out += [f"--ignore {d}" for d in selection.get("ignore") or ()]
+    if selection.get("stepwise"):
+        out.append("--stepwise")
+    if selection.get("interrupted"):
+        out.append("an interrupt")
+    if selection.get("maxfail"):
+        out.append(f"--maxfail {selection['maxfail']}")
+    if selection.get("deselected"):
+        out.append(f"{len(selection['deselected'])} case(s) deselected")
+    return out
+
+
+def coverage(records: Iterable[Any], selection: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+    """``{"complete", "features_run", "features_declared", "not_run": [ids], "deselected_cases"}``,
+    or None where no selection was recorded. A feature *ran* when it has records and none of its
+    collected cases was left out; declared features are the suite's and every feature the run saw."""
+    if not isinstance(selection, Mapping):
+        return None
+    from lora_conformance.report.verify import record_feature
+
+    recorded: dict[str, str] = {}
+    for rec in records:
+        recorded[rec.nodeid] = record_feature(rec)[1]
+    deselected = {str(k): str(v) for k, v in (selection.get("deselected") or {}).items()}
+    left_out = {fid for nodeid, fid in deselected.items() if nodeid not in recorded}
+    seen = set(recorded.values())
+    declared = set(selection.get("declared_features") or ()) | seen | set(deselected.values())
+    ran = (seen - left_out) & declared
+    not_run = sorted(declared - ran)
+    return {"complete": not not_run, "features_run": len(ran), "features_declared": len(declared),
+            "not_run": not_run[:MAX_LISTED], "deselected_cases": sum(1 for n in deselected if n not in recorded)}
+
+
+def merge_selections(selections: Iterable[Optional[Mapping[str, Any]]], where: str = "") -> Optional[dict[str, Any]]:
+    """One selection for the shards of one run: their deselected cases and declared features
+    united (a case one shard left out and another ran counts as run). None when none recorded one.
+    Raises ValueError when the shards ran different suite files."""
+    known = [s for s in selections if isinstance(s, Mapping)]
+    if not known:
+        return None
+    digests = {(s.get("suite") or {}).get("sha256") for s in known}
+    if len(digests) > 1:
+        raise ValueError(f"{where}reports of different suite files (suite digests "
+                         f"{', '.join(sorted(str(d)[:12] for d in digests))}) cannot be one column")
+    deselected: dict[str, str] = {}
+    declared: set[str] = set()
+    for s in known:
+        deselected.update(s.get("deselected") or {})
+        declared.update(s.get("declared_features") or ())
+    return {"shards": len(known), "deselected": deselected, "declared_features": sorted(declared),
+            "suite": dict(known[0].get("suite") or {})}
