@@ -26,10 +26,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class BuiltinEngine(Engine):
     name = "builtin"
+    Args = EngineArgs
+    requires = ("torch",)
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
-        self.cfg = EngineArgs.parse(self.args)
+        self.cfg = self.parse_args(self.args)
         self.faults = Faults(self.cfg.fault)
         self.device = devices.resolve_device(device or "auto")
         if dtype in (None, "", "auto"):
@@ -68,26 +70,43 @@ class BuiltinEngine(Engine):
             eos.add(self.tokenizer.eos_token_id)
         self.llm = LLMEngine(self.runner, self.pool, self.blocks, self.tokenizer, self.cfg, eos)
         self.server = InflightServer(self.llm, self.faults)  # one step, admission or adapter change at a time
-        self.capabilities = frozenset(self._capabilities())
-        self.limits = Limits(self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.max_rank)
+        self.capabilities = self._capabilities(self.cfg, self.spec.kind)
+        self.limits = self.declared_limits(self.cfg, self.model_dir, self.device)
 
-    def _capabilities(self):
+    @classmethod
+    def declared_capabilities(cls, cfg: EngineArgs, model_dir: Optional[Path], device: str):
+        """None where the engine would refuse to start (an unknown architecture, graphs on a device
+        without them): the started engine says why."""
+        if cfg.graphs and not devices.graphs_supported(devices.resolve_device(device or "auto")):
+            return None
+        try:
+            kind = "decoder" if model_dir is None else load_spec(Path(model_dir)).kind
+        except (UnsupportedFeatureError, OSError, ValueError, KeyError):
+            return None
+        return cls._capabilities(cfg, kind)
+
+    @classmethod
+    def declared_limits(cls, cfg: EngineArgs, model_dir: Optional[Path], device: str) -> Limits:
+        return Limits(cfg.max_loras_per_batch, cfg.max_loaded_loras, cfg.max_rank)
+
+    @staticmethod
+    def _capabilities(cfg: EngineArgs, kind: str) -> frozenset:
         C = Capability
         caps = {C.DYNAMIC_LOADING, C.PINNING, C.EVICTION_LRU, C.EVICTION_FIFO, C.MAX_LOADED, C.RSLORA,
                 C.RANK_PATTERN}
-        if self.cfg.overlap_loading:
+        if cfg.overlap_loading:
             caps.add(C.OVERLAP_LOADING)
-        if self.spec.kind == "encoder":
-            return caps | {C.EMBEDDINGS, C.MIXED_BATCH}  # embed() takes one adapter per text
+        if kind == "encoder":
+            return frozenset(caps | {C.EMBEDDINGS, C.MIXED_BATCH})  # embed() takes one adapter per text
         caps |= {C.MIXED_BATCH, C.EMBED_TOKENS, C.LM_HEAD, C.PROMPT_LOGPROBS, C.CHUNKED_PREFILL,
                  C.INFLIGHT_LIFECYCLE}
-        if self.cfg.prefix_cache:
+        if cfg.prefix_cache:
             caps.add(C.PREFIX_CACHE)
-        if self.spec.kind == "moe":
+        if kind == "moe":
             caps.add(C.MOE)
-        if self.cfg.graphs and self.spec.kind == "decoder":
+        if cfg.graphs and kind == "decoder":
             caps.add(C.GRAPHS)
-        return caps
+        return frozenset(caps)
 
     @classmethod
     def backends(cls, device_type: str):
