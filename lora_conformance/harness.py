@@ -38,6 +38,7 @@ class Harness:
         self._references: dict[Path, Any] = {}
         self._engines: "OrderedDict[tuple, Any]" = OrderedDict()
         self._engine_failures: dict[tuple, BaseException] = {}
+        self._declared: dict[Path, Any] = {}  # model dir -> the engine class's declared capabilities
         self.auxiliary_probes: dict[tuple, str] = {}  # (model, dtype, capability) -> '' or what broke
         from lora_conformance.adapters import validate
         from lora_conformance.models import tokenizer
@@ -135,12 +136,27 @@ class Harness:
             }
 
     def missing_capabilities(self, request: pytest.FixtureRequest, needed: Iterable[str]) -> list[str]:
+        """What the engine class declares for this model and the user's args decides, without starting
+        an engine; only where the class cannot tell (None) is the shared engine started and asked."""
         from lora_conformance.engines.base import Capability
 
         model_dir = self.model_dir(self.model_spec(_marker_kind(request.node)))
-        # A refusal to start with this model (UnsupportedFeatureError) is raised as not certified.
-        engine = self.shared_engine(model_dir, _item_dtype(request, self.settings))
-        return [c for c in needed if Capability.parse(c) not in engine.capabilities]
+        declared = self.declared_capabilities(model_dir)
+        if declared is None:
+            # A refusal to start with this model (UnsupportedFeatureError) is raised as not certified.
+            declared = self.shared_engine(model_dir, _item_dtype(request, self.settings)).capabilities
+        return [c for c in needed if Capability.parse(c) not in declared]
+
+    def declared_capabilities(self, model_dir: Path):
+        """The engine class's own answer (``Engine.declared_capabilities``) for the user's engine args,
+        or None where only a started engine can tell."""
+        if model_dir not in self._declared:
+            from lora_conformance.engines import engine_class
+
+            cls = engine_class(self.settings.engine)
+            cfg = cls.parse_args(self.settings.engine_args, self.settings.sources.get("engine_arg", "command line"))
+            self._declared[model_dir] = cls.declared_capabilities(cfg, model_dir, self.settings.device)
+        return self._declared[model_dir]
 
     def discard_engines(self) -> None:
         """Close every shared engine: after an EngineFailure one may be dead, and a dead engine
