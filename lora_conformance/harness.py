@@ -152,10 +152,11 @@ class Harness:
         or None where only a started engine can tell."""
         if model_dir not in self._declared:
             from lora_conformance.engines import engine_class
+            from lora_conformance.engines.args import class_capabilities
 
             cls = engine_class(self.settings.engine)
             cfg = cls.parse_args(self.settings.engine_args, self.settings.sources.get("engine_arg", "command line"))
-            self._declared[model_dir] = cls.declared_capabilities(cfg, model_dir, self.settings.device)
+            self._declared[model_dir] = class_capabilities(cls, cfg, model_dir, self.settings.device)
         return self._declared[model_dir]
 
     def discard_engines(self) -> None:

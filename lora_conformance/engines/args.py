@@ -285,6 +285,22 @@ def as_strings(cfg: Any) -> dict[str, str]:
     return out
 
 
+# ---- what a class declares -------------------------------------------------------------
+
+
+def _defining(cls: type, attr: str) -> type:
+    return next(k for k in cls.__mro__ if attr in vars(k))
+
+
+def class_capabilities(cls: type, cfg: Any, model_dir: Any, device: str):
+    """``cls.declared_capabilities``, or None where it may not describe ``cls``: a subclass that
+    changes the constructor (where an engine fills ``capabilities``) without declaring again
+    is asked by starting it."""
+    if not issubclass(_defining(cls, "declared_capabilities"), _defining(cls, "__init__")):
+        return None
+    return cls.declared_capabilities(cfg, model_dir, device)
+
+
 # ---- start-up checks -------------------------------------------------------------------
 
 
