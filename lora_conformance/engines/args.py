@@ -262,7 +262,11 @@ def parse_engine_args(args_cls: type, raw: Mapping[str, Any],
         value = str(raw[key]).strip()
         if spec is not None:
             value = _normalised(spec, _convert(name, spec, raw[key], _source_of(source, key)))
-        for own_key, own_value in mapping(value).items():
+        try:
+            translated = mapping(value)
+        except UnsupportedFeatureError as exc:
+            raise UnsupportedFeatureError(f"{exc} (from {_source_of(source, key)})") from None
+        for own_key, own_value in translated.items():
             if own_key not in own:
                 own[own_key] = own_value
                 origin[own_key] = f"standard arg {key}={raw[key]}, {_source_of(source, key)}"

@@ -135,24 +135,8 @@ class RequestHandle(ABC):
 
 # ---- standard engine args -------------------------------------------------------------
 
-# Suites ask for engine configurations in these words; each plugin maps them onto its own
-# (``Engine.standard_args``). Their types and meanings: engines/args.py STANDARD_ARGS.
-STANDARD_ARGS = ("max_loras_per_batch", "max_loaded_loras", "max_rank", "eviction", "prefix_cache",
-                 "overlap_loading", "graphs", "tensor_parallel", "lora_backend", "chunked_prefill_size")
-
-
-def translate_standard_args(engine: str, args: Mapping[str, str],
-                            mapping: Mapping[str, Callable[[str], dict[str, str]]]) -> dict[str, str]:
-    """Replace standard keys by the engine's own (an engine-specific key given explicitly wins).
-
-    A mapping function raises UnsupportedFeatureError for a value the engine cannot honour.
-    """
-    out = {k: v for k, v in args.items() if k not in mapping}
-    for key, translate in mapping.items():
-        if key in args:
-            for own_key, own_value in translate(str(args[key])).items():
-                out.setdefault(own_key, own_value)
-    return out
+# Suites ask for engine configurations in a few standard words (engines/args.py STANDARD_ARGS,
+# each with its type and meaning); each plugin maps them onto its own (``Engine.standard_args``).
 
 
 def only(engine: str, key: str, supported: str) -> Callable[[str], dict[str, str]]:

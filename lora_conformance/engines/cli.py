@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _summary(cls: type) -> str:
     doc = (sys.modules[cls.__module__].__doc__ or cls.__doc__ or "").strip().splitlines()
-    line = doc[0].replace("``", "") if doc else ""
+    line = doc[0].replace("``", "").rstrip(".") if doc else ""
     return line.split(": ", 1)[1] if ": " in line else line
 
 
