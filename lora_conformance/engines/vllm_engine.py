@@ -25,8 +25,8 @@ keyword arguments are not passed through: declare one here to use it.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from lora_conformance import devices
