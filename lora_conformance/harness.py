@@ -234,6 +234,11 @@ class TestContext:
         """The shared engine for this test's model and dtype, with the user's engine args."""
         return self.harness.shared_engine(self.model_dir, self.dtype)
 
+    def declares(self, capability: str) -> bool:
+        """Whether the engine under test declares ``capability`` for this test's model: the engine
+        class answers where it can (nothing starts), else the shared engine."""
+        return not self.harness.missing_capabilities(self.request, [capability])
+
     def engine_with(self, **args):
         """A shared engine with these engine args on top of the user's."""
         return self.harness.shared_engine(self.model_dir, self.dtype, args)

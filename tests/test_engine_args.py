@@ -406,6 +406,11 @@ def test_needs_pinning(device, dtype):
 @pytest.mark.requires("mixed_batch")
 def test_needs_mixed(lora):
     lora.engine
+
+
+def test_asks_for_pinning(lora):
+    if not lora.declares("pinning"):
+        pytest.skip("no pinning declared")
 '''
 
 
@@ -419,11 +424,11 @@ def test_undeclared_feature_starts_no_engine(pytester, monkeypatch, tmp_path):
                 "LORA_CONFORMANCE_ENGINE_ARG"):
         monkeypatch.delenv(var, raising=False)
     result = pytester.runpytest("--device=cpu", "--engine=counting_engine:Counting", "-k", "pinning", "-rs")
-    result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*not certified: engine does not declare pinning*"])
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(["*not certified: engine does not declare pinning*", "*no pinning declared*"])
     assert not starts.exists(), "an engine was started to skip an undeclared feature"
     result = pytester.runpytest("--device=cpu", "--engine=counting_engine:Counting", "--engine-arg", "flag=1")
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=3)
     assert starts.read_text().count("start") == 1  # the shared engine, for the test that uses it
     result = pytester.runpytest("--device=cpu", "--engine=counting_engine:Counting", "--engine-arg", "flga=1")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
