@@ -69,7 +69,7 @@ class ArgSpec:
 
     def expected(self) -> str:
         if self.choices:
-            shown = [_show(c) for c in self.choices]
+            shown = [str(c) for c in self.choices]
             return f"{shown[0]} or {shown[1]}" if len(shown) == 2 else "one of " + ", ".join(shown)
         if self.type is bool:
             return "a boolean (1/0, true/false, yes/no, on/off)"
@@ -180,10 +180,6 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def _show(value: Any) -> str:
-    return str(value)
-
-
 def _source_of(sources: Union[str, Mapping[str, str]], key: str) -> str:
     if isinstance(sources, str):
         return sources
@@ -238,7 +234,8 @@ def unknown_arg_message(engine: str, key: str, known: Iterable[str], source: str
 
 
 def parse_engine_args(args_cls: type, raw: Mapping[str, Any],
-                      source: Union[str, Mapping[str, str]] = "the engine's arguments", *, engine: str, standard: Optional[Mapping[str, Callable[[str], dict[str, str]]]] = None) -> Any:
+                      source: Union[str, Mapping[str, str]] = "the engine's arguments", *, engine: str,
+                      standard: Optional[Mapping[str, Callable[[str], dict[str, str]]]] = None) -> Any:
     """``--engine-arg`` strings -> the engine's argument dataclass ``args_cls``.
 
     Standard arguments are type-checked against ``STANDARD_ARGS`` and mapped through ``standard``
@@ -246,13 +243,12 @@ def parse_engine_args(args_cls: type, raw: Mapping[str, Any],
     the engine's own fields. Raises EngineArgError (one line) for a name or value the engine
     does not know, UnsupportedFeatureError for a standard value the engine cannot honour.
     ``source``: where the values came from (one string, or one per key)."""
-    name = engine
     specs = {s.name: s for s in arg_specs(args_cls)}
     mappings = standard or {}
     known = set(specs) | set(mappings)
     for key in raw:
         if key not in known:
-            raise EngineArgError(unknown_arg_message(name, key, known, _source_of(source, key)))
+            raise EngineArgError(unknown_arg_message(engine, key, known, _source_of(source, key)))
     own: dict[str, Any] = {k: v for k, v in raw.items() if k not in mappings}
     origin = {k: _source_of(source, k) for k in own}
     for key, mapping in mappings.items():
@@ -261,7 +257,7 @@ def parse_engine_args(args_cls: type, raw: Mapping[str, Any],
         spec = STANDARD_ARGS.get(key)
         value = str(raw[key]).strip()
         if spec is not None:
-            value = _normalised(spec, _convert(name, spec, raw[key], _source_of(source, key)))
+            value = _normalised(spec, _convert(engine, spec, raw[key], _source_of(source, key)))
         try:
             translated = mapping(value)
         except UnsupportedFeatureError as exc:
@@ -270,23 +266,14 @@ def parse_engine_args(args_cls: type, raw: Mapping[str, Any],
             if own_key not in own:
                 own[own_key] = own_value
                 origin[own_key] = f"standard arg {key}={raw[key]}, {_source_of(source, key)}"
-    values = {k: _convert(name, specs[k], v, origin[k]) for k, v in own.items()}
+    values = {k: _convert(engine, specs[k], v, origin[k]) for k, v in own.items()}
     try:
         return args_cls(**values)
     except ValueError as exc:
         if isinstance(exc, EngineArgError):
             raise
         shown = ", ".join(sorted({origin[k] for k in own})) or "the defaults"
-        raise EngineArgError(f"engine {name!r}: {' '.join(str(exc).split())} (from {shown})") from None
-
-
-def as_strings(cfg: Any) -> dict[str, str]:
-    """A parsed dataclass back as ``KEY=VALUE`` strings (booleans as 1/0), for the report."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        out[f.name] = ("1" if v else "0") if isinstance(v, bool) else ("" if v is None else str(v))
-    return out
+        raise EngineArgError(f"engine {engine!r}: {' '.join(str(exc).split())} (from {shown})") from None
 
 
 # ---- what a class declares -------------------------------------------------------------
