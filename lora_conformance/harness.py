@@ -136,8 +136,9 @@ class Harness:
             }
 
     def missing_capabilities(self, request: pytest.FixtureRequest, needed: Iterable[str]) -> list[str]:
-        """What the engine class declares for this model and the user's args decides, without starting
-        an engine; only where the class cannot tell (None) is the shared engine started and asked."""
+        """The capabilities in ``needed`` the engine does not declare for this test's model and the user's
+        args. The engine class answers without starting anything; only where it cannot tell (None) is
+        the shared engine started and asked."""
         from lora_conformance.engines.base import Capability
 
         model_dir = self.model_dir(self.model_spec(_marker_kind(request.node)))
