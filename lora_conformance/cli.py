@@ -16,6 +16,8 @@ SUBCOMMANDS = {
     "synth": ("lora_conformance.adapters.cli", "synthesize offline base models and known-weight adapters"),
     "ci": ("lora_conformance.ci.cli", "CI tooling: list registrations, print a GitHub Actions matrix"),
     "report": ("lora_conformance.report.cli", "merge and re-render certification reports"),
+    "engines": ("lora_conformance.engines.cli", "list the engines and whether each can run here; describe one's "
+                "arguments and capabilities"),
 }
 
 DESCRIPTION = "Certify LoRA inference engines on any accelerator against the HF transformers + PEFT reference."

@@ -38,6 +38,7 @@ class Harness:
         self._references: dict[Path, Any] = {}
         self._engines: "OrderedDict[tuple, Any]" = OrderedDict()
         self._engine_failures: dict[tuple, BaseException] = {}
+        self._declared: dict[Path, Any] = {}  # model dir -> the engine class's declared capabilities
         self.auxiliary_probes: dict[tuple, str] = {}  # (model, dtype, capability) -> '' or what broke
         from lora_conformance.adapters import validate
         from lora_conformance.models import tokenizer
@@ -135,12 +136,29 @@ class Harness:
             }
 
     def missing_capabilities(self, request: pytest.FixtureRequest, needed: Iterable[str]) -> list[str]:
+        """The capabilities in ``needed`` the engine does not declare for this test's model and the user's
+        args. The engine class answers without starting anything; only where it cannot tell (None) is
+        the shared engine started and asked."""
         from lora_conformance.engines.base import Capability
 
         model_dir = self.model_dir(self.model_spec(_marker_kind(request.node)))
-        # A refusal to start with this model (UnsupportedFeatureError) is raised as not certified.
-        engine = self.shared_engine(model_dir, _item_dtype(request, self.settings))
-        return [c for c in needed if Capability.parse(c) not in engine.capabilities]
+        declared = self.declared_capabilities(model_dir)
+        if declared is None:
+            # A refusal to start with this model (UnsupportedFeatureError) is raised as not certified.
+            declared = self.shared_engine(model_dir, _item_dtype(request, self.settings)).capabilities
+        return [c for c in needed if Capability.parse(c) not in declared]
+
+    def declared_capabilities(self, model_dir: Path):
+        """The engine class's own answer (``Engine.declared_capabilities``) for the user's engine args,
+        or None where only a started engine can tell."""
+        if model_dir not in self._declared:
+            from lora_conformance.engines import engine_class
+            from lora_conformance.engines.args import class_capabilities
+
+            cls = engine_class(self.settings.engine)
+            cfg = cls.parse_args(self.settings.engine_args, self.settings.sources.get("engine_arg", "command line"))
+            self._declared[model_dir] = class_capabilities(cls, cfg, model_dir, self.settings.device)
+        return self._declared[model_dir]
 
     def discard_engines(self) -> None:
         """Close every shared engine: after an EngineFailure one may be dead, and a dead engine
@@ -216,6 +234,11 @@ class TestContext:
     def engine(self):
         """The shared engine for this test's model and dtype, with the user's engine args."""
         return self.harness.shared_engine(self.model_dir, self.dtype)
+
+    def declares(self, capability: str) -> bool:
+        """Whether the engine under test declares ``capability`` for this test's model: the engine
+        class answers where it can (nothing starts), else the shared engine."""
+        return not self.harness.missing_capabilities(self.request, [capability])
 
     def engine_with(self, **args):
         """A shared engine with these engine args on top of the user's."""

@@ -68,6 +68,18 @@ def _check_base_model(spec: str) -> str:
     return spec
 
 
+def _check_engine_config(settings: Settings) -> None:
+    """Before any test and any engine: the engine's optional dependency is installed and its args
+    parse (engines/args.py); a usage error of one line otherwise, so no report is written."""
+    from lora_conformance.engines.args import check_engine_config
+    from lora_conformance.engines.base import EngineError
+
+    try:
+        check_engine_config(settings.engine, settings.engine_args, settings.sources.get("engine_arg", "command line"))
+    except EngineError as exc:
+        raise options.OptionError(str(exc)) from None
+
+
 def resolve_settings(config: pytest.Config) -> Settings:
     from lora_conformance import devices
 
@@ -120,6 +132,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("help", False) or config.getoption("version", False):
         return
     settings = resolve_settings(config)
+    _check_engine_config(settings)
     config.stash[SETTINGS_KEY] = settings
     from lora_conformance import gc_tuning
 

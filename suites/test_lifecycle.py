@@ -123,7 +123,7 @@ def test_eviction_and_reload(lora, device, dtype, policy):
     """Fewer loaded slots than adapters: cycling through them must keep every output right,
     and an evicted adapter reloaded on demand gives the first run's outputs."""
     cap = f"eviction_{policy}"
-    if not lora.engine.supports(cap):
+    if not lora.declares(cap):
         missing_capabilities([cap])
     engine = lora.fresh_engine(max_loras_per_batch=1, max_loaded_loras=2, eviction=policy)
     specs = {f"E{i}": AdapterSpec(seed=200 + i) for i in range(4)}

@@ -18,6 +18,11 @@ import transformers  # noqa: F401
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
 import lora_conformance.engines.builtin  # noqa: F401
+import lora_conformance.engines.builtin.engine.llm_engine  # noqa: F401  (the builtin class imports its parts,
+import lora_conformance.engines.builtin.engine.model_runner  # noqa: F401  and the kernels' torch library,
+import lora_conformance.engines.builtin.engine.inflight  # noqa: F401  only when an engine is created)
+import lora_conformance.engines.builtin.layers.kernels  # noqa: F401
+import lora_conformance.engines.builtin.models.loader  # noqa: F401
 import lora_conformance.engines.peft_engine  # noqa: F401
 import lora_conformance.harness  # noqa: F401
 import lora_conformance.reference  # noqa: F401

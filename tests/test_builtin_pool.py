@@ -37,7 +37,7 @@ def close(r1, r2, tol=1e-5):
 
 def test_engine_args_are_validated(setup):
     base, _, _ = setup
-    with pytest.raises(ValueError, match="unknown engine arg 'bogus'"):
+    with pytest.raises(ValueError, match="unknown engine argument 'bogus'"):
         BuiltinEngine(base, "cpu", "float32", {"bogus": "1"})
     with pytest.raises(ValueError, match="eviction='random'.*lru or fifo"):
         BuiltinEngine(base, "cpu", "float32", {"eviction": "random"})

@@ -101,7 +101,7 @@ def test_defaults_pass_sglangs_own_checks(fake_sglang, model_dir):
 def test_bad_args(fake_sglang, model_dir):
     with pytest.raises(EngineError, match="unknown engine argument"):
         SGLangEngine(model_dir, "cpu", "float32", {"max_loras": "4"})
-    with pytest.raises(EngineError, match="max_loras_per_batch.*not an integer"):
+    with pytest.raises(EngineError, match="max_loras_per_batch=.four.: expected an integer"):
         SGLangEngine(model_dir, "cpu", "float32", {"max_loras_per_batch": "four"})
     with pytest.raises(UnsupportedFeatureError, match=r"invalid choice: 'random' \(choose from 'lru', 'fifo'\)"):
         SGLangEngine(model_dir, "cpu", "float32", {"lora_eviction_policy": "random"})

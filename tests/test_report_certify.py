@@ -118,7 +118,7 @@ def test_prints_report_and_badge_and_returns_pytest_code(tmp_path, capsys):
         return 1
 
     write_report(build_report({}, []), report_dir)  # stale
-    args = parse("--device", "xpu", "--engine", "fake", "--report", str(report_dir))
+    args = parse("--device", "xpu", "--engine", "openai", "--report", str(report_dir))
     assert certify.run(args, runner=fake_pytest) == 1
     out = capsys.readouterr().out
     assert f"report: {report_dir.resolve() / 'report.html'}" in out
@@ -141,3 +141,12 @@ def test_certify_runs_pytest_for_real(tmp_path, capsys):
     assert "LoRA conformance · cpu · 1/1 (certified)" in capsys.readouterr().out
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert data["verdict"]["features"]["tiny/ok"]["status"] == "passed"
+
+
+def test_a_bad_engine_configuration_runs_nothing(tmp_path, capsys):
+    write_report(build_report({}, []), tmp_path)  # stale
+    args = parse("--device", "cpu", "--engine-arg", "max_loras_per_bach=2", "--report", str(tmp_path))
+    assert certify.run(args, runner=lambda cmd: pytest.fail("pytest was started")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean max_loras_per_batch?" in err and "no report was written" in err
+    assert not (tmp_path / "report.json").exists()

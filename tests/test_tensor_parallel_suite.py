@@ -105,6 +105,6 @@ def test_vllm_plugin_passes_tensor_parallel_size(monkeypatch, tmp_path):
     engine = VllmEngine(tmp_path, "cuda", "bfloat16", {"tensor_parallel": "2"})
     assert seen["tensor_parallel_size"] == 2, seen
     assert Capability.TENSOR_PARALLEL in engine.capabilities
-    with pytest.raises(EngineError, match="tensor_parallel_size=0; expected >= 1"):
+    with pytest.raises(EngineError, match="tensor_parallel=.0.: expected an integer >= 1"):
         VllmEngine(tmp_path, "cuda", "bfloat16", {"tensor_parallel": "0"})
     assert Path(seen["model"]) == tmp_path

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Mapping
 
 from lora_conformance.engines.base import AdapterIncompatibleError, EngineError
 from lora_conformance.types import TopK
@@ -108,55 +108,6 @@ def read_adapter_info(path: Path) -> AdapterInfo:
         has_rank_pattern=bool(pattern or cfg.get("alpha_pattern")),
         raw=cfg,
     )
-
-
-# ---- engine args --------------------------------------------------------------------
-
-
-def check_known_args(engine: str, args: Mapping[str, str], known: Iterable[str]) -> None:
-    known = sorted(set(known))
-    unknown = sorted(set(args) - set(known))
-    if unknown:
-        raise EngineError(
-            f"engine {engine!r}: unknown engine argument(s) {', '.join(unknown)}; "
-            f"known: {', '.join(known) or 'none'}"
-        )
-
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def arg_bool(engine: str, args: Mapping[str, str], key: str, default: bool) -> bool:
-    raw = args.get(key)
-    if raw is None or raw == "":
-        return default
-    low = str(raw).strip().lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise EngineError(f"engine {engine!r}: {key}={raw!r} is not a boolean (true/false/1/0/yes/no)")
-
-
-def arg_int(engine: str, args: Mapping[str, str], key: str, default: Optional[int]) -> Optional[int]:
-    raw = args.get(key)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(str(raw).strip())
-    except ValueError:
-        raise EngineError(f"engine {engine!r}: {key}={raw!r} is not an integer") from None
-
-
-def arg_float(engine: str, args: Mapping[str, str], key: str, default: Optional[float]) -> Optional[float]:
-    raw = args.get(key)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(str(raw).strip())
-    except ValueError:
-        raise EngineError(f"engine {engine!r}: {key}={raw!r} is not a number") from None
 
 
 def load_tokenizer(model_dir: Path):

@@ -12,7 +12,7 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 from lora_conformance.types import GenerationRequest, GenerationResult
 
@@ -135,47 +135,63 @@ class RequestHandle(ABC):
 
 # ---- standard engine args -------------------------------------------------------------
 
-# Suites ask for engine configurations in these words; each plugin maps them onto its own.
-STANDARD_ARGS = ("max_loras_per_batch", "max_loaded_loras", "max_rank", "eviction", "prefix_cache",
-                 "overlap_loading", "graphs", "tensor_parallel", "lora_backend", "chunked_prefill_size")
-# tensor_parallel: devices the model is sharded over (1: none); lora_backend: the engine's own LoRA
-# kernel backend name; chunked_prefill_size: tokens per prefill chunk.
-
-
-def translate_standard_args(engine: str, args: Mapping[str, str],
-                            mapping: Mapping[str, Callable[[str], dict[str, str]]]) -> dict[str, str]:
-    """Replace standard keys by the engine's own (an engine-specific key given explicitly wins).
-
-    A mapping function raises UnsupportedFeatureError for a value the engine cannot honour.
-    """
-    out = {k: v for k, v in args.items() if k not in mapping}
-    for key, translate in mapping.items():
-        if key in args:
-            for own_key, own_value in translate(str(args[key])).items():
-                out.setdefault(own_key, own_value)
-    return out
+# Suites ask for engine configurations in a few standard words (engines/args.py STANDARD_ARGS,
+# each with its type and meaning); each plugin maps them onto its own (``Engine.standard_args``).
 
 
 def only(engine: str, key: str, supported: str) -> Callable[[str], dict[str, str]]:
     """A standard arg the engine has no knob for: accept only the value it always behaves as."""
+    from lora_conformance.engines.args import Only
 
-    def check(value: str) -> dict[str, str]:
-        if value != supported:
-            raise UnsupportedFeatureError(f"engine {engine!r} cannot run with {key}={value} (only {key}={supported})")
-        return {}
-
-    return check
+    return Only(engine, key, supported)
 
 
 # ---- the interface ------------------------------------------------------------------
 
 
 class Engine(ABC):
-    """Subclass this, set ``name``, fill ``capabilities`` and ``limits`` in ``__init__``."""
+    """Subclass this, set ``name``, fill ``capabilities`` and ``limits`` in ``__init__``.
+
+    Configuration as data (engines/args.py): ``Args`` is the engine's argument dataclass, every
+    argument declared once with its type, default and meaning; ``standard_args`` maps each
+    standard argument the engine honours onto its own; ``requires`` names the modules it
+    imports (``extra``: the package extra that installs them). Then ``parse_args`` checks a
+    run's engine args before any test, and ``declared_capabilities`` / ``declared_limits`` say
+    what the engine offers without starting it. An engine without ``Args`` takes any args and
+    checks them itself when it starts.
+    """
 
     name: str = "abstract"
     capabilities: frozenset[Capability] = frozenset()
     limits: Limits = Limits(max_loras_per_batch=1, max_loaded_loras=1, max_rank=0)
+    Args: ClassVar[Optional[type]] = None
+    standard_args: ClassVar[Mapping[str, Callable[[str], dict[str, str]]]] = {}
+    requires: ClassVar[tuple[str, ...]] = ()
+    extra: ClassVar[Optional[str]] = None
+
+    @classmethod
+    def parse_args(cls, raw: Mapping[str, str], source: "str | Mapping[str, str]" = "the engine's arguments") -> Any:
+        """``--engine-arg`` strings -> an ``Args`` instance; EngineArgError (one line) when a name or
+        value is bad, UnsupportedFeatureError when a standard value cannot be honoured. Without
+        ``Args``: the strings, unchecked."""
+        if cls.Args is None:
+            return dict(raw)
+        from lora_conformance.engines.args import parse_engine_args
+
+        return parse_engine_args(cls.Args, raw, source, engine=cls.name, standard=cls.standard_args)
+
+    @classmethod
+    def declared_capabilities(cls, cfg: Any, model_dir: Optional[Path], device: str) -> Optional[frozenset[Capability]]:
+        """The capabilities an engine of this class started with ``cfg`` (``parse_args``' result)
+        on this base model (None: a decoder) and device would declare, or None when only a
+        started engine can tell. The suites skip an undeclared feature on this answer, without
+        starting an engine; a started engine's ``capabilities`` must equal it."""
+        return None
+
+    @classmethod
+    def declared_limits(cls, cfg: Any, model_dir: Optional[Path], device: str) -> Optional[Limits]:
+        """The ``limits`` such an engine would have, or None when only a started engine can tell."""
+        return None
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         self.model_dir = Path(model_dir)

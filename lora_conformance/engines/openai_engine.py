@@ -57,10 +57,11 @@ import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from lora_conformance.engines._hf_common import arg_bool, arg_float, arg_int, check_known_args
+from lora_conformance.engines.args import Rename, arg, capability_list
 from lora_conformance.engines.base import (
     AdapterIncompatibleError,
     AdapterNotLoadedError,
@@ -71,7 +72,6 @@ from lora_conformance.engines.base import (
     Limits,
     UnsupportedFeatureError,
     only,
-    translate_standard_args,
 )
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
@@ -85,57 +85,85 @@ _CAPS = {
 }
 
 
+@dataclass(frozen=True)
+class OpenAIArgs:
+    url: Optional[str] = arg(None, "attach to this running server (loopback only)")
+    server_cmd: Optional[str] = arg(None, "start a server from this command template (see the module docstring)")
+    port: Optional[int] = arg(None, "the {port} of server_cmd (default: a free port)", minimum=1)
+    lora_modules: str = arg("", "name=path adapters the started server loads at start-up ({lora_modules})")
+    api_flavor: str = arg("vllm", "whose adapter-loading endpoints and model naming to use", choices=FLAVORS)
+    adapter_model_format: Optional[str] = arg(None, "the request's model field (default: {adapter} for vllm, "
+                                                    "{base}:{adapter} for sglang)")
+    served_model_name: Optional[str] = arg(None, "the base model's name on the server (default: asked from "
+                                                 "/v1/models)")
+    request_timeout: float = arg(120.0, "seconds for one whole HTTP exchange", minimum=0)
+    startup_timeout: float = arg(600.0, "seconds a started server may take to answer", minimum=0)
+    tokens_as_ids: Optional[bool] = arg(None, "ask for token ids (vLLM's return_tokens_as_token_ids; default: on "
+                                              "for api_flavor=vllm)")
+    max_loras: int = arg(8, "adapters in one batch: the limit declared, and {max_loras} of server_cmd", minimum=1)
+    max_loaded_loras: Optional[int] = arg(None, "adapters the server holds (default: max(max_loras, 16))",
+                                          minimum=1)
+    max_rank: int = arg(64, "the largest adapter rank: the limit declared, and {max_rank} of server_cmd",
+                        minimum=1)
+    capabilities: Optional[str] = arg(None, "the capabilities to declare, comma separated (default: what the "
+                                            "api_flavor's server offers)", check=capability_list)
+    concurrency: int = arg(16, "requests sent at once", minimum=1)
+    validate_adapters: bool = arg(True, "check adapters with the shared validator before the server sees them")
+
+
 class OpenAIEngine(Engine):
     name = "openai"
-    KNOWN_ARGS = ("url", "server_cmd", "port", "lora_modules", "api_flavor", "adapter_model_format",
-                  "served_model_name", "request_timeout", "startup_timeout", "tokens_as_ids", "max_loras",
-                  "max_loaded_loras", "max_rank", "capabilities", "concurrency", "validate_adapters")
+    Args = OpenAIArgs
+    standard_args = {
+        "max_loras_per_batch": Rename("max_loras"),
+        "eviction": only(name, "eviction", "lru"),
+        "overlap_loading": only(name, "overlap_loading", "0"),
+        "prefix_cache": only(name, "prefix_cache", "0"),
+        "graphs": only(name, "graphs", "0"),
+    }
+
+    @classmethod
+    def declared_capabilities(cls, cfg: OpenAIArgs, model_dir: Optional[Path], device: str) -> frozenset:
+        if cfg.capabilities:
+            return frozenset(Capability.parse(c) for c in cfg.capabilities.replace(",", " ").split())
+        return frozenset(_CAPS[cfg.api_flavor])
+
+    @classmethod
+    def declared_limits(cls, cfg: OpenAIArgs, model_dir: Optional[Path], device: str) -> Limits:
+        return Limits(cfg.max_loras, cfg.max_loaded_loras or max(cfg.max_loras, 16), cfg.max_rank)
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
-        self.args = translate_standard_args(self.name, self.args, {
-            "max_loras_per_batch": lambda v: {"max_loras": v},
-            "eviction": only(self.name, "eviction", "lru"),
-            "overlap_loading": only(self.name, "overlap_loading", "0"),
-            "prefix_cache": only(self.name, "prefix_cache", "0"),
-            "graphs": only(self.name, "graphs", "0"),
-        })
-        check_known_args(self.name, self.args, self.KNOWN_ARGS)
-        a, n = self.args, self.name
-        self.flavor = a.get("api_flavor", "vllm")
-        if self.flavor not in FLAVORS:
-            raise EngineError(f"engine 'openai': api_flavor={self.flavor!r}; expected one of {', '.join(FLAVORS)}")
-        self.timeout = arg_float(n, a, "request_timeout", 120.0)
-        self.model_format = a.get("adapter_model_format") or ("{base}:{adapter}" if self.flavor == "sglang" else "{adapter}")
-        self.tokens_as_ids = arg_bool(n, a, "tokens_as_ids", self.flavor == "vllm")
-        self.concurrency = arg_int(n, a, "concurrency", 16)
-        self.validate_adapters = arg_bool(n, a, "validate_adapters", True)
-        max_loras = arg_int(n, a, "max_loras", 8)
-        self.limits = Limits(max_loras, arg_int(n, a, "max_loaded_loras", max(max_loras, 16)), arg_int(n, a, "max_rank", 64))
-        self.capabilities = frozenset(
-            Capability.parse(c) for c in a["capabilities"].replace(",", " ").split()
-        ) if a.get("capabilities") else frozenset(_CAPS[self.flavor])
+        self.cfg = a = self.parse_args(self.args)
+        self.flavor = a.api_flavor
+        self.timeout = a.request_timeout
+        self.model_format = a.adapter_model_format or ("{base}:{adapter}" if self.flavor == "sglang" else "{adapter}")
+        self.tokens_as_ids = self.flavor == "vllm" if a.tokens_as_ids is None else a.tokens_as_ids
+        self.concurrency = a.concurrency
+        self.validate_adapters = a.validate_adapters
+        self.limits = self.declared_limits(a, self.model_dir, device)
+        self.capabilities = self.declared_capabilities(a, self.model_dir, device)
         self._proc: Optional[subprocess.Popen] = None
         self._log_path: Optional[Path] = None
-        self._adapters: dict[str, str] = dict(_parse_lora_modules(a.get("lora_modules", "")))
+        self._adapters: dict[str, str] = dict(_parse_lora_modules(a.lora_modules))
         self._tokenizer = None
         self._tok_lock = threading.Lock()
         self._reverse_vocab: Optional[dict[str, int]] = None
-        if a.get("url") and a.get("server_cmd"):
+        if a.url and a.server_cmd:
             raise EngineError("engine 'openai': give either url (attach) or server_cmd (start), not both")
-        if a.get("url"):
-            self.base_url = _loopback_url(a["url"])
-        elif a.get("server_cmd"):
-            port, startup = arg_int(n, a, "port", None), arg_float(n, a, "startup_timeout", 600.0)
+        if a.url:
+            self.base_url = _loopback_url(a.url)
+        elif a.server_cmd:
+            port, startup = a.port, a.startup_timeout
             try:
-                self.base_url = self._start_server(a["server_cmd"], port, startup)
+                self.base_url = self._start_server(a.server_cmd, port, startup)
             except BaseException:
                 self.close()  # whatever failed, a server we started does not outlive us
                 raise
         else:
             raise EngineError("engine 'openai' needs url=http://127.0.0.1:PORT or server_cmd=... (see its docstring)")
         try:
-            self.served_model = a.get("served_model_name") or self._discover_model()
+            self.served_model = a.served_model_name or self._discover_model()
         except BaseException:
             self.close()
             raise

@@ -32,20 +32,20 @@ served with GenAI's own tokenizer. What GenAI offers, and so what this plugin de
 * ``prefix_cache=1`` turns on GenAI's prefix caching (``SchedulerConfig.enable_prefix_caching``, off by
   default as in GenAI); the capability is declared, and the suites ask for it.
 
-Engine args: ``prefix_cache`` (0), ``cache_size_gb`` (1, the KV cache), ``num_threads`` (the
-device's default), ``ir_cache`` (where converted models are kept), ``max_rank`` (256; GenAI has no
-limit of its own).
+Engine args: ``OpenVINOArgs`` below (``lora-conformance engines describe openvino``).
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from lora_conformance import devices
-from lora_conformance.engines._hf_common import AdapterInfo, arg_bool, arg_int, check_known_args, read_adapter_info
+from lora_conformance.engines._hf_common import AdapterInfo, read_adapter_info
+from lora_conformance.engines.args import Ignore, Rename, arg
 from lora_conformance.engines.base import (
     AdapterIncompatibleError,
     AdapterNotLoadedError,
@@ -56,7 +56,6 @@ from lora_conformance.engines.base import (
     Limits,
     UnsupportedFeatureError,
     only,
-    translate_standard_args,
 )
 from lora_conformance.types import GenerationRequest, GenerationResult
 
@@ -120,22 +119,51 @@ def adapter_refusals(info: AdapterInfo) -> list[str]:
     return refused
 
 
+@dataclass(frozen=True)
+class OpenVINOArgs:
+    prefix_cache: bool = arg(False, "GenAI's SchedulerConfig.enable_prefix_caching (off by default, as in GenAI)")
+    cache_size_gb: int = arg(1, "the KV cache, GiB (SchedulerConfig.cache_size)", minimum=1)
+    num_threads: Optional[int] = arg(None, "INFERENCE_NUM_THREADS (default: the device's)", minimum=1)
+    ir_cache: Optional[str] = arg(None, "where converted models are kept (default: beside the model's cache)")
+    max_rank: int = arg(256, "the largest adapter rank accepted (GenAI has no limit of its own)", minimum=1)
+
+
 class OpenVINOEngine(Engine):
     name = "openvino"
-    KNOWN_ARGS = ("prefix_cache", "cache_size_gb", "num_threads", "ir_cache", "max_rank")
+    Args = OpenVINOArgs
+    requires = ("openvino", "openvino_genai")
+    extra = "openvino"
+    standard_args = {
+        "max_loras_per_batch": only(name, "max_loras_per_batch", "1"),
+        "max_loaded_loras": Ignore("no bound: every loaded adapter stays on the host"),
+        "max_rank": Rename("max_rank"),
+        "eviction": only(name, "eviction", "none"),
+        "prefix_cache": Rename("prefix_cache"),
+        "overlap_loading": only(name, "overlap_loading", "0"),
+        "graphs": only(name, "graphs", "0"),
+    }
+
+    @classmethod
+    def declared_capabilities(cls, cfg: OpenVINOArgs, model_dir: Optional[Path], device: str):
+        """None for a model the converter refuses (MoE, encoders, ...): the engine's start says why."""
+        from lora_conformance.engines.openvino_convert import check_convertible
+
+        if model_dir is not None:
+            try:
+                check_convertible(Path(model_dir))
+            except UnsupportedFeatureError:
+                return None
+        # prefix_cache: GenAI has one (off unless asked for, as in its SchedulerConfig); the suites
+        # ask for it with prefix_cache=1.
+        return frozenset({Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD, Capability.PREFIX_CACHE})
+
+    @classmethod
+    def declared_limits(cls, cfg: OpenVINOArgs, model_dir: Optional[Path], device: str) -> Limits:
+        return Limits(max_loras_per_batch=1, max_loaded_loras=1024, max_rank=cfg.max_rank)
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
-        self.args = translate_standard_args(self.name, self.args, {
-            "max_loras_per_batch": only(self.name, "max_loras_per_batch", "1"),
-            "max_loaded_loras": lambda v: {},  # no bound: every loaded adapter stays on the host
-            "max_rank": lambda v: {"max_rank": v},
-            "eviction": only(self.name, "eviction", "none"),
-            "prefix_cache": lambda v: {"prefix_cache": v},
-            "overlap_loading": only(self.name, "overlap_loading", "0"),
-            "graphs": only(self.name, "graphs", "0"),
-        })
-        check_known_args(self.name, self.args, self.KNOWN_ARGS)
+        self.cfg = a = self.parse_args(self.args)
         try:
             import openvino as ov
             import openvino_genai
@@ -145,7 +173,6 @@ class OpenVINOEngine(Engine):
         from lora_conformance.engines.openvino_convert import check_convertible, converted_model
 
         self._genai = openvino_genai
-        a, n = self.args, self.name
         self.ov_device = openvino_device(device)
         if dtype not in PRECISIONS:
             raise EngineError(f"engine 'openvino': dtype {dtype!r} is not one of {', '.join(PRECISIONS)}")
@@ -158,23 +185,17 @@ class OpenVINOEngine(Engine):
             raise UnsupportedFeatureError(f"engine 'openvino': {self.ov_device} cannot compute in {dtype} "
                                           f"(its OPTIMIZATION_CAPABILITIES: {', '.join(caps)})")
         check_convertible(self.model_dir)  # refuses MoE / encoders before anything is converted
-        self.prefix_cache = arg_bool(n, a, "prefix_cache", False)
-        self.cache_size_gb = arg_int(n, a, "cache_size_gb", 1)
-        self.num_threads = arg_int(n, a, "num_threads", None)
-        self.max_rank = arg_int(n, a, "max_rank", 256)
-        self.ir_dir = converted_model(self.model_dir, Path(a["ir_cache"]) if a.get("ir_cache") else _ir_cache(self.model_dir))
+        self.prefix_cache, self.cache_size_gb, self.num_threads, self.max_rank = (
+            a.prefix_cache, a.cache_size_gb, a.num_threads, a.max_rank)
+        self.ir_dir = converted_model(self.model_dir, Path(a.ir_cache) if a.ir_cache else _ir_cache(self.model_dir))
         self._matmuls = _matmul_names(core, self.ir_dir / "openvino_model.xml")
         # name -> (AdapterInfo, openvino_genai.Adapter, scaling)
         self._adapters: "OrderedDict[str, tuple[AdapterInfo, object, float]]" = OrderedDict()
         self._bound: set[str] = set()  # modules the current pipeline carries LoRA state for
         self._pipe = None
         self._build_pipeline()
-
-        # prefix_cache: GenAI has one (off unless asked for, as in its SchedulerConfig); the suites
-        # ask for it with prefix_cache=1.
-        self.capabilities = frozenset({Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD,
-                                       Capability.PREFIX_CACHE})
-        self.limits = Limits(max_loras_per_batch=1, max_loaded_loras=1024, max_rank=self.max_rank)
+        self.capabilities = self.declared_capabilities(a, self.model_dir, device)
+        self.limits = self.declared_limits(a, self.model_dir, device)
 
     # ---- pipeline ----------------------------------------------------------------------
 

@@ -31,12 +31,12 @@ adds logits processors (repetition penalty, ...) fails loudly instead of skewing
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from lora_conformance.engines._hf_common import (
     AdapterInfo,
-    check_known_args,
     is_encoder_only,
     load_tokenizer,
     read_adapter_info,
@@ -53,19 +53,28 @@ from lora_conformance.engines.base import (
     Limits,
     UnsupportedFeatureError,
 )
+from lora_conformance.engines.args import arg
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 MAX_RANK = 256
 
 
+@dataclass(frozen=True)
+class PeftArgs:
+    """No standard args: PEFT has no slots, cache or eviction to configure."""
+
+    attn_implementation: Optional[str] = arg(None, "transformers' attn_implementation (default: its own choice)")
+
+
 class PeftEngine(Engine):
     name = "peft"
-    KNOWN_ARGS = ("attn_implementation",)
+    Args = PeftArgs
+    requires = ("torch", "transformers", "peft")
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
-        check_known_args(self.name, self.args, self.KNOWN_ARGS)
+        self.cfg = self.parse_args(self.args)
         import torch
 
         self._torch = torch
@@ -78,7 +87,19 @@ class PeftEngine(Engine):
         self._base = self._load_base()
         self._model = None  # the PeftModel, created by the first load_adapter
         self._adapters: dict[str, AdapterInfo] = {}
+        self.capabilities = self._capabilities(self.is_encoder)
+        self.limits = self.declared_limits(self.cfg, self.model_dir, device)
 
+    @classmethod
+    def declared_capabilities(cls, cfg: PeftArgs, model_dir: Optional[Path], device: str) -> frozenset:
+        return cls._capabilities(model_dir is not None and is_encoder_only(Path(model_dir)))
+
+    @classmethod
+    def declared_limits(cls, cfg: PeftArgs, model_dir: Optional[Path], device: str) -> Limits:
+        return Limits(max_loras_per_batch=64, max_loaded_loras=1024, max_rank=MAX_RANK)
+
+    @staticmethod
+    def _capabilities(is_encoder: bool) -> frozenset:
         caps = {
             Capability.DYNAMIC_LOADING,
             Capability.RSLORA,
@@ -86,7 +107,7 @@ class PeftEngine(Engine):
             Capability.LORA_BIAS,
             Capability.MODULES_TO_SAVE,  # PEFT's ModulesToSaveWrapper routes rows per adapter too
         }
-        if self.is_encoder:
+        if is_encoder:
             caps |= {Capability.EMBEDDINGS}
         else:
             caps |= {
@@ -96,16 +117,15 @@ class PeftEngine(Engine):
                 Capability.LM_HEAD,
                 Capability.MOE,  # single-adapter batches only, see the module docstring
             }
-        self.capabilities = frozenset(caps)
-        self.limits = Limits(max_loras_per_batch=64, max_loaded_loras=1024, max_rank=MAX_RANK)
+        return frozenset(caps)
 
     def _load_base(self):
         from transformers import AutoModel, AutoModelForCausalLM
 
         loader = AutoModel if self.is_encoder else AutoModelForCausalLM
         kwargs = {"dtype": self._dtype}
-        if self.args.get("attn_implementation"):
-            kwargs["attn_implementation"] = self.args["attn_implementation"]
+        if self.cfg.attn_implementation:
+            kwargs["attn_implementation"] = self.cfg.attn_implementation
         try:
             base = loader.from_pretrained(str(self.model_dir), **kwargs)
         except (OSError, ValueError) as exc:

@@ -57,9 +57,13 @@ def engine_class(name: str) -> type[Engine]:
         if ":" in name:
             target = name
         else:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(engines), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
             raise UnknownEngineError(
-                f"unknown engine {name!r}; registered engines: {', '.join(sorted(engines))} "
-                f"(or give module:Class)"
+                f"unknown engine {name!r}; {hint}registered engines: {', '.join(sorted(engines))} "
+                f"(or give module:Class; `lora-conformance engines` lists them)"
             )
     cls = _load_target(target)
     if not (isinstance(cls, type) and issubclass(cls, Engine)):

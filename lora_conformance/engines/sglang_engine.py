@@ -38,19 +38,13 @@ deployment).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from lora_conformance import devices
-from lora_conformance.engines._hf_common import (
-    arg_bool,
-    arg_float,
-    arg_int,
-    check_known_args,
-    is_encoder_only,
-    load_tokenizer,
-    trim_topk,
-)
+from lora_conformance.engines._hf_common import is_encoder_only, load_tokenizer, trim_topk
+from lora_conformance.engines.args import Rename, Via, arg, capability_list
 from lora_conformance.engines.base import (
     AdapterIncompatibleError,
     AdapterNotLoadedError,
@@ -61,7 +55,6 @@ from lora_conformance.engines.base import (
     EngineFailure,
     Limits,
     UnsupportedFeatureError,
-    translate_standard_args,
 )
 from lora_conformance.engines.sglang_releases import ConfigRefused, Release, ServerConfig, release_for, validate
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
@@ -90,34 +83,74 @@ def map_sglang_error(message: str, what: str) -> EngineError:
     return AdapterIncompatibleError(full)
 
 
-def _inverted(key: str):
-    return lambda v: {key: "0" if v == "1" else "1"}
+@dataclass(frozen=True)
+class SGLangArgs:
+    """SGLang's own server arguments, passed on as named. Their values are checked by SGLang's
+    own rules (``sglang_releases.validate``, with SGLang's messages) before it starts."""
+
+    max_loras_per_batch: int = arg(8, "SGLang max_loras_per_batch, the base model counted as one (the standard "
+                                      "arg, which does not count it, sets this to its value + 1)", minimum=1)
+    max_loaded_loras: Optional[int] = arg(None, "SGLang max_loaded_loras (default: 2 x max_loras_per_batch with "
+                                                "overlap loading, else max(16, max_loras_per_batch))")
+    max_lora_rank: int = arg(64, "SGLang max_lora_rank")
+    lora_target_modules: str = arg("all", "SGLang lora_target_modules, comma or space separated")
+    lora_backend: Optional[str] = arg(None, "SGLang lora_backend (default: SGLang's)")
+    lora_eviction_policy: Optional[str] = arg(None, "SGLang lora_eviction_policy (default: SGLang's, lru)")
+    enable_lora_overlap_loading: bool = arg(False, "SGLang enable_lora_overlap_loading")
+    attention_backend: Optional[str] = arg(None, "SGLang attention_backend (default: SGLang's)")
+    mem_fraction_static: Optional[float] = arg(None, "SGLang mem_fraction_static (default: SGLang's)")
+    context_length: Optional[int] = arg(None, "SGLang context_length (default: the model's)")
+    disable_cuda_graph: Optional[bool] = arg(None, "SGLang disable_cuda_graph (default: on for cpu)")
+    disable_radix_cache: Optional[bool] = arg(None, "SGLang disable_radix_cache (default: off where the release "
+                                                    "serves LoRA with the radix cache)")
+    chunked_prefill_size: Optional[int] = arg(None, "SGLang chunked_prefill_size (default: SGLang's)")
+    tp_size: int = arg(1, "SGLang tp_size", minimum=1)
+    random_seed: int = arg(0, "SGLang random_seed")
+    capabilities: Optional[str] = arg(None, "the capabilities to declare, comma separated, overriding the release "
+                                            "table (for a verified deployment)", check=capability_list)
+
+
+def _batch_with_base(value: str) -> dict[str, str]:
+    # max_loras_per_batch means adapters per batch here as everywhere in this project; SGLang
+    # counts the base model as a slot, hence + 1.
+    return {"max_loras_per_batch": str(int(value) + 1)}
+
+
+def installed_release() -> Optional[Release]:
+    """The release row of the SGLang that ``import sglang`` would give (None: none, or unmapped)."""
+    import sys
+    from importlib import metadata
+
+    mod = sys.modules.get("sglang")
+    try:
+        version = str(getattr(mod, "__version__", "unknown")) if mod is not None else metadata.version("sglang")
+        return release_for(version)
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def _disable_cuda_graph(a: SGLangArgs, device: str) -> bool:
+    return devices.device_type(device) == "cpu" if a.disable_cuda_graph is None else a.disable_cuda_graph
 
 
 class SGLangEngine(Engine):
     name = "sglang"
-    KNOWN_ARGS = (
-        "max_loras_per_batch", "max_loaded_loras", "max_lora_rank", "lora_target_modules", "lora_backend",
-        "lora_eviction_policy", "enable_lora_overlap_loading", "attention_backend", "mem_fraction_static",
-        "context_length", "disable_cuda_graph", "disable_radix_cache", "chunked_prefill_size", "tp_size",
-        "random_seed", "capabilities",
-    )
+    Args = SGLangArgs
+    requires = ("sglang",)
+    extra = "sglang"
+    standard_args = {
+        "max_loras_per_batch": Via(_batch_with_base, "as max_loras_per_batch + 1"),
+        "max_rank": Rename("max_lora_rank"),
+        "eviction": Rename("lora_eviction_policy"),
+        "overlap_loading": Rename("enable_lora_overlap_loading"),
+        "graphs": Rename("disable_cuda_graph", invert=True),
+        "prefix_cache": Rename("disable_radix_cache", invert=True),
+        "tensor_parallel": Rename("tp_size"),
+    }
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
-        # max_loras_per_batch means adapters per batch here as everywhere in this project; SGLang
-        # counts the base model as a slot, hence + 1.
-        self.args = translate_standard_args(self.name, self.args, {
-            "max_loras_per_batch": lambda v: {"max_loras_per_batch": str(
-                arg_int(self.name, {"max_loras_per_batch": v}, "max_loras_per_batch", 0) + 1)},
-            "max_rank": lambda v: {"max_lora_rank": v},
-            "eviction": lambda v: {"lora_eviction_policy": v},
-            "overlap_loading": lambda v: {"enable_lora_overlap_loading": v},
-            "graphs": _inverted("disable_cuda_graph"),
-            "prefix_cache": _inverted("disable_radix_cache"),
-            "tensor_parallel": lambda v: {"tp_size": v},
-        })
-        check_known_args(self.name, self.args, self.KNOWN_ARGS)
+        self.cfg = self.parse_args(self.args)
         try:
             import sglang
         except ImportError as exc:
@@ -128,7 +161,7 @@ class SGLangEngine(Engine):
         except ValueError as exc:
             raise EngineFailure(f"engine 'sglang': {exc}") from None
         self.is_encoder = is_encoder_only(self.model_dir)
-        self.config = self._server_config(self.release)
+        self.config = self._server_config(self.cfg, self.release)
         try:
             validate(self.release, self.config)
         except ConfigRefused as exc:
@@ -141,31 +174,55 @@ class SGLangEngine(Engine):
             raise EngineFailure(f"SGLang failed to start for {self.model_dir}: {type(exc).__name__}: {exc}") from exc
         self._adapters: dict[str, str] = {}
         self._tokenizer = None
-        self.capabilities = frozenset(self._capabilities(self.release, self.config))
+        self.capabilities = self._capabilities(self.cfg, self.release, self.config, self.is_encoder, device)
         c = self.config
         self.limits = Limits(max(1, c.max_loras_per_batch - 1), c.max_loaded_loras, c.max_lora_rank)
 
-    def _server_config(self, release: Release) -> ServerConfig:
-        a, n = self.args, self.name
-        per_batch = arg_int(n, a, "max_loras_per_batch", 8)
-        overlap = arg_bool(n, a, "enable_lora_overlap_loading", False)
+    @classmethod
+    def declared_capabilities(cls, cfg: SGLangArgs, model_dir: Optional[Path], device: str):
+        """None where SGLang is not installed, its release is not mapped, or it would refuse this
+        configuration: the engine's start says why."""
+        release = installed_release()
+        if release is None:
+            return None
+        config = cls._server_config(cfg, release)
+        try:
+            validate(release, config)
+        except ConfigRefused:
+            return None
+        encoder = model_dir is not None and is_encoder_only(Path(model_dir))
+        return cls._capabilities(cfg, release, config, encoder, device)
+
+    @classmethod
+    def declared_limits(cls, cfg: SGLangArgs, model_dir: Optional[Path], device: str) -> Optional[Limits]:
+        release = installed_release()
+        if release is None:
+            return None
+        c = cls._server_config(cfg, release)
+        return Limits(max(1, c.max_loras_per_batch - 1), c.max_loaded_loras, c.max_lora_rank)
+
+    @staticmethod
+    def _server_config(a: SGLangArgs, release: Release) -> ServerConfig:
+        per_batch = a.max_loras_per_batch
+        overlap = a.enable_lora_overlap_loading
         # With overlap loading SGLang allows at most 2 x max_loras_per_batch loaded adapters.
-        loaded = arg_int(n, a, "max_loaded_loras", 2 * per_batch if overlap else max(16, per_batch))
+        loaded = a.max_loaded_loras if a.max_loaded_loras is not None else (
+            2 * per_batch if overlap else max(16, per_batch))
         return ServerConfig(
             max_loras_per_batch=per_batch,
             max_loaded_loras=loaded,
-            max_lora_rank=arg_int(n, a, "max_lora_rank", 64),
-            lora_target_modules=tuple(a.get("lora_target_modules", "all").replace(",", " ").split()),
-            lora_backend=a.get("lora_backend") or None,
-            lora_eviction_policy=a.get("lora_eviction_policy") or None,
+            max_lora_rank=a.max_lora_rank,
+            lora_target_modules=tuple(a.lora_target_modules.replace(",", " ").split()),
+            lora_backend=a.lora_backend or None,
+            lora_eviction_policy=a.lora_eviction_policy or None,
             enable_lora_overlap_loading=overlap,
-            disable_radix_cache=arg_bool(n, a, "disable_radix_cache", not release.radix_cache),
-            chunked_prefill_size=arg_int(n, a, "chunked_prefill_size", None),
-            tp_size=arg_int(n, a, "tp_size", 1),
+            disable_radix_cache=not release.radix_cache if a.disable_radix_cache is None else a.disable_radix_cache,
+            chunked_prefill_size=a.chunked_prefill_size,
+            tp_size=a.tp_size,
         )
 
     def _server_args(self, c: ServerConfig) -> dict[str, Any]:
-        a, n = self.args, self.name
+        a = self.cfg
         kwargs: dict[str, Any] = dict(
             model_path=str(self.model_dir),
             enable_lora=True,
@@ -175,8 +232,8 @@ class SGLangEngine(Engine):
             lora_target_modules=list(c.lora_target_modules),
             device=devices.device_type(self.device),
             dtype=self.dtype,
-            disable_cuda_graph=arg_bool(n, a, "disable_cuda_graph", devices.device_type(self.device) == "cpu"),
-            random_seed=arg_int(n, a, "random_seed", 0),
+            disable_cuda_graph=_disable_cuda_graph(a, self.device),
+            random_seed=a.random_seed,
         )
         optional = {
             "lora_backend": c.lora_backend,
@@ -185,21 +242,27 @@ class SGLangEngine(Engine):
             "disable_radix_cache": c.disable_radix_cache or None,
             "chunked_prefill_size": c.chunked_prefill_size,
             "tp_size": c.tp_size if c.tp_size != 1 else None,
-            "attention_backend": a.get("attention_backend") or None,
-            "mem_fraction_static": arg_float(n, a, "mem_fraction_static", None),
-            "context_length": arg_int(n, a, "context_length", None),
+            "attention_backend": a.attention_backend or None,
+            "mem_fraction_static": a.mem_fraction_static,
+            "context_length": a.context_length,
             "is_embedding": True if self.is_encoder else None,
             "base_gpu_id": int(self.device.split(":", 1)[1]) if ":" in self.device else None,
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         return kwargs
 
-    def _capabilities(self, release: Release, c: ServerConfig) -> set[Capability]:
+    @staticmethod
+    def _capabilities(a: SGLangArgs, release: Release, c: ServerConfig, is_encoder: bool, device: str) -> frozenset:
+        return frozenset(SGLangEngine._capability_set(a, release, c, is_encoder, device))
+
+    @staticmethod
+    def _capability_set(a: SGLangArgs, release: Release, c: ServerConfig, is_encoder: bool,
+                        device: str) -> set[Capability]:
         policy = c.lora_eviction_policy or "lru"
         evicts = {EVICTION[policy]} if release.eviction_policies else set()
-        if self.args.get("capabilities"):
-            return {Capability.parse(x) for x in self.args["capabilities"].replace(",", " ").split()}
-        if self.is_encoder:
+        if a.capabilities:
+            return {Capability.parse(x) for x in a.capabilities.replace(",", " ").split()}
+        if is_encoder:
             return {Capability.EMBEDDINGS, Capability.DYNAMIC_LOADING} | evicts
         caps = {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.PROMPT_LOGPROBS,
                 Capability.TENSOR_PARALLEL} | evicts
@@ -209,7 +272,7 @@ class SGLangEngine(Engine):
             Capability.MAX_LOADED: release.beyond_max_loaded == "evict",
             Capability.OVERLAP_LOADING: c.enable_lora_overlap_loading,
             Capability.PREFIX_CACHE: release.radix_cache and not c.disable_radix_cache,
-            Capability.GRAPHS: not self._server_args(c)["disable_cuda_graph"],
+            Capability.GRAPHS: not _disable_cuda_graph(a, device),
             Capability.EMBED_TOKENS: release.embed_tokens and bool(targets & {"all", "embed_tokens"}),
             Capability.LM_HEAD: release.lm_head and bool(targets & {"all", "lm_head"}),
             Capability.MOE: release.moe,

@@ -16,27 +16,22 @@ never at import. Scripts that create a VllmEngine on a spawn platform (accelerat
 guard their entry point with ``if __name__ == "__main__":``. On CPU set
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB; engine arg ``kv_cache_space_gb``, default 1 here).
 
-Engine args (``--engine-arg KEY=VALUE``): max_loras, max_cpu_loras, max_lora_rank,
-prefix_cache, enforce_eager, gpu_memory_utilization, max_model_len, max_num_seqs,
-max_num_batched_tokens, kv_cache_space_gb, seed, tensor_parallel_size (standard arg tensor_parallel).
+Engine args (``--engine-arg KEY=VALUE``): ``VllmArgs`` below, each one passed to vLLM's ``LLM``
+as named unless its meaning says otherwise (``lora-conformance engines describe vllm`` lists
+them); the standard args map onto them (``VllmEngine.standard_args``). vLLM's other ``LLM``
+keyword arguments are not passed through: declare one here to use it.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from lora_conformance import devices
-from lora_conformance.engines._hf_common import (
-    AdapterInfo,
-    arg_bool,
-    arg_float,
-    arg_int,
-    check_known_args,
-    read_adapter_info,
-    trim_topk,
-)
+from lora_conformance.engines._hf_common import AdapterInfo, read_adapter_info, trim_topk
+from lora_conformance.engines.args import Rename, arg
 from lora_conformance.engines.base import (
     AdapterIncompatibleError,
     AdapterNotLoadedError,
@@ -48,11 +43,31 @@ from lora_conformance.engines.base import (
     Limits,
     UnsupportedFeatureError,
     only,
-    translate_standard_args,
 )
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
+
+
+@dataclass(frozen=True)
+class VllmArgs:
+    max_loras: int = arg(4, "adapters in one batch (LLM max_loras)", minimum=1)
+    max_cpu_loras: Optional[int] = arg(None, "adapters in vLLM's CPU cache (LLM max_cpu_loras; default "
+                                             "max(16, max_loras))", minimum=1)
+    max_lora_rank: int = arg(64, "the largest adapter rank (LLM max_lora_rank)", choices=VLLM_RANKS)
+    prefix_cache: bool = arg(False, "LLM enable_prefix_caching")
+    enforce_eager: Optional[bool] = arg(None, "LLM enforce_eager: no CUDA graphs (default: on for cpu)")
+    gpu_memory_utilization: Optional[float] = arg(None, "LLM gpu_memory_utilization (default: 0.3 on cpu, 0.8 "
+                                                        "elsewhere)", minimum=0)
+    max_model_len: Optional[int] = arg(None, "LLM max_model_len (default: min(512, the model's "
+                                             "max_position_embeddings))", minimum=1)
+    max_num_seqs: Optional[int] = arg(None, "LLM max_num_seqs (default: vLLM's)", minimum=1)
+    max_num_batched_tokens: Optional[int] = arg(None, "LLM max_num_batched_tokens (default: vLLM's)", minimum=1)
+    kv_cache_space_gb: int = arg(1, "KV cache on cpu, GiB (VLLM_CPU_KVCACHE_SPACE, unless already set)", minimum=1)
+    seed: int = arg(0, "LLM seed")
+    tensor_parallel_size: Optional[int] = arg(None, "LLM tensor_parallel_size (default: vLLM's, 1)", minimum=1)
+    validate_adapters: bool = arg(True, "check adapters with the shared validator before vLLM sees them (off: "
+                                        "see what vLLM itself does with bad adapters)")
 
 
 def _config_max_positions(model_dir: Path) -> Optional[int]:
@@ -66,36 +81,35 @@ def _config_max_positions(model_dir: Path) -> Optional[int]:
     return int(value) if value else None
 
 
+def _enforce_eager(cfg: VllmArgs, dev_type: str) -> bool:
+    return dev_type == "cpu" if cfg.enforce_eager is None else cfg.enforce_eager
+
+
 class VllmEngine(Engine):
     name = "vllm"
-    KNOWN_ARGS = (
-        "max_loras", "max_cpu_loras", "max_lora_rank", "prefix_cache", "enforce_eager",
-        "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-        "kv_cache_space_gb", "seed", "tensor_parallel_size", "validate_adapters",
-    )
+    Args = VllmArgs
+    requires = ("vllm",)
+    extra = "vllm"
+    standard_args = {
+        "max_loras_per_batch": Rename("max_loras"),
+        "max_loaded_loras": Rename("max_cpu_loras"),
+        "max_rank": Rename("max_lora_rank"),
+        "eviction": only(name, "eviction", "lru"),
+        "prefix_cache": Rename("prefix_cache"),
+        "overlap_loading": only(name, "overlap_loading", "0"),
+        "graphs": Rename("enforce_eager", invert=True),
+        "tensor_parallel": Rename("tensor_parallel_size"),
+    }
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
-        self.args = translate_standard_args(self.name, self.args, {
-            "max_loras_per_batch": lambda v: {"max_loras": v},
-            "max_loaded_loras": lambda v: {"max_cpu_loras": v},
-            "max_rank": lambda v: {"max_lora_rank": v},
-            "eviction": only(self.name, "eviction", "lru"),
-            "prefix_cache": lambda v: {"prefix_cache": v},
-            "overlap_loading": only(self.name, "overlap_loading", "0"),
-            "graphs": lambda v: {"enforce_eager": "0" if v == "1" else "1"},
-            "tensor_parallel": lambda v: {"tensor_parallel_size": v},
-        })
-        check_known_args(self.name, self.args, self.KNOWN_ARGS)
-        a, n = self.args, self.name
-        self.max_loras = arg_int(n, a, "max_loras", 4)
-        self.max_cpu_loras = arg_int(n, a, "max_cpu_loras", max(16, self.max_loras))
-        self.max_lora_rank = arg_int(n, a, "max_lora_rank", 64)
-        if self.max_lora_rank not in VLLM_RANKS:
-            raise EngineError(f"engine 'vllm': max_lora_rank={self.max_lora_rank} is not one of {VLLM_RANKS}")
-        self.prefix_cache = arg_bool(n, a, "prefix_cache", False)
+        self.cfg = a = self.parse_args(self.args)
+        self.limits = self.declared_limits(a, self.model_dir, device)
+        self.max_loras, self.max_cpu_loras, self.max_lora_rank = (
+            self.limits.max_loras_per_batch, self.limits.max_loaded_loras, self.limits.max_rank)
+        self.prefix_cache = a.prefix_cache
         # Off only to see what vLLM itself does with bad adapters (bench, findings); on by default.
-        self.validate_adapters = arg_bool(n, a, "validate_adapters", True)
+        self.validate_adapters = a.validate_adapters
         self.dev_type = devices.device_type(device)
         if ":" in device and not device.endswith(":0"):
             raise EngineError(
@@ -103,7 +117,7 @@ class VllmEngine(Engine):
                 "environment (the accelerator's *_VISIBLE_DEVICES variable) and pass the type alone"
             )
         if self.dev_type == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(arg_int(n, a, "kv_cache_space_gb", 1)))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(a.kv_cache_space_gb))
         devices.set_start_method_for(device)
 
         kwargs: dict[str, Any] = dict(
@@ -113,17 +127,16 @@ class VllmEngine(Engine):
             max_cpu_loras=self.max_cpu_loras,
             max_lora_rank=self.max_lora_rank,
             enable_prefix_caching=self.prefix_cache,
-            enforce_eager=arg_bool(n, a, "enforce_eager", self.dev_type == "cpu"),
+            enforce_eager=_enforce_eager(a, self.dev_type),
             dtype=dtype,
-            gpu_memory_utilization=arg_float(n, a, "gpu_memory_utilization", 0.3 if self.dev_type == "cpu" else 0.8),
-            seed=arg_int(n, a, "seed", 0),
+            gpu_memory_utilization=(0.3 if self.dev_type == "cpu" else 0.8) if a.gpu_memory_utilization is None
+            else a.gpu_memory_utilization,
+            seed=a.seed,
         )
         for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
-            value = arg_int(n, a, key, None)
+            value = getattr(a, key)
             if value is not None:
                 kwargs[key] = value
-        if kwargs.get("tensor_parallel_size", 1) < 1:
-            raise EngineError(f"engine 'vllm': tensor_parallel_size={kwargs['tensor_parallel_size']}; expected >= 1")
         if "max_model_len" not in kwargs:
             # The suites use short prompts; a small window keeps the KV cache small.
             kwargs["max_model_len"] = min(512, _config_max_positions(self.model_dir) or 512)
@@ -139,20 +152,27 @@ class VllmEngine(Engine):
         self._infos: dict[str, AdapterInfo] = {}
         self._next_id = 1
         self._dead: Optional[str] = None
+        self.capabilities = self.declared_capabilities(a, self.model_dir, device)
 
+    @classmethod
+    def declared_capabilities(cls, cfg: VllmArgs, model_dir: Optional[Path], device: str) -> frozenset:
+        dev_type = devices.device_type(device)
         caps = {
             Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.PINNING, Capability.MAX_LOADED,
             Capability.EVICTION_LRU, Capability.RSLORA, Capability.RANK_PATTERN, Capability.EMBED_TOKENS,
             Capability.LM_HEAD, Capability.PROMPT_LOGPROBS, Capability.TENSOR_PARALLEL,
         }
-        if self.prefix_cache:
+        if cfg.prefix_cache:
             caps.add(Capability.PREFIX_CACHE)
-        if not kwargs["enforce_eager"] and self.dev_type != "cpu":
+        if not _enforce_eager(cfg, dev_type) and dev_type != "cpu":
             caps.add(Capability.GRAPHS)
-        if self.dev_type != "cpu":
+        if dev_type != "cpu":
             caps.add(Capability.MOE)  # vLLM's CPU build has no MoE LoRA
-        self.capabilities = frozenset(caps)
-        self.limits = Limits(self.max_loras, self.max_cpu_loras, self.max_lora_rank)
+        return frozenset(caps)
+
+    @classmethod
+    def declared_limits(cls, cfg: VllmArgs, model_dir: Optional[Path], device: str) -> Limits:
+        return Limits(cfg.max_loras, cfg.max_cpu_loras or max(16, cfg.max_loras), cfg.max_lora_rank)
 
     # ---- adapters -------------------------------------------------------------------
 

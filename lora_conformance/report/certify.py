@@ -200,6 +200,20 @@ def badge_line(report_dir: Path) -> Optional[str]:
     return status_line(report, reverify(report)[0])
 
 
+def _engine_config_error(args) -> Optional[str]:
+    """The engine configuration checked before pytest starts (the plugin checks it again, with the
+    environment and ini values): one line, or None when it is fine."""
+    from lora_conformance.engines.args import check_engine_config
+    from lora_conformance.engines.base import EngineError
+    from lora_conformance.options import parse_engine_args
+
+    try:
+        check_engine_config(args.engine, parse_engine_args(args.engine_arg), "command line")
+    except (EngineError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
 def run(args, runner=subprocess.call) -> int:
     try:
         choice = choose_workers(args)
@@ -210,6 +224,10 @@ def run(args, runner=subprocess.call) -> int:
     # A stale report from an earlier run must never pass for this one's.
     for name in REPORT_FILES:
         (report_dir / name).unlink(missing_ok=True)
+    error = _engine_config_error(args)
+    if error:
+        print(f"lora-conformance certify: error: {error}; nothing was run, no report was written", file=sys.stderr)
+        return 2
     if choice is None:
         print("workers: as the pytest arguments after -- say", flush=True)
     else:

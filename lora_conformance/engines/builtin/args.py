@@ -1,91 +1,55 @@
-"""``--engine-arg KEY=VALUE`` strings -> validated settings of the built-in engine."""
+"""The built-in engine's arguments, declared once (``--engine-arg KEY=VALUE``; see engines/args.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
+from lora_conformance.engines.args import arg, parse_engine_args
 from lora_conformance.engines.builtin.faults import Faults
 from lora_conformance.engines.builtin.variants import Variant
 
 # How prefill routes rows to LoRA slots (layers/lora.py): one shrink/expand per adapter segment,
 # or every slot at once with a per-row mask (the path decode always takes).
 LORA_BACKENDS = ("segmented", "masked")
+KERNEL_MODES = ("auto", "torch", "triton")  # fused decode kernels (layers/kernels.py)
 
 
-def _int(key: str, value: str, minimum: int) -> int:
-    try:
-        v = int(value)
-    except ValueError:
-        raise ValueError(f"engine arg {key}={value!r}: expected an integer >= {minimum}") from None
-    if v < minimum:
-        raise ValueError(f"engine arg {key}={value!r}: expected an integer >= {minimum}")
-    return v
+def _fault(value: Optional[str]) -> Optional[str]:
+    return Faults(value).name  # validates against the catalogue
 
 
-def _bool(key: str, value: str) -> bool:
-    v = str(value).strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"engine arg {key}={value!r}: expected 1 or 0")
-
-
-@dataclass
+@dataclass(frozen=True)
 class EngineArgs:
-    max_loras_per_batch: int = 4
-    max_loaded_loras: int = 8
-    max_rank: int = 64
-    eviction: str = "lru"
-    prefix_cache: bool = True
-    overlap_loading: bool = True
-    graphs: bool = False
-    kv_block_size: int = 16
-    num_kv_blocks: Optional[int] = None  # None: sized from max_batch_size * max_model_len
-    max_batch_size: int = 64
-    max_model_len: int = 2048
-    fault: Optional[str] = None
-    kernels: str = "auto"  # fused decode kernels: auto (triton on cuda/xpu), torch, triton
-    variant: Variant = Variant()  # a benign variation (variants.VARIANTS), for negative controls
-    chunked_prefill_size: int = 0  # prefill tokens per step (a longer prompt takes several steps); 0: unchunked
-    lora_backend: str = "auto"  # prefill LoRA path: segmented, masked; auto: segmented on cpu, masked elsewhere
+    # The standard args (their meaning: engines/args.py STANDARD_ARGS), honoured as named.
+    max_loras_per_batch: int = arg(4, minimum=1)
+    max_loaded_loras: int = arg(8, minimum=1)
+    max_rank: int = arg(64, minimum=1)
+    eviction: str = arg("lru", choices=("lru", "fifo"))
+    prefix_cache: bool = arg(True)
+    overlap_loading: bool = arg(True)
+    graphs: bool = arg(False)
+    chunked_prefill_size: int = arg(0, "prefill tokens per step (a longer prompt takes several steps); 0: unchunked",
+                                    minimum=0)
+    lora_backend: str = arg("auto", "prefill LoRA path: segmented, masked; auto: segmented on cpu, masked elsewhere",
+                            choices=("auto",) + LORA_BACKENDS)
+    # The engine's own.
+    kv_block_size: int = arg(16, "tokens per KV-cache block", minimum=1)
+    num_kv_blocks: Optional[int] = arg(None, "KV-cache blocks (default: sized from max_batch_size x max_model_len)",
+                                       minimum=2)
+    max_batch_size: int = arg(64, "requests decoded together", minimum=1)
+    max_model_len: int = arg(2048, "the longest sequence (prompt + generated tokens)", minimum=2)
+    fault: Optional[str] = arg(None, "a deliberate bug from the fault catalogue (engines/builtin/faults.py), "
+                                     "to show the suites catch it", check=_fault)
+    kernels: str = arg("auto", "fused decode kernels: auto (triton on cuda/xpu), torch, triton", choices=KERNEL_MODES)
+    variant: Variant = arg(Variant(), "a benign variation (engines/builtin/variants.py), for negative controls",
+                           check=Variant.parse)
+
+    def __post_init__(self) -> None:
+        if self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"engine arg max_loaded_loras={self.max_loaded_loras} must be >= "
+                             f"max_loras_per_batch={self.max_loras_per_batch}")
 
     @classmethod
-    def parse(cls, args: Mapping[str, str]) -> "EngineArgs":
-        out = cls()
-        ints = {"max_loras_per_batch": 1, "max_loaded_loras": 1, "max_rank": 1, "kv_block_size": 1,
-                "num_kv_blocks": 2, "max_batch_size": 1, "max_model_len": 2, "chunked_prefill_size": 0}
-        bools = ("prefix_cache", "overlap_loading", "graphs")
-        for key, value in args.items():
-            if key in ints:
-                setattr(out, key, _int(key, value, ints[key]))
-            elif key in bools:
-                setattr(out, key, _bool(key, value))
-            elif key == "eviction":
-                if value not in ("lru", "fifo"):
-                    raise ValueError(f"engine arg eviction={value!r}: expected lru or fifo")
-                out.eviction = value
-            elif key == "kernels":
-                from lora_conformance.engines.builtin.layers.kernels import MODES
-
-                if value not in MODES:
-                    raise ValueError(f"engine arg kernels={value!r}: expected one of {', '.join(MODES)}")
-                out.kernels = value
-            elif key == "lora_backend":
-                if value not in LORA_BACKENDS + ("auto",):
-                    raise ValueError(f"engine arg lora_backend={value!r}: expected auto, {', '.join(LORA_BACKENDS)}")
-                out.lora_backend = value
-            elif key == "fault":
-                out.fault = Faults(value).name  # validates against the catalogue
-            elif key == "variant":
-                out.variant = Variant.parse(value)  # validates against variants.VARIANTS
-            else:
-                known = sorted([*ints, *bools, "eviction", "fault", "kernels", "lora_backend", "variant"])
-                raise ValueError(f"unknown engine arg {key!r} for engine 'builtin'; known: {', '.join(known)}")
-        if out.max_loaded_loras < out.max_loras_per_batch:
-            raise ValueError(
-                f"engine arg max_loaded_loras={out.max_loaded_loras} must be >= "
-                f"max_loras_per_batch={out.max_loras_per_batch}"
-            )
-        return out
+    def parse(cls, args: Mapping[str, Any], source: Any = "the engine's arguments") -> "EngineArgs":
+        return parse_engine_args(cls, args, source, engine="builtin")

@@ -2,41 +2,58 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
-
-import torch
 
 from lora_conformance import devices
 from lora_conformance.engines.base import Capability, Engine, Limits, UnsupportedFeatureError
 from lora_conformance.engines.builtin.args import EngineArgs
-from lora_conformance.engines.builtin.engine.adapter import load_adapter_dir, model_lora_modules
-from lora_conformance.engines.builtin.engine.adapter_pool import AdapterPool
-from lora_conformance.engines.builtin.engine.block_manager import BlockManager
-from lora_conformance.engines.builtin.engine.inflight import InflightServer
-from lora_conformance.engines.builtin.engine.llm_engine import LLMEngine
-from lora_conformance.engines.builtin.engine.model_runner import ModelRunner
 from lora_conformance.engines.builtin.faults import Faults
 from lora_conformance.engines.builtin.models.config import load_spec
-from lora_conformance.engines.builtin.models.loader import build_model
 from lora_conformance.types import GenerationRequest, GenerationResult
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch and the engine's parts are imported when an engine is created, not with the class: the
+# plugin reads the class's declarations (args, capabilities) before any test, and fast.
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _inference_mode(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        import torch
+
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 class BuiltinEngine(Engine):
     name = "builtin"
+    Args = EngineArgs
+    requires = ("torch",)
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
-        self.cfg = EngineArgs.parse(self.args)
+        self.cfg = self.parse_args(self.args)
+        import torch
+
+        from lora_conformance.engines.builtin.engine.adapter import load_adapter_dir, model_lora_modules
+        from lora_conformance.engines.builtin.engine.adapter_pool import AdapterPool
+        from lora_conformance.engines.builtin.engine.block_manager import BlockManager
+        from lora_conformance.engines.builtin.engine.inflight import InflightServer
+        from lora_conformance.engines.builtin.engine.llm_engine import LLMEngine
+        from lora_conformance.engines.builtin.engine.model_runner import ModelRunner
+        from lora_conformance.engines.builtin.models.loader import build_model
+
         self.faults = Faults(self.cfg.fault)
         self.device = devices.resolve_device(device or "auto")
         if dtype in (None, "", "auto"):
             dtype = devices.default_dtype_for(self.device)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype {dtype!r}: the builtin engine takes one of {', '.join(_DTYPES)}")
-        self.dtype, self.torch_dtype = dtype, _DTYPES[dtype]
+        self.dtype, self.torch_dtype = dtype, getattr(torch, dtype)
         if self.cfg.graphs and not devices.graphs_supported(self.device):
             raise UnsupportedFeatureError(
                 f"engine arg graphs=1: graph capture is not supported on {self.device}; use graphs=0"
@@ -68,26 +85,43 @@ class BuiltinEngine(Engine):
             eos.add(self.tokenizer.eos_token_id)
         self.llm = LLMEngine(self.runner, self.pool, self.blocks, self.tokenizer, self.cfg, eos)
         self.server = InflightServer(self.llm, self.faults)  # one step, admission or adapter change at a time
-        self.capabilities = frozenset(self._capabilities())
-        self.limits = Limits(self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.max_rank)
+        self.capabilities = self._capabilities(self.cfg, self.spec.kind)
+        self.limits = self.declared_limits(self.cfg, self.model_dir, self.device)
 
-    def _capabilities(self):
+    @classmethod
+    def declared_capabilities(cls, cfg: EngineArgs, model_dir: Optional[Path], device: str):
+        """None where the engine would refuse to start (an unknown architecture, graphs on a device
+        without them): the started engine says why."""
+        if cfg.graphs and not devices.graphs_supported(devices.resolve_device(device or "auto")):
+            return None
+        try:
+            kind = "decoder" if model_dir is None else load_spec(Path(model_dir)).kind
+        except (UnsupportedFeatureError, OSError, ValueError, KeyError):
+            return None
+        return cls._capabilities(cfg, kind)
+
+    @classmethod
+    def declared_limits(cls, cfg: EngineArgs, model_dir: Optional[Path], device: str) -> Limits:
+        return Limits(cfg.max_loras_per_batch, cfg.max_loaded_loras, cfg.max_rank)
+
+    @staticmethod
+    def _capabilities(cfg: EngineArgs, kind: str) -> frozenset:
         C = Capability
         caps = {C.DYNAMIC_LOADING, C.PINNING, C.EVICTION_LRU, C.EVICTION_FIFO, C.MAX_LOADED, C.RSLORA,
                 C.RANK_PATTERN}
-        if self.cfg.overlap_loading:
+        if cfg.overlap_loading:
             caps.add(C.OVERLAP_LOADING)
-        if self.spec.kind == "encoder":
-            return caps | {C.EMBEDDINGS, C.MIXED_BATCH}  # embed() takes one adapter per text
+        if kind == "encoder":
+            return frozenset(caps | {C.EMBEDDINGS, C.MIXED_BATCH})  # embed() takes one adapter per text
         caps |= {C.MIXED_BATCH, C.EMBED_TOKENS, C.LM_HEAD, C.PROMPT_LOGPROBS, C.CHUNKED_PREFILL,
                  C.INFLIGHT_LIFECYCLE}
-        if self.cfg.prefix_cache:
+        if cfg.prefix_cache:
             caps.add(C.PREFIX_CACHE)
-        if self.spec.kind == "moe":
+        if kind == "moe":
             caps.add(C.MOE)
-        if self.cfg.graphs and self.spec.kind == "decoder":
+        if cfg.graphs and kind == "decoder":
             caps.add(C.GRAPHS)
-        return caps
+        return frozenset(caps)
 
     @classmethod
     def backends(cls, device_type: str):
@@ -138,7 +172,7 @@ class BuiltinEngine(Engine):
             raise UnsupportedFeatureError(f"{self.model_dir} is an encoder: use embed(), not submit()")
         return self.server.submit(list(requests))
 
-    @torch.inference_mode()
+    @_inference_mode
     def embed(self, texts: Sequence[str],
               adapter: Union[None, str, Sequence[Optional[str]]] = None) -> list[list[float]]:
         """Embeddings of ``texts``; ``adapter`` is one name (or None) for all, or one per text
@@ -185,6 +219,8 @@ class BuiltinEngine(Engine):
         enc = self.tokenizer([texts[i] for i in index], padding=True, truncation=True,
                              max_length=self.spec.max_position_embeddings, return_tensors="pt")
         ids, attn = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+        import torch
+
         rows = torch.tensor(self.runner.embed_row_slots(slots), dtype=torch.long, device=self.device)
         token_slots = rows.repeat_interleave(ids.shape[1])  # ids (B, L) row-major: L tokens per text
         vecs = self.model(ids, attn, self.runner.lora_batch(token_slots, None)).cpu().tolist()

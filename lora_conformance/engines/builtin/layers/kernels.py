@@ -35,8 +35,7 @@ import torch
 
 from lora_conformance import devices
 from lora_conformance.engines.base import UnsupportedFeatureError
-
-MODES = ("auto", "torch", "triton")
+from lora_conformance.engines.builtin.args import KERNEL_MODES as MODES  # declared with the engine args
 
 
 def _interpret() -> bool:
