@@ -27,6 +27,7 @@ _BUILTIN = {
     "openai": "lora_conformance.engines.openai_engine:OpenAIEngine",
     "sglang": "lora_conformance.engines.sglang_engine:SGLangEngine",
     "openvino": "lora_conformance.engines.openvino_engine:OpenVINOEngine",
+    "llamacpp": "lora_conformance.engines.llamacpp_engine:LlamaCppEngine",
 }
 
 

@@ -1,0 +1,302 @@
+"""Our converters to llama.cpp's GGUF: HF checkpoints (llama, qwen2) and PEFT LoRA adapters.
+
+Written from the GGUF format and llama.cpp's loader, not from llama.cpp's conversion scripts.
+Conversion is where LoRA semantics are most easily lost, so what each step does is stated here:
+
+* **Rotary layout.** HF llama rotates the two halves of each head (``rotate_half``); llama.cpp's
+  ``llama`` architecture rotates adjacent pairs. The rows of ``q_proj`` / ``k_proj`` are
+  interleaved per head so that pair rotation of the new rows equals half rotation of the old;
+  a q/k LoRA's ``B`` (its output rows) is interleaved the same way. Qwen2 in llama.cpp rotates
+  halves, so nothing is moved there.
+* **LoRA factors.** GGUF LoRA stores ``<tensor>.lora_a`` (r x in) and ``<tensor>.lora_b``
+  (out x r) beside the base tensor's name. The token embedding's LoRA is used the other way
+  round: llama.cpp gathers the tokens' rows of ``lora_a`` and multiplies them by ``lora_b``, so
+  ``lora_a`` is ``lora_embedding_A``^T (vocab x r) and ``lora_b`` is ``lora_embedding_B`` (hidden x r).
+* **Scaling.** llama.cpp scales every LoRA tensor by ``adapter.lora.alpha / r`` with the tensor's
+  own rank ``r`` (so ``rank_pattern`` is kept as is). GGUF has one alpha per adapter, so where
+  PEFT's per-module scaling differs from ``lora_alpha / r`` — rsLoRA (``alpha / sqrt(r)``) and
+  ``alpha_pattern`` — the ratio is folded into that module's ``lora_b`` (float32).
+* **What GGUF LoRA cannot hold** is refused with the reason: DoRA magnitudes, LoRA biases,
+  ``modules_to_save`` copies and ``target_parameters`` (fused MoE experts).
+
+Files are cached by the sha256 of their inputs, written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from lora_conformance.adapters.validate import pattern_value
+from lora_conformance.engines._hf_common import read_adapter_info
+from lora_conformance.engines.base import AdapterFormatError, UnsupportedFeatureError
+
+PEFT_PREFIX = "base_model.model."
+# PEFT tensor-name suffix -> (factor, embedding LoRA?)
+LORA_SUFFIXES = {".lora_A.weight": ("A", False), ".lora_B.weight": ("B", False),
+                 ".lora_embedding_A": ("A", True), ".lora_embedding_B": ("B", True)}
+
+CONVERTER_VERSION = "1"
+ARCHES = {"llama": "llama", "qwen2": "qwen2"}  # HF model_type -> GGUF architecture
+# HF module path (below ``model.layers.N.``) -> GGUF tensor name (below ``blk.N.``).
+LAYER_TENSORS = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+TOP_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+WEIGHT_TYPES = ("float32", "float16", "bfloat16")
+
+
+def arch_of(config: Mapping) -> str:
+    arch = ARCHES.get(str(config.get("model_type")))
+    if arch is None:
+        raise UnsupportedFeatureError(
+            f"engine 'llamacpp': our GGUF converter handles model_type {', '.join(ARCHES)}, "
+            f"not {config.get('model_type')!r}")
+    return arch
+
+
+def gguf_module_name(module: str) -> str:
+    """'model.layers.3.self_attn.q_proj' -> 'blk.3.attn_q'; raises KeyError for other modules."""
+    if module in TOP_TENSORS:
+        return TOP_TENSORS[module]
+    parts = module.split(".")
+    if len(parts) >= 4 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return f"blk.{parts[2]}.{LAYER_TENSORS['.'.join(parts[3:])]}"
+    raise KeyError(module)
+
+
+def interleave_heads(w, n_head: int):
+    """Rows of each head reordered from (first half, second half) to adjacent pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _heads_to_interleave(config: Mapping, arch: str, gguf_name: str) -> int | None:
+    if arch != "llama":
+        return None
+    if gguf_name.endswith("attn_q"):
+        return int(config["num_attention_heads"])
+    if gguf_name.endswith("attn_k"):
+        return int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    return None
+
+
+def _digest(paths: Iterable[Path], extra: str) -> str:
+    h = hashlib.sha256(f"{CONVERTER_VERSION}\0{extra}".encode())
+    for p in paths:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _atomic_write(final: Path, write) -> Path:
+    if final.is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
+def _add(writer, name: str, array, weight_type: str) -> None:
+    """A float32 numpy array as ``weight_type``; 1-D tensors (norms, biases) stay float32."""
+    import gguf
+    import numpy as np
+
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if array.ndim == 1 or weight_type == "float32":
+        writer.add_tensor(name, array)
+    elif weight_type == "float16":
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.BF16),
+                          raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+
+def _load_tensors(model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        for k, v in load_file(str(f)).items():
+            tensors[k] = v.float().numpy()
+    return tensors
+
+
+def _vocab(model_dir: Path, size: int) -> tuple[list[str], list[int]]:
+    """Token strings by id and their GGUF token types (1 normal, 3 control, 5 unused)."""
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    by_id: dict[int, str] = {int(i): t for t, i in (tok.get("model", {}).get("vocab") or {}).items()}
+    special = set()
+    for added in tok.get("added_tokens") or ():
+        by_id[int(added["id"])] = added["content"]
+        if added.get("special"):
+            special.add(int(added["id"]))
+    tokens, types = [], []
+    for i in range(size):
+        if i in by_id:
+            tokens.append(by_id[i])
+            types.append(3 if i in special else 1)
+        else:
+            tokens.append(f"<unused{i}>")
+            types.append(5)
+    return tokens, types
+
+
+def convert_model(model_dir: Path, cache_dir: Path, weight_type: str) -> Path:
+    """``model_dir`` (an HF llama / qwen2 checkpoint) as a GGUF file with weights in ``weight_type``."""
+    import gguf
+
+    if weight_type not in WEIGHT_TYPES:
+        raise UnsupportedFeatureError(f"engine 'llamacpp': dtype {weight_type!r} (expected {', '.join(WEIGHT_TYPES)})")
+    model_dir = Path(model_dir)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = arch_of(config)
+    inputs = [model_dir / "config.json", model_dir / "tokenizer.json", *sorted(model_dir.glob("*.safetensors"))]
+    final = Path(cache_dir) / f"{model_dir.name}-{_digest(inputs, weight_type)}-{weight_type}.gguf"
+
+    def write(tmp: Path) -> None:
+        n_head = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        head_dim = int(config.get("head_dim") or hidden // n_head)
+        rope = config.get("rope_parameters") or {}
+        if (rope.get("rope_type") or "default") != "default" or config.get("rope_scaling"):
+            raise UnsupportedFeatureError("engine 'llamacpp': our converter writes default rotary embeddings only")
+        vocab_size = int(config["vocab_size"])
+        w = gguf.GGUFWriter(str(tmp), arch)
+        w.add_name(model_dir.name)
+        w.add_file_type({"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
+                         "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[weight_type])
+        w.add_context_length(int(config.get("max_position_embeddings", 2048)))
+        w.add_embedding_length(hidden)
+        w.add_block_count(int(config["num_hidden_layers"]))
+        w.add_feed_forward_length(int(config["intermediate_size"]))
+        w.add_head_count(n_head)
+        w.add_head_count_kv(int(config.get("num_key_value_heads") or n_head))
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0))
+        w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+        w.add_vocab_size(vocab_size)
+        tokens, types = _vocab(model_dir, vocab_size)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores([0.0] * vocab_size)
+        w.add_token_types(types)
+        for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                         ("pad_token_id", w.add_pad_token_id)):
+            if isinstance(config.get(key), int):
+                add(int(config[key]))
+        w.add_add_bos_token(False)  # the plugin passes token ids from our tokenizer
+        w.add_add_eos_token(False)
+        for name, array in _load_tensors(model_dir).items():
+            if config.get("tie_word_embeddings") and name == "lm_head.weight":
+                continue
+            module, _, kind = name.rpartition(".")
+            try:
+                target = gguf_module_name(module)
+            except KeyError:
+                raise UnsupportedFeatureError(f"engine 'llamacpp': our converter has no GGUF name for {name}") from None
+            heads = _heads_to_interleave(config, arch, target)
+            if heads is not None:
+                array = interleave_heads(array, heads)
+            _add(w, f"{target}.{kind}", array, weight_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    return _atomic_write(final, write)
+
+
+def module_scaling(cfg: Mapping, module: str) -> tuple[int, float]:
+    """PEFT's (rank, scaling) of ``module``: rank/alpha patterns, rsLoRA."""
+    r = int(pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", 8)))
+    alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", 8)))
+    return r, alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
+
+
+def convert_adapter(adapter_dir: Path, model_dir: Path, cache_dir: Path) -> Path:
+    """A PEFT LoRA adapter directory as a GGUF LoRA file for the GGUF of ``model_dir``."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    adapter_dir = Path(adapter_dir)
+    info = read_adapter_info(adapter_dir)
+    cfg = dict(info.raw)
+    refused = [why for cond, why in (
+        (info.use_dora, "use_dora (GGUF LoRA has no DoRA magnitude vector)"),
+        (bool(info.modules_to_save), "modules_to_save (GGUF LoRA holds no full module copies)"),
+        (info.bias != "none" or info.lora_bias, "LoRA biases (GGUF LoRA holds lora_a / lora_b only)"),
+        (bool(info.target_parameters), "target_parameters (our converter does not write fused-expert LoRA)"),
+    ) if cond]
+    if refused:
+        raise UnsupportedFeatureError(f"engine 'llamacpp': {adapter_dir}: {'; '.join(refused)}")
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise AdapterFormatError(weights, "file", "not found (the converter reads adapter_model.safetensors)")
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = arch_of(config)
+    final = Path(cache_dir) / f"{adapter_dir.name}-{_digest([adapter_dir / 'adapter_config.json', weights], arch)}.gguf"
+
+    def write(tmp: Path) -> None:
+        factors: dict[str, dict[str, object]] = {}
+        for key, value in load_file(str(weights)).items():
+            if key.endswith(".base_layer.weight"):
+                continue  # PEFT's copy of a targeted embedding / lm_head base matrix, not LoRA
+            suffix = next((sfx for sfx in LORA_SUFFIXES if key.endswith(sfx)), None)
+            module = key[: -len(suffix)].removeprefix(PEFT_PREFIX) if suffix else ""
+            if suffix is None or ".base_layer" in module:
+                raise UnsupportedFeatureError(f"engine 'llamacpp': {weights}: tensor {key} is not a plain LoRA factor")
+            factor, embedding = LORA_SUFFIXES[suffix]
+            factors.setdefault(module, {})[factor] = value.astype(np.float32)
+            factors[module]["embedding"] = embedding
+        alpha = float(cfg.get("lora_alpha", 8)) or 1.0
+        w = gguf.GGUFWriter(str(tmp), arch)
+        w.add_string("general.type", "adapter")
+        w.add_string("adapter.type", "lora")
+        w.add_float32("adapter.lora.alpha", alpha)
+        for module, f in sorted(factors.items()):
+            if "A" not in f or "B" not in f:
+                raise AdapterFormatError(weights, module, "has only one of lora_A / lora_B")
+            try:
+                target = gguf_module_name(module)
+            except KeyError:
+                raise UnsupportedFeatureError(f"engine 'llamacpp': no GGUF tensor for LoRA target {module}") from None
+            a, b = f["A"], f["B"]
+            if f["embedding"]:
+                # llama.cpp gathers token rows of lora_a and multiplies them by lora_b:
+                # lora_a (vocab, r) = lora_embedding_A^T, lora_b (hidden, r) = lora_embedding_B.
+                a = a.T
+            r, scaling = module_scaling(cfg, module)
+            if (a.shape[1] if f["embedding"] else a.shape[0]) != r:
+                raise AdapterFormatError(weights, module, f"rank {a.shape[0]} but the config says r={r}")
+            b = b * np.float32(scaling / (alpha / r))
+            heads = _heads_to_interleave(config, arch, target)
+            if heads is not None:
+                b = interleave_heads(b, heads)
+            w.add_tensor(f"{target}.weight.lora_a", np.ascontiguousarray(a))
+            w.add_tensor(f"{target}.weight.lora_b", np.ascontiguousarray(b))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    return _atomic_write(final, write)
