@@ -312,7 +312,7 @@ class OpenAIEngine(Engine):
 
         validate_name(name)
         if self.validate_adapters:
-            validate_adapter(Path(path), self.model_dir, self.limits.max_rank)
+            validate_adapter(Path(path), self.model_dir, self.limits.max_rank, self.dtype)
         old = self._adapters.get(name)
         if old is not None:
             self.unload_adapter(name)  # servers refuse a loaded name; a reload must be fresh
