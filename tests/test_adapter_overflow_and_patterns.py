@@ -117,6 +117,9 @@ def test_runtime_overflow_of_one_adapter_stays_in_its_rows(llama, good, tmp_path
         engine.load_adapter("X", _variant(good, tmp_path / "x", None, big))
         mixed = engine.generate([GenerationRequest("the old man", None, 3), GenerationRequest("the old man", "X", 3),
                                  GenerationRequest("the old man", "A", 3)])
+        overflowed = [lp for step in mixed[1].logprobs for lp in step.values()]
+        assert not all(math.isfinite(lp) for lp in overflowed) or mixed[1].token_ids != alone[0].token_ids, \
+            "the probe adapter should overflow (or at least change) its own rows"
         for got, want in ((mixed[0], alone[0]), (mixed[2], alone[1])):
             assert got.token_ids == want.token_ids
             assert all(math.isfinite(lp) for step in got.logprobs for lp in step.values())
@@ -159,7 +162,6 @@ def test_regex_target_modules_served_as_peft_serves_them(llama, good, tmp_path, 
     for got, want in zip(outs["builtin"], ref):
         assert got.token_ids == want.token_ids
         for a, b in zip(got.logprobs, want.logprobs):
-            t = want.token_ids[want.logprobs.index(b)] if False else None  # noqa: F841
             common = set(a) & set(b)
             assert common and max(abs(a[k] - b[k]) for k in common) < 1e-3
     # and the adapter matters: the same tensors under the list form give the same outputs
@@ -173,23 +175,31 @@ def test_regex_target_modules_served_as_peft_serves_them(llama, good, tmp_path, 
 
 # ---- rank_pattern / alpha_pattern keys that backtrack --------------------------------------
 
-@pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
-@pytest.mark.parametrize("key", [r"(.*.*)*z", r".*.*.*.*.*.*.*.*.*.*.*.*z", r"(.*){1,300}[bc]"])
-def test_pathological_pattern_keys_load_or_are_refused_within_a_second(llama, good, tmp_path, field, key):
-    d = _variant(good, tmp_path / "p", {field: {key: 4 if field == "rank_pattern" else 3.0}})
+@pytest.fixture(scope="module")
+def builtin32(llama):
     engine = create_engine("builtin", llama, "cpu", "float32", {})
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
+@pytest.mark.parametrize("key,outcome", [(r"(.*.*)*z", "loaded"), (r".*.*.*.*.*.*.*.*.*.*.*.*z", "loaded"),
+                                         (r"(.*){1,300}[bc]", "refused")])
+def test_pathological_pattern_keys_load_or_are_refused_within_a_second(llama, good, builtin32, tmp_path, field,
+                                                                        key, outcome):
+    """Python's re (PEFT's) runs past 10 s on each of these keys against a module name."""
+    d = _variant(good, tmp_path / "p", {field: {key: 4 if field == "rank_pattern" else 3.0}})
+    t0 = time.monotonic()
     try:
-        t0 = time.monotonic()
-        try:
-            engine.load_adapter("P", d)
-            outcome = "loaded"
-        except AdapterFormatError as exc:
-            outcome = str(exc)
-            assert exc.value if False else field in exc.field, str(exc)  # noqa: SIM108
-        took = time.monotonic() - t0
-    finally:
-        engine.close()
-    assert took < 1.0 + 0.5, f"{key!r}: {took:.2f} s ({outcome})"  # 1 s budget plus the load itself
+        builtin32.load_adapter("P", d)
+        got = "loaded"
+        builtin32.unload_adapter("P")
+    except AdapterFormatError as exc:
+        got = "refused"
+        assert exc.field.startswith(field) and "catastrophic backtracking" in exc.problem, str(exc)
+    took = time.monotonic() - t0
+    assert took < 1.0 + 0.5, f"{key!r}: {took:.2f} s ({got})"  # the 1 s budget plus the load itself
+    assert got == outcome
 
 
 def test_matcher_budget_refuses_a_pattern_the_regex_engine_cannot_finish(monkeypatch):
