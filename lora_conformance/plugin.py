@@ -116,6 +116,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     settings = resolve_settings(config)
     config.stash[SETTINGS_KEY] = settings
+    if not hasattr(config, "workerinput"):
+        _check_writable_dirs(settings)
     _register_subplugins(config, settings)
     from lora_conformance import schedule
 
@@ -196,6 +198,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
         gc.collect()
         gc.freeze()
+
+
+def _check_writable_dirs(settings: Settings) -> None:
+    """A read-only (or full) cache or report directory stops the run before any work, as a usage
+    error naming the directory, instead of failing tests as if the engine were at fault or losing
+    the report at the end."""
+    from lora_conformance.reference.cache import CacheEnvironmentError, check_writable_dir
+
+    try:
+        check_writable_dir(settings.cache_dir, "the lora-conformance cache (--lora-cache)")
+        if settings.report_dir is not None:
+            check_writable_dir(settings.report_dir, "the report directory (--lora-report)",
+                               "the report is written there at the end: give a writable --lora-report")
+    except CacheEnvironmentError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _register_subplugins(config: pytest.Config, settings: Settings) -> None:
