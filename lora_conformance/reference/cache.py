@@ -106,6 +106,19 @@ def write_json_atomic(path: Path, value: Any, **dump_args) -> None:
     remove_stale_temps(path.parent)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path.write_text(text)`` through a temp file and a rename (readers never see half of it)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def key_of(parts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
