@@ -370,9 +370,13 @@ def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
 # ---- environment facts from pytest-xdist workers ------------------------------------------
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Workers create the engines; what only a live engine knows travels to the controller here.
     config = session.config
+    if exitstatus == pytest.ExitCode.INTERRUPTED and not hasattr(config, "workeroutput"):
+        from lora_conformance.report.recorder import ENV_KEY  # the partial report says it is one
+
+        config.stash.setdefault(ENV_KEY, {})["interrupted"] = True
     if hasattr(config, "workeroutput") and HARNESS_KEY in config.stash:
         config.workeroutput["lora_environment"] = json.dumps(config.stash[HARNESS_KEY].environment, default=str)
 

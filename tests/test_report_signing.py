@@ -10,6 +10,8 @@ import stat
 
 import pytest
 
+pytest.importorskip("cryptography")
+
 from lora_conformance.report import cli as report_cli
 from lora_conformance.report.document import build_report, records_digest, write_report
 from lora_conformance.report.signing import SIGNATURE_EXIT, canonical_bytes
