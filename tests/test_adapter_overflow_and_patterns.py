@@ -211,3 +211,20 @@ def test_matcher_budget_refuses_a_pattern_the_regex_engine_cannot_finish(monkeyp
     assert m.pattern_key({r"q_proj": 4, r".*": 2}, "model.layers.0.self_attn.q_proj") == "q_proj"
     assert m.target_matches(r".*\.q_proj", "model.layers.0.self_attn.q_proj")
     assert not m.target_matches(r"q_proj", "model.layers.0.self_attn.q_proj")
+
+
+# ---- a 4 GiB weights file is refused from its header, before its data is read ----------------
+
+def test_a_4gib_weights_file_is_refused_from_its_header(llama, good, tmp_path):
+    import resource
+
+    from lora_conformance.adapters.malformed import header_overruns_file
+
+    bad = header_overruns_file(good, tmp_path / "huge", 64)
+    assert (bad / WEIGHTS).stat().st_size > 4 << 30
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    with pytest.raises(AdapterFormatError, match="does not fit the base model"):
+        validate_adapter(bad, llama, 64)
+    assert time.monotonic() - t0 < 1.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 256 * 1024  # KiB: nothing like 4 GiB read
