@@ -32,8 +32,14 @@ def probe_requests(adapters: Sequence[Optional[str]], prompts: Sequence[str] = P
 
 
 def snapshot(engine, prompts: Sequence[str] = PROBE_PROMPTS, max_new_tokens: int = 4) -> Snapshot:
+    """The engine's state as the health check compares it. The probe batch runs once before it is
+    recorded: serving an adapter for the first time may place it into a device slot, and a correct
+    engine's base rows may then take another (equally exact) GEMM layout, which changes low bits
+    (the builtin engine: base logprobs 5e-7 apart once any slot is occupied). That is the
+    snapshot's own doing, not the refused input's."""
     names = sorted(engine.list_adapters())
     reqs = probe_requests([None, *names], prompts, max_new_tokens)
+    generate_per_adapter(engine, reqs)
     return Snapshot(names, reqs, generate_per_adapter(engine, reqs))
 
 

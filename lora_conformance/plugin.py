@@ -137,6 +137,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from lora_conformance import gc_tuning
 
     config.pluginmanager.register(gc_tuning, "lora-conformance-gc")
+    if not hasattr(config, "workerinput"):
+        _check_writable_dirs(settings)
     _register_subplugins(config, settings)
     from lora_conformance import schedule
 
@@ -151,6 +153,21 @@ def pytest_configure_node(node: Any) -> None:
 
     if SETTINGS_KEY in node.config.stash:
         node.workerinput[schedule.WORKERINPUT_KEY] = schedule.node_input(node.config)
+
+
+def _check_writable_dirs(settings: Settings) -> None:
+    """A read-only (or full) cache or report directory stops the run before any work, as a usage
+    error naming the directory, instead of failing tests as if the engine were at fault or losing
+    the report at the end."""
+    from lora_conformance.reference.cache import CacheEnvironmentError, check_writable_dir
+
+    try:
+        check_writable_dir(settings.cache_dir, "the lora-conformance cache (--lora-cache)")
+        if settings.report_dir is not None:
+            check_writable_dir(settings.report_dir, "the report directory (--lora-report)",
+                               "the report is written there at the end: give a writable --lora-report")
+    except CacheEnvironmentError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _register_subplugins(config: pytest.Config, settings: Settings) -> None:
@@ -320,9 +337,13 @@ def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
 # ---- environment facts from pytest-xdist workers ------------------------------------------
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Workers create the engines; what only a live engine knows travels to the controller here.
     config = session.config
+    if exitstatus == pytest.ExitCode.INTERRUPTED and not hasattr(config, "workeroutput"):
+        from lora_conformance.report.recorder import ENV_KEY  # the partial report says it is one
+
+        config.stash.setdefault(ENV_KEY, {})["interrupted"] = True
     if hasattr(config, "workeroutput") and HARNESS_KEY in config.stash:
         config.workeroutput["lora_environment"] = json.dumps(config.stash[HARNESS_KEY].environment, default=str)
 

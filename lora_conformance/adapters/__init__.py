@@ -80,6 +80,9 @@ def synthesize_cached(base_dir: Union[str, Path], spec: AdapterSpec, cache_dir: 
     with FileLock(str(root / f".{key}.lock")):
         if all((final / f).is_file() for f in ADAPTER_FILES):
             return final
+        from lora_conformance.reference.cache import remove_stale_temps
+
+        remove_stale_temps(root, f".{key}.", max_age_s=0)  # under the lock: a killed synthesis's leftovers
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
         try:
             synthesize_adapter(Path(base_dir), spec, tmp)

@@ -21,7 +21,14 @@ CONFIG_FIELDS = ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern
                  "target_parameters", "layers_to_transform", "bias", "peft_type", "use_dora", "modules_to_save",
                  "lora_bias", "fan_in_fan_out")
 DTYPES = ("float16", "bfloat16", "float64", "int32", "int8", "bool")
-SPECIALS = (float("nan"), float("inf"), float("-inf"), 1e30, -1e30, 0.0, 1e-45)
+SPECIALS = (float("nan"), float("inf"), float("-inf"), 1e30, -1e30, 0.0, 1e-45, 1e5, 7e4, 1e300)
+# Module-name patterns as PEFT reads them: whole-name regexes for a string target_modules (some
+# match nothing, or containers, or leave tensors untargeted, or are fine), and pattern keys on which
+# a backtracking matcher runs for minutes.
+TARGET_REGEXES = (".*", "^nomatch$", "q_proj", r".*\.q_proj", r".*\.v_proj", r".*\.(q_proj|v_proj)", r".*_proj",
+                  r"model\.layers\.0\.self_attn\.q_proj", r"(.*.*)*z", "[", r".*\.(q|v)_proj")
+PATTERN_KEYS = ("q_proj", "v_proj", r"layers\.0\..*", r"(.*.*)*z", r".*.*.*.*.*.*.*.*.*.*.*.*z", r"(.*){1,300}[bc]",
+                "(", "")
 OUTCOMES = ("refused", "accepted", "damaged", "untyped")
 
 
@@ -53,6 +60,12 @@ def mutations():
         st.tuples(st.just("flip_byte"), index, st.integers(1, 255)),
         st.tuples(st.just("append"), st.binary(min_size=1, max_size=16)),
         st.tuples(st.just("delete_weights")),
+        st.tuples(st.just("set_field"), st.just("target_modules"), st.sampled_from(TARGET_REGEXES)),
+        st.tuples(st.just("set_field"), st.sampled_from(["rank_pattern", "alpha_pattern"]),
+                  st.dictionaries(st.sampled_from(PATTERN_KEYS), st.sampled_from([1, 4, 8, 16, 2.0, 1e300]),
+                                  min_size=1, max_size=2)),
+        st.tuples(st.just("set_field"), st.just("lora_alpha"), st.sampled_from([1e300, 1e38, 6e4, -16, 0])),
+        st.tuples(st.just("widen"), index, st.sampled_from([1e300, 1e39, 1e5, 7e4])),
     )
     return st.lists(op, min_size=1, max_size=3)
 
@@ -148,6 +161,10 @@ def _apply_tensor_op(w: Path, op: tuple) -> None:
             ts[key] = t
         elif kind == "drop_tensor":
             del ts[key]
+        elif kind == "widen" and t.numel():  # stored as float64: finite there, maybe not in the engine's dtype
+            t = t.to(torch.float64).clone()
+            t.view(-1)[0] = op[2]
+            ts[key] = t
     save_file({k: v.contiguous() for k, v in ts.items()}, str(w))
 
 

@@ -187,6 +187,82 @@ def integer_tensors(good: Path, out: Path, max_rank: int) -> Path:
     return d
 
 
+def float64_overflows_compute_dtype(good: Path, out: Path, max_rank: int) -> Path:
+    """lora_B stored as float64 with one 1e300: finite as stored, Inf in any engine's float32 or
+    narrower pool, where a masked batched GEMM (0 * Inf = NaN) would poison every other row."""
+    import torch
+
+    d = _copy(good, out)
+    ts = _tensors(d)
+    k = _first(ts, "lora_B.weight")
+    ts[k] = ts[k].to(torch.float64).clone()
+    ts[k].view(-1)[0] = 1e300
+    _write_tensors(d, ts)
+    return d
+
+
+def alpha_overflows_compute_dtype(good: Path, out: Path, max_rank: int) -> Path:
+    """lora_alpha 1e300: a finite JSON number whose scaling alpha/r is Inf in float32."""
+    d = _copy(good, out)
+    _write_config(d, {**_config(d), "lora_alpha": 1e300})
+    return d
+
+
+def _suffixes(d: Path) -> list[str]:
+    return sorted({k[: -len(".lora_A.weight")].rsplit(".", 1)[1] for k in _tensors(d) if k.endswith(".lora_A.weight")})
+
+
+def target_regex_matches_nothing(good: Path, out: Path, max_rank: int) -> Path:
+    """A string target_modules is a whole-name regex (PEFT: re.fullmatch): this one matches no module."""
+    d = _copy(good, out)
+    _write_config(d, {**_config(d), "target_modules": "^nomatch$"})
+    return d
+
+
+def target_regex_matches_containers(good: Path, out: Path, max_rank: int) -> Path:
+    """``.*`` matches every module, containers and norms too: PEFT refuses to wrap those."""
+    d = _copy(good, out)
+    _write_config(d, {**_config(d), "target_modules": ".*"})
+    return d
+
+
+def target_regex_leaves_tensors_untargeted(good: Path, out: Path, max_rank: int) -> Path:
+    """The regex targets one of the module kinds the tensors cover: PEFT would silently ignore the
+    others' tensors, an engine that applies them serves another adapter."""
+    d = _copy(good, out)
+    first = _suffixes(d)[0]
+    _write_config(d, {**_config(d), "target_modules": rf".*\.{first}"})
+    return d
+
+
+def pattern_key_backtracks(good: Path, out: Path, max_rank: int) -> Path:
+    """A rank_pattern key on which a backtracking matcher (Python's re, PEFT's) runs for minutes."""
+    d = _copy(good, out)
+    _write_config(d, {**_config(d), "rank_pattern": {"(.*){1,300}[bc]": 4}})
+    return d
+
+
+def header_overruns_file(good: Path, out: Path, max_rank: int) -> Path:
+    """The safetensors header promises a tensor of 4 GiB at the end; the file is a sparse 4 GiB
+    (no disk used): a loader that reads before it checks the header's shapes reads 4 GiB."""
+    import struct
+
+    d = _copy(good, out)
+    raw = (d / WEIGHTS).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    k = _first({k: None for k in header if k != "__metadata__"}, "lora_B.weight")
+    rows = (1 << 30) // 8
+    header[k] = {"dtype": "F32", "shape": [rows, 8], "data_offsets": [len(data), len(data) + rows * 8 * 4]}
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(d / WEIGHTS, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + data)
+        f.truncate(8 + len(head) + len(data) + rows * 8 * 4)
+    return d
+
+
 # kind -> (maker, what the error should name)
 MALFORMED: dict[str, tuple[Callable[[Path, Path, int], Path], str]] = {
     "truncated_weights": (truncated_weights, WEIGHTS),
@@ -205,6 +281,13 @@ MALFORMED: dict[str, tuple[Callable[[Path, Path, int], Path], str]] = {
     "missing_lora_b": (missing_lora_b, "lora_B"),
     "config_rank_mismatch": (config_rank_mismatch, "rank"),
     "integer_tensors": (integer_tensors, "dtype"),
+    "float64_overflows_compute_dtype": (float64_overflows_compute_dtype, "overflow"),
+    "alpha_overflows_compute_dtype": (alpha_overflows_compute_dtype, "lora_alpha"),
+    "target_regex_matches_nothing": (target_regex_matches_nothing, "target_modules"),
+    "target_regex_matches_containers": (target_regex_matches_containers, "target_modules"),
+    "target_regex_leaves_tensors_untargeted": (target_regex_leaves_tensors_untargeted, "target_modules"),
+    "pattern_key_backtracks": (pattern_key_backtracks, "rank_pattern"),
+    "header_overruns_file": (header_overruns_file, "shape"),
 }
 
 # Adapter names an engine must refuse: path separators, URL/route separators, whitespace, PEFT's base.

@@ -1,10 +1,16 @@
 """One validator for PEFT LoRA adapter directories, run by every engine we ship before it
 touches its own state (so a refused load changes nothing).
 
-It checks the config fields, the weights file (readable, not truncated), every tensor's name,
-dtype, shape against the base model, finiteness, the rank each module's tensors carry against
-the config's ``r`` / ``rank_pattern``, and the engine's rank limit. Anything wrong raises
-``AdapterFormatError`` naming the file and the field. It decides *format*, not *support*:
+It checks the config fields, the weights file (readable, not truncated; for safetensors the
+header is checked against the base model before any data is read), every tensor's name, dtype,
+shape against the base model, the rank each module's tensors carry against the config's ``r`` /
+``rank_pattern``, and the engine's rank limit. Values are checked for finiteness *in the
+engine's compute dtype*, after conversion: a float64 ``lora_B`` holding 1e300 is finite as
+stored but inf in a float32 pool, where a masked batched GEMM (0 * inf = NaN) would spread it to
+every other row; so are the scaling ``lora_alpha / r`` and ``lora_B * scaling`` (what engines
+that fold the scaling into B store). Module-name patterns (a string ``target_modules``,
+``rank_pattern``, ``alpha_pattern``) follow PEFT's semantics and are matched in bounded time
+(``patterns.py``). Anything wrong raises ``AdapterFormatError`` naming the file and the field. It decides *format*, not *support*:
 DoRA, ``modules_to_save`` and LoRA biases are well-formed and pass here; engines refuse them
 with UnsupportedFeatureError.
 
@@ -24,6 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
+from lora_conformance.adapters.patterns import PatternError, PatternMatcher
 from lora_conformance.engines.base import AdapterFormatError
 
 PREFIX = "base_model.model."
@@ -43,6 +50,7 @@ class BaseShapes:
     modules: dict  # name -> ("linear", (out, in)) | ("embedding", (vocab, hidden))
     params: dict  # every parameter name -> shape (3-D expert parameters included)
     num_layers: int
+    others: tuple = ()  # every other module's name (containers, norms, ...): PEFT cannot wrap them
 
 
 @dataclass
@@ -51,7 +59,8 @@ class ValidatedAdapter:
     config: dict
     tensors: dict  # name -> torch.Tensor (cpu)
     weights_file: Path
-    raw: bytes  # the weights file's bytes (engines hash them)
+    weights_sha256: str  # of the weights file's bytes (engines key caches on it)
+    module_params: dict  # module -> (rank, alpha) after rank_pattern / alpha_pattern (PEFT's matching)
 
 
 def validate_name(name: Any) -> str:
@@ -78,7 +87,8 @@ def _shapes_key(model_dir: str) -> Optional[str]:
 
 def _shapes_from_json(data: dict) -> BaseShapes:
     return BaseShapes({n: (k, tuple(shape)) for n, (k, shape) in data["modules"].items()},
-                      {n: tuple(shape) for n, shape in data["params"].items()}, int(data["num_layers"]))
+                      {n: tuple(shape) for n, shape in data["params"].items()}, int(data["num_layers"]),
+                      tuple(data["others"]))
 
 
 @lru_cache(maxsize=8)
@@ -96,7 +106,7 @@ def _base_shapes(model_dir: str, stamp: float) -> BaseShapes:
 
         try:
             write_json_atomic(path, {"modules": shapes.modules, "params": shapes.params,
-                                     "num_layers": shapes.num_layers})
+                                     "num_layers": shapes.num_layers, "others": list(shapes.others)})
         except OSError:
             pass  # a read-only cache only costs the rebuild
     return shapes
@@ -111,15 +121,17 @@ def _build_base_shapes(model_dir: str) -> BaseShapes:
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = (AutoModel if is_encoder_only(Path(model_dir)) else AutoModelForCausalLM).from_config(cfg)
-    modules = {}
+    modules, others = {}, []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
             modules[name] = ("linear", (mod.out_features, mod.in_features))
         elif isinstance(mod, torch.nn.Embedding):
             modules[name] = ("embedding", (mod.num_embeddings, mod.embedding_dim))
+        elif name:  # PEFT never targets the root
+            others.append(name)
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
     layers = int(getattr(cfg, "num_hidden_layers", 0) or getattr(cfg.get_text_config(), "num_hidden_layers", 0))
-    return BaseShapes(modules, params, layers)
+    return BaseShapes(modules, params, layers, tuple(others))
 
 
 def base_shapes(model_dir: Path) -> BaseShapes:
@@ -127,12 +139,19 @@ def base_shapes(model_dir: Path) -> BaseShapes:
     return _base_shapes(str(Path(model_dir).resolve()), cfg.stat().st_mtime if cfg.exists() else 0.0)
 
 
-def pattern_value(patterns: dict, module: str, default):
-    """PEFT semantics: a key matches a dot-bounded suffix of the module name; first match wins."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+def pattern_value(patterns: dict, module: str, default, matcher: Optional[PatternMatcher] = None):
+    """PEFT semantics: a key matches a dot-bounded suffix of the module name; first match wins
+    (in bounded time: ``patterns.PatternMatcher``)."""
+    return (matcher or PatternMatcher()).pattern_value(patterns, module, default)
+
+
+def _targeted(targets, module: str, matcher: PatternMatcher) -> bool:
+    """Whether ``target_modules`` (PEFT semantics) names ``module``; None targets everything given."""
+    if targets is None:
+        return True
+    if isinstance(targets, str):
+        return matcher.target_matches(targets, module)
+    return "all-linear" in targets or any(module == t or module.endswith("." + t) for t in targets)
 
 
 # ---- config ---------------------------------------------------------------------------------
@@ -163,7 +182,9 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
-def check_config(cfg: dict, f: Path, base: BaseShapes) -> None:
+def check_config(cfg: dict, f: Path, base: BaseShapes, matcher: Optional[PatternMatcher] = None) -> None:
+    matcher = matcher or PatternMatcher()
+
     def bad(field, problem):
         raise AdapterFormatError(f, field, problem)
 
@@ -193,8 +214,15 @@ def check_config(cfg: dict, f: Path, base: BaseShapes) -> None:
                 re.compile(k)
             except re.error as exc:
                 bad(f"{key}.{k}", f"not a valid pattern ({exc})")
+            try:  # every module name once: a pattern that backtracks without end is refused here, in bounded time
+                for name in base.modules:
+                    matcher.pattern_key({k: v}, name)
+            except PatternError as exc:
+                bad(f"{key}.{k}", str(exc))
     tm = cfg.get("target_modules")
-    if tm is not None and not isinstance(tm, str):
+    if isinstance(tm, str):
+        _check_target_regex(tm, base, matcher, bad)
+    elif tm is not None:
         if not isinstance(tm, list) or not all(isinstance(t, str) and t for t in tm):
             bad("target_modules", f"{tm!r}; expected a list of module names or a regex string")
         for t in tm:
@@ -221,34 +249,57 @@ def check_config(cfg: dict, f: Path, base: BaseShapes) -> None:
             bad("layers_to_transform", f"{out} outside the base model's layers 0..{base.num_layers - 1}")
 
 
+def _check_target_regex(tm: str, base: BaseShapes, matcher: PatternMatcher, bad) -> None:
+    """PEFT: a string target_modules must match whole module names; a match on a module LoRA cannot
+    wrap (a container, a norm) is PEFT's ValueError "Target module ... is not supported", and no
+    match at all its "Target modules ... not found in the base model"."""
+    try:
+        matched = [n for n in base.modules if matcher.target_matches(tm, n)]
+        unsupported = [n for n in base.others if matcher.target_matches(tm, n)]
+    except PatternError as exc:
+        bad("target_modules", f"{tm!r}: {exc}")
+    if unsupported:
+        bad("target_modules", f"the regex {tm!r} matches modules LoRA cannot wrap ({', '.join(unsupported[:3])}"
+                              f"{', ...' if len(unsupported) > 3 else ''}); PEFT refuses it too: a string "
+                              "target_modules must match whole names of Linear or Embedding modules only")
+    if not matched:
+        bad("target_modules", f"the regex {tm!r} matches no module name of the base model as a whole (PEFT "
+                              "matches a string target_modules against the full name, e.g. '.*\\.q_proj')")
+
+
 # ---- weights --------------------------------------------------------------------------------
 
 
-def read_weights(path: Path) -> tuple[Path, dict, bytes]:
-    import torch
-
+def weights_file(path: Path) -> Path:
     for name in WEIGHTS:
         f = path / name
         if f.is_file():
-            break
-    else:
-        raise AdapterFormatError(path, "weights", f"neither {' nor '.join(WEIGHTS)} found")
-    raw = f.read_bytes()
+            return f
+    raise AdapterFormatError(path, "weights", f"neither {' nor '.join(WEIGHTS)} found")
+
+
+def read_weights(f: Path, size_limit: Optional[int] = None) -> dict:
+    """The tensors of ``f`` (safetensors memory-mapped; a pickle only under ``size_limit`` bytes)."""
+    import torch
+
+    from lora_conformance.adapters.weights import check_pickle_size
+
     try:
         if f.suffix == ".safetensors":
-            from safetensors.torch import load
+            from safetensors.torch import load_file
 
-            tensors = load(raw)
+            tensors = load_file(str(f))
         else:
-            import io
-
-            tensors = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            check_pickle_size(f, size_limit)
+            tensors = torch.load(str(f), map_location="cpu", weights_only=True)
+    except AdapterFormatError:
+        raise
     except Exception as exc:  # safetensors/pickle raise many kinds; all mean "not a readable file"
         raise AdapterFormatError(f, "file", f"unreadable or truncated ({type(exc).__name__}: {exc})") from None
     if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                 for k, v in tensors.items()):
         raise AdapterFormatError(f, "file", "expected a mapping of tensor names to tensors")
-    return f, tensors, raw
+    return tensors
 
 
 def _split(key: str) -> tuple[str, str, int]:
@@ -276,8 +327,12 @@ def _expert_param(mod: str, A, B, cfg: dict, base: BaseShapes) -> Optional[tuple
     return None
 
 
-def check_tensors(tensors: dict, f: Path, cfg: dict, base: BaseShapes, max_rank: Optional[int]) -> None:
-    import torch
+def check_tensors(tensors: dict, f: Path, cfg: dict, base: BaseShapes, max_rank: Optional[int],
+                  matcher: Optional[PatternMatcher] = None) -> dict:
+    """Names, dtypes, shapes and ranks (no values: ``tensors`` may be meta tensors from the
+    header). Returns the LoRA pairs: (module, nesting depth) -> {"A"|"B": (key, tensor)}, and
+    fills nothing else."""
+    matcher = matcher or PatternMatcher()
 
     def bad(field, problem):
         raise AdapterFormatError(f, field, problem)
@@ -288,8 +343,6 @@ def check_tensors(tensors: dict, f: Path, cfg: dict, base: BaseShapes, max_rank:
             bad(key, f"tensor name does not start with {PREFIX!r} (not a saved PEFT adapter)")
         if str(t.dtype).replace("torch.", "") not in FLOAT_DTYPES:
             bad(key, f"dtype {t.dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
-        if t.numel() and not bool(torch.isfinite(t).all()):
-            bad(key, f"{int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN or Inf)")
         mod, kind, depth = _split(key)
         if kind:
             pairs.setdefault((mod, depth), {})[kind] = (key, t)
@@ -314,9 +367,14 @@ def check_tensors(tensors: dict, f: Path, cfg: dict, base: BaseShapes, max_rank:
             rank, want_a, want_b = A.shape[0] // E, (A.shape[0], in_f), (out_f, A.shape[0])
         elif hf_mod in base.modules:
             kind, (d0, d1) = base.modules[hf_mod]
-            if isinstance(targets, list) and not any(hf_mod == t or hf_mod.endswith("." + t) for t in targets) \
-                    and "all-linear" not in targets:
-                bad(ka, f"module {hf_mod!r} is not named by target_modules {targets}")
+            try:
+                targeted = _targeted(targets, hf_mod, matcher)
+            except PatternError as exc:
+                bad("target_modules", f"{targets!r}: {exc}")
+            if not targeted:
+                how = "matched (as a whole name) by the target_modules regex" if isinstance(targets, str) else \
+                    "named by target_modules"
+                bad(ka, f"module {hf_mod!r} is not {how} {targets!r}, so PEFT would ignore its tensors")
             rank = A.shape[0]
             if kind == "embedding":  # lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)
                 want_a, want_b = (rank, d0), (d1, rank)
@@ -328,12 +386,72 @@ def check_tensors(tensors: dict, f: Path, cfg: dict, base: BaseShapes, max_rank:
             bad(ka, f"shape {tuple(A.shape)} does not fit the base model; expected {want_a}")
         if tuple(B.shape) != want_b:
             bad(kb, f"shape {tuple(B.shape)} does not fit the base model; expected {want_b}")
-        field = "rank_pattern" if pattern_value(rank_pattern, hf_mod, None) is not None else "r"
-        want_r = int(pattern_value(rank_pattern, hf_mod, r0))
+        try:
+            pkey = matcher.pattern_key(rank_pattern, hf_mod)
+        except PatternError as exc:
+            bad("rank_pattern", str(exc))
+        field = "rank_pattern" if pkey is not None else "r"
+        want_r = int(r0 if pkey is None else rank_pattern[pkey])
         if expert is None and rank != want_r:
             bad(field, f"{want_r} in {f.parent / CONFIG}, but {ka} has rank {rank}")
         if max_rank is not None and rank > max_rank:
             bad(field, f"rank {rank} of {hf_mod} ({field} in {CONFIG}) exceeds this engine's max_rank={max_rank}")
+    return pairs
+
+
+def module_params(pairs: dict, cfg: dict, f: Path, matcher: PatternMatcher) -> dict:
+    """module -> (rank, alpha) as PEFT resolves them (rank_pattern / alpha_pattern, first key wins)."""
+    r0, alpha0 = cfg.get("r", 8), cfg.get("lora_alpha", 8)
+    out = {}
+    for mod, _ in pairs:
+        hf_mod = _hf_name(mod)
+        try:
+            out[hf_mod] = (int(matcher.pattern_value(cfg.get("rank_pattern") or {}, hf_mod, r0)),
+                           float(matcher.pattern_value(cfg.get("alpha_pattern") or {}, hf_mod, alpha0)))
+        except PatternError as exc:
+            raise AdapterFormatError(f.parent / CONFIG, "alpha_pattern", str(exc)) from None
+    return out
+
+
+def _hf_name(mod: str) -> str:
+    return mod[len("bert."):] if mod.startswith("bert.") else mod
+
+
+def check_values(tensors: dict, pairs: dict, params: dict, cfg: dict, f: Path, dtype: str) -> None:
+    """Every value finite in the compute dtype ``dtype``, after conversion, and so the scaling
+    and ``lora_B * scaling`` (engines that fold the scaling into B store that)."""
+    import torch
+
+    cd = getattr(torch, dtype)
+    cfg_file = f.parent / CONFIG
+    for key, t in tensors.items():
+        if not t.numel():
+            continue
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            raise AdapterFormatError(f, key, f"{int((~finite).sum())} non-finite value(s) (NaN or Inf)")
+        conv = torch.isfinite(t.to(cd))
+        if not bool(conv.all()):
+            big = float(t.double().abs().max())
+            raise AdapterFormatError(f, key, f"{int((~conv).sum())} value(s) overflow to Inf when converted from "
+                                             f"{str(t.dtype).replace('torch.', '')} to the engine's {dtype} "
+                                             f"(largest magnitude {big:.3g}); expected values finite in {dtype}")
+    rs = bool(cfg.get("use_rslora", False))
+    for (mod, _), ts in pairs.items():
+        hf_mod = _hf_name(mod)
+        r, alpha = params[hf_mod]
+        scale = alpha / (math.sqrt(r) if rs else r)
+        field = "alpha_pattern" if alpha != float(cfg.get("lora_alpha", 8)) else "lora_alpha"
+        if not math.isfinite(float(torch.tensor(scale, dtype=torch.float64).to(cd))):
+            raise AdapterFormatError(cfg_file, field, f"{alpha!r} gives {hf_mod} the scaling {scale:.3g} "
+                                                      f"(alpha/{'sqrt(r)' if rs else 'r'}), not finite in the "
+                                                      f"engine's {dtype}; expected a scaling finite in {dtype}")
+        kb, B = ts["B"]
+        folded = torch.isfinite((B.double() * scale).to(cd))
+        if not bool(folded.all()):
+            raise AdapterFormatError(f, kb, f"lora_B x scaling ({scale:.3g}) overflows the engine's {dtype} "
+                                            f"({int((~folded).sum())} value(s)); expected lora_B * lora_alpha / r "
+                                            f"finite in {dtype}")
 
 
 def _check_other(key: str, mod: str, t, base: BaseShapes, bad) -> None:
@@ -357,12 +475,33 @@ def _check_other(key: str, mod: str, t, base: BaseShapes, bad) -> None:
         bad(key, f"shape {tuple(t.shape)} does not match the base parameter {param} {shape}")
 
 
-def validate_adapter(path: Path, model_dir: Path, max_rank: Optional[int] = None) -> ValidatedAdapter:
-    """Check ``path`` against the base model at ``model_dir``; return what was read."""
+def _pickle_limit(base: BaseShapes) -> int:
+    """No adapter of this base model holds more than two float64 copies of every parameter."""
+    return 16 * sum(math.prod(shape) for shape in base.params.values()) + (1 << 20)
+
+
+def validate_adapter(path: Path, model_dir: Path, max_rank: Optional[int] = None,
+                     dtype: Optional[str] = None) -> ValidatedAdapter:
+    """Check ``path`` against the base model at ``model_dir`` and an engine computing in ``dtype``
+    (default float32); return what was read. A safetensors file's header is checked (names,
+    dtypes, shapes, ranks) before its data is read."""
+    from lora_conformance.adapters.weights import file_sha256, meta_tensors, read_header
+
     path = Path(path)
     base = base_shapes(Path(model_dir))
     cfg = read_config(path)
-    check_config(cfg, path / CONFIG, base)
-    f, tensors, raw = read_weights(path)
-    check_tensors(tensors, f, cfg, base, max_rank)
-    return ValidatedAdapter(path, cfg, tensors, f, raw)
+    matcher = PatternMatcher()
+    check_config(cfg, path / CONFIG, base, matcher)
+    f = weights_file(path)
+    if f.suffix == ".safetensors":
+        check_tensors(meta_tensors(read_header(f)), f, cfg, base, max_rank, matcher)
+    tensors = read_weights(f, _pickle_limit(base))
+    pairs = check_tensors(tensors, f, cfg, base, max_rank, matcher)
+    params = module_params(pairs, cfg, f, matcher)
+    check_values(tensors, pairs, params, cfg, f, _compute_dtype(dtype))
+    return ValidatedAdapter(path, cfg, tensors, f, file_sha256(f), params)
+
+
+def _compute_dtype(dtype: Optional[str]) -> str:
+    d = str(dtype or "float32").replace("torch.", "")
+    return d if d in ("float32", "float16", "bfloat16", "float64") else "float32"

@@ -57,6 +57,17 @@ def _fail(message: str, evidence: dict, actual: GenerationResult, reference: Gen
     return ConformanceAssertionError(f"{message}\n{table.text}", evidence)
 
 
+def missing_decode_logprobs(result: GenerationResult) -> Optional[str]:
+    """Why ``result`` lacks the decode logprobs a comparison needs (one top-k per generated
+    token, none empty), or None. A check must never pass without the evidence it compares."""
+    n = len(result.token_ids)
+    have = sum(1 for lp in result.logprobs[:n] if lp)
+    if have < n:
+        return (f"the engine returned decode logprobs for {have} of {n} generated tokens; this check compares "
+                "them, so it cannot pass without them (the engine must return top-k logprobs per token)")
+    return None
+
+
 def assert_logprobs_close(
     actual: GenerationResult,
     reference: GenerationResult,
@@ -76,6 +87,9 @@ def assert_logprobs_close(
     if not actual.token_ids and reference.token_ids:
         raise _fail(f"{prefix}engine produced no tokens", {**base_ev, "summary": "no tokens"},
                     actual, reference, decode, None)
+    missing = missing_decode_logprobs(actual) if reference.logprobs else None
+    if missing:
+        raise _fail(f"{prefix}{missing}", {**base_ev, "summary": "no decode logprobs"}, actual, reference, decode, None)
 
     if check_prompt and actual.prompt_logprobs is not None and reference.prompt_logprobs is not None:
         if len(actual.prompt_logprobs) != len(reference.prompt_logprobs):
@@ -157,6 +171,11 @@ def assert_same_output(actual: GenerationResult, expected: GenerationResult, *, 
                        label: str = "", decode: Decoder = None) -> None:
     """Same engine, same request: tokens equal and every logprob within ``atol`` (0 = bit-identical)."""
     assert_tokens_equal(actual, expected, label=label, decode=decode)
+    missing = missing_decode_logprobs(actual) or missing_decode_logprobs(expected)
+    if missing:
+        raise _fail(f"{label + ': ' if label else ''}{missing}",
+                    {"check": "same_output", "label": label, "summary": "no decode logprobs"},
+                    actual, expected, decode, None)
     pairs = list(zip(actual.logprobs, expected.logprobs))
     if actual.prompt_logprobs is not None and expected.prompt_logprobs is not None:
         pairs += list(zip(actual.prompt_logprobs, expected.prompt_logprobs))

@@ -49,6 +49,14 @@ def assert_nearest_reference_routing(
     if len(outputs) != len(labels):
         raise ValueError(f"{len(outputs)} outputs for {len(labels)} labels")
     labels = [BASE if l is None else l for l in labels]
+    from lora_conformance.compare.logprobs import missing_decode_logprobs
+
+    for i, out in enumerate(outputs):  # nearest-reference distances are computed from the logprobs
+        missing = missing_decode_logprobs(out)
+        if missing:
+            raise ConformanceAssertionError(f"{label + ': ' if label else ''}slot {i}: {missing}",
+                                            {"check": "nearest_reference_routing", "label": label,
+                                             "summary": "no decode logprobs", "slot": i})
     missing = sorted(set(labels) - set(references))
     if missing:
         raise ValueError(f"no isolated reference for {missing}")

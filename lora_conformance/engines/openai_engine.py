@@ -77,6 +77,9 @@ from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 FLAVORS = ("vllm", "sglang")
+# The largest answer read from a server: a completion with prompt logprobs of a long prompt is a
+# few MiB; a server (or something posing as one) that sends more is refused, not buffered.
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 _CAPS = {
     "vllm": {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.RANK_PATTERN,
              Capability.EMBED_TOKENS, Capability.LM_HEAD, Capability.PROMPT_LOGPROBS},
@@ -145,6 +148,7 @@ class OpenAIEngine(Engine):
         self.capabilities = self.declared_capabilities(a, self.model_dir, device)
         self._proc: Optional[subprocess.Popen] = None
         self._log_path: Optional[Path] = None
+        self._keep_log = False  # a failure's message names the log: it stays for the reader
         self._adapters: dict[str, str] = dict(_parse_lora_modules(a.lora_modules))
         self._tokenizer = None
         self._tok_lock = threading.Lock()
@@ -206,6 +210,7 @@ class OpenAIEngine(Engine):
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
+                self._keep_log = True
                 raise EngineFailure(f"server exited with code {self._proc.returncode} during start-up; "
                                     f"log {self._log_path}:\n{self._log_tail()}")
             try:
@@ -213,6 +218,7 @@ class OpenAIEngine(Engine):
                 return url
             except (EngineError, OSError):
                 time.sleep(1.0)
+        self._keep_log = True
         self.close()
         raise EngineFailure(f"server not ready on {url}/v1/models after {startup_timeout:.0f} s; "
                             f"log {self._log_path}:\n{self._log_tail()}")
@@ -225,6 +231,16 @@ class OpenAIEngine(Engine):
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
+        try:
+            self._stop(proc)
+        finally:
+            if proc is not None and proc.returncode not in (None, 0, -signal.SIGTERM, -signal.SIGKILL):
+                self._keep_log = True  # it died on its own: the log says why
+            if self._log_path is not None and not self._keep_log:
+                self._log_path.unlink(missing_ok=True)  # server logs are kept only when something failed
+
+    @staticmethod
+    def _stop(proc: Optional[subprocess.Popen]) -> None:
         if proc is None or proc.poll() is not None:
             return
         try:
@@ -264,17 +280,24 @@ class OpenAIEngine(Engine):
         try:
             conn.request(method, parts.path or "/", body=data, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
-            chunks = []
+            if resp.length is not None and resp.length > MAX_RESPONSE_BYTES:
+                raise EngineFailure(f"{method} {url}: answer of {resp.length} bytes refused (more than "
+                                    f"{MAX_RESPONSE_BYTES} bytes; no answer of this API needs that much)")
+            chunks, size = [], 0
             while not expired.is_set():
                 chunk = resp.read1(65536)
                 if not chunk:
                     break
+                size += len(chunk)
+                if size > MAX_RESPONSE_BYTES:
+                    raise EngineFailure(f"{method} {url}: answer exceeded {MAX_RESPONSE_BYTES} bytes; refused "
+                                        "(no answer of this API needs that much)")
                 chunks.append(chunk)
             if expired.is_set():
                 raise TimeoutError()
             if resp.length:  # the server closed before sending what Content-Length promised
                 raise EngineFailure(f"{method} {url}: short answer, {resp.length} byte(s) of the body missing")
-            status, raw = resp.status, b"".join(chunks)
+            status, raw, headers = resp.status, b"".join(chunks), resp.headers
         except EngineError:
             raise
         except (http.client.HTTPException, OSError, ValueError) as exc:
@@ -287,6 +310,10 @@ class OpenAIEngine(Engine):
             conn.close()
         if status >= 400:
             raise self._http_error(status, raw, url)
+        if not 200 <= status < 300:  # a redirect (or 1xx) is not a success; redirects are never followed
+            raise EngineFailure(f"{method} {url}: server answered {status}"
+                                f"{' redirecting to ' + repr(location) if (location := headers.get('Location')) else ''}"
+                                "; expected a 2xx answer (redirects are not followed)")
         text = raw.decode("utf-8", errors="replace")
         try:
             return json.loads(text) if text.strip() else None
@@ -340,7 +367,7 @@ class OpenAIEngine(Engine):
 
         validate_name(name)
         if self.validate_adapters:
-            validate_adapter(Path(path), self.model_dir, self.limits.max_rank)
+            validate_adapter(Path(path), self.model_dir, self.limits.max_rank, self.dtype)
         old = self._adapters.get(name)
         if old is not None:
             self.unload_adapter(name)  # servers refuse a loaded name; a reload must be fresh
@@ -423,7 +450,11 @@ class OpenAIEngine(Engine):
                                 f"{json.dumps(resp)[:500]}") from None
 
     def _parse(self, req: GenerationRequest, resp: dict) -> GenerationResult:
-        choice = resp["choices"][0]
+        choices = resp["choices"]
+        if not isinstance(choices, list) or len(choices) != 1:
+            raise ValueError(f"{len(choices) if isinstance(choices, list) else type(choices).__name__} choices for "
+                             "one prompt; expected exactly 1 (taking the first would hide what the server did)")
+        choice = choices[0]
         lp = choice.get("logprobs") or {}
         tokens = [self._token_id(t) for t in lp.get("tokens") or []]
         tops = [None if t is None else self._top(t, req.top_k) for t in lp.get("top_logprobs") or []]

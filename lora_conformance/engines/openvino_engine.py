@@ -230,7 +230,7 @@ class OpenVINOEngine(Engine):
         from lora_conformance.adapters.validate import validate_adapter, validate_name
 
         validate_name(name)
-        validate_adapter(Path(path), self.model_dir, self.max_rank)
+        validate_adapter(Path(path), self.model_dir, self.max_rank, self.dtype)
         info = read_adapter_info(Path(path))
         self._check_servable(name, info)
         modules = adapter_modules(info.path)

@@ -143,7 +143,7 @@ class PeftEngine(Engine):
         from lora_conformance.adapters.validate import validate_adapter, validate_name
 
         validate_name(name)
-        validate_adapter(Path(path), self.model_dir, MAX_RANK)
+        validate_adapter(Path(path), self.model_dir, MAX_RANK, self.dtype)
         info = read_adapter_info(Path(path))
         old = self._adapters.get(name)
         if old is not None:

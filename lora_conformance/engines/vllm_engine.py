@@ -210,7 +210,7 @@ class VllmEngine(Engine):
         self._alive()
         validate_name(name)
         if getattr(self, "validate_adapters", True):
-            validate_adapter(Path(path), self.model_dir, self.max_lora_rank)
+            validate_adapter(Path(path), self.model_dir, self.max_lora_rank, self.dtype)
         info = read_adapter_info(Path(path))
         self._check_adapter(name, info)
         old = self._infos.get(name)

@@ -68,6 +68,9 @@ def _cached_build(kind: str, cache_dir: Path, seed: int) -> Path:
     with FileLock(str(root / f".{final.name}.lock")):
         if (final / "config.json").is_file():  # another process won the race
             return final
+        from lora_conformance.reference.cache import remove_stale_temps
+
+        remove_stale_temps(root, f".{final.name}.", max_age_s=0)  # under the lock: a killed build's leftovers
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
         try:
             build_synthetic(kind, tmp, seed)
@@ -126,8 +129,10 @@ def content_hash(model_dir: Union[str, Path]) -> str:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
     digest = h.hexdigest()
-    try:
-        cached.write_text(f"{stamp}\n{digest}")
+    try:  # atomic: a concurrent reader must never take a half-written digest for the stamp's
+        from lora_conformance.reference.cache import write_text_atomic
+
+        write_text_atomic(cached, f"{stamp}\n{digest}")
     except OSError:
         pass  # read-only checkouts still get the hash
     return digest

@@ -12,14 +12,26 @@ The run loads only the pytest plugins the suites need (``SUITE_PLUGINS``: ours, 
 hypothesis's), not every installed one: a plugin that reruns failures, reorders or reseeds tests
 or times them out would change a certification's verdict, and each auto-loaded plugin costs every
 worker its start-up. ``--autoload-plugins`` restores pytest's default; ``-- -p NAME`` adds one.
+
+Interrupts: pytest runs in a process group of its own. Ctrl-C (SIGINT) or SIGTERM to certify is
+forwarded to that whole group as SIGINT, pytest's graceful stop (the terminal's Ctrl-C reaches
+every pytest-xdist worker the same way): tests stop, fixtures are torn down, so engines close and
+stop the servers they started, and the report of the tests run so far is written, marked
+``interrupted``. certify waits ``INTERRUPT_GRACE_S`` for that, then sends SIGTERM and, after
+``KILL_GRACE_S``, SIGKILL (a second Ctrl-C or SIGTERM skips the wait). Whatever is left of the
+group, and (on Linux, where certify makes itself the subreaper of its descendants) any process
+the run started that outlived its parent, such as a server whose worker was killed, is then
+terminated: nothing the run started keeps running after certify returns.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -28,6 +40,8 @@ REPORT_FILES = ("report.json", "report.md", "report.html", "badge.svg")
 SUITE_PLUGINS = ("lora_conformance.plugin", "xdist.plugin", "_hypothesis_pytestplugin")
 NO_TESTS_COLLECTED = 5
 CERTIFY_INI = "certify.ini"  # in the bundled suites: the run's only pytest configuration
+INTERRUPT_GRACE_S = 60.0  # for pytest to stop, close engines and write the partial report
+KILL_GRACE_S = 5.0  # between SIGTERM and SIGKILL
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -214,13 +228,164 @@ def _engine_config_error(args) -> Optional[str]:
     return None
 
 
-def run(args, runner=subprocess.call) -> int:
+# ---- running pytest: signals forwarded, nothing left behind ----------------------------------
+
+
+def _become_subreaper() -> bool:
+    """Linux: orphaned descendants are re-parented to this process (not to init), so the ones a
+    killed worker leaves (a server it started) can still be found and stopped. False elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        PR_SET_CHILD_SUBREAPER = 36
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _children_of(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (Linux /proc; [] elsewhere)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != b"Z":
+                out.append(int(name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    seen, todo = [], [pid]
+    while todo:
+        for child in _children_of(todo.pop()):
+            if child not in seen:
+                seen.append(child)
+                todo.append(child)
+    return seen
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap_zombies() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _stop_leftovers(pgid: int) -> list[int]:
+    """Terminate what the run left: its process group, then every descendant of certify (SIGTERM,
+    then SIGKILL after KILL_GRACE_S). Returns the pids that had to be stopped."""
+    stopped = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        _signal_group(pgid, sig)
+        left = _descendants(os.getpid())
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+                if pid not in stopped:
+                    stopped.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + (KILL_GRACE_S if sig == signal.SIGTERM else 1.0)
+        while time.monotonic() < deadline:
+            _reap_zombies()
+            if not _descendants(os.getpid()):
+                return stopped
+            time.sleep(0.05)
+    _reap_zombies()
+    return stopped
+
+
+def run_pytest(cmd: Sequence[str], env: Optional[dict] = None, grace_s: Optional[float] = None) -> int:
+    """Run ``cmd`` in its own process group; forward SIGINT and SIGTERM to it as SIGINT; wait
+    (bounded) for it to stop; leave nothing it started running. Returns its exit code, or
+    128 + the signal when the run was interrupted and pytest said nothing better."""
+    grace_s = INTERRUPT_GRACE_S if grace_s is None else grace_s
+    _become_subreaper()
+    proc = subprocess.Popen(list(cmd), env=env, start_new_session=True)
+    received: list[int] = []
+    first_at = [0.0]
+
+    def forward(signum, frame):
+        received.append(signum)
+        if len(received) == 1:
+            first_at[0] = time.monotonic()
+            print(f"\nlora-conformance certify: {signal.Signals(signum).name}: stopping pytest (engines close, "
+                  f"the partial report is written; up to {grace_s:.0f} s, again to stop at once)",
+                  file=sys.stderr, flush=True)
+            _signal_group(proc.pid, signal.SIGINT)
+        else:
+            _signal_group(proc.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    escalated = False
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if received and not escalated and time.monotonic() - first_at[0] > grace_s:
+                print(f"lora-conformance certify: pytest did not stop within {grace_s:.0f} s; terminating it",
+                      file=sys.stderr, flush=True)
+                _signal_group(proc.pid, signal.SIGTERM)
+                escalated = True
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        stopped = _stop_leftovers(proc.pid)
+        if stopped:
+            print(f"lora-conformance certify: stopped {len(stopped)} process(es) the run left behind "
+                  f"(pids {', '.join(map(str, stopped))})", file=sys.stderr, flush=True)
+    if received and code == 0:  # interrupted, whatever the child made of it: never a clean pass
+        return 128 + received[0]
+    return code
+
+
+def check_report_dir(report_dir: Path) -> Optional[str]:
+    """None, or why the report cannot be written there (checked before the run, not after it)."""
+    from lora_conformance.reference.cache import CacheEnvironmentError, check_writable_dir
+
+    try:
+        check_writable_dir(report_dir, "the report directory (--report)", "the report is written there at the "
+                                                                          "end: give a writable --report")
+    except CacheEnvironmentError as exc:
+        return str(exc)
+    return None
+
+
+def run(args, runner=None) -> int:
     try:
         choice = choose_workers(args)
     except ValueError as exc:
         print(f"lora-conformance certify: error: {exc}", file=sys.stderr)
         return 2
     report_dir = Path(args.report).resolve()
+    problem = check_report_dir(report_dir)
+    if problem is not None:
+        print(f"lora-conformance certify: error: {problem}", file=sys.stderr)
+        return 2
     # A stale report from an earlier run must never pass for this one's.
     for name in REPORT_FILES:
         (report_dir / name).unlink(missing_ok=True)
@@ -238,7 +403,10 @@ def run(args, runner=subprocess.call) -> int:
               "add one with -- -p NAME, or all with --autoload-plugins)", flush=True)
     env = _autoload_env(args)
     print("running: " + ("PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 " if env else "") + " ".join(cmd), flush=True)
-    code = int(runner(cmd, env=env) if env else runner(cmd))
+    if runner is None:
+        code = run_pytest(cmd, env)
+    else:
+        code = int(runner(cmd, env=env) if env else runner(cmd))
     if code == NO_TESTS_COLLECTED:
         print(f"lora-conformance certify: error: no tests were collected from {cmd[3]} "
               "(check --suite-dir and any -k/-m given after --); nothing was certified", file=sys.stderr)

@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for p in (m, r, v):
         p.add_argument("--ignore-digest", action="store_true",
                        help="read reports that do not match their digest (edited or damaged reports)")
+    from lora_conformance.report import signing
+
+    signing.add_arguments(sub, v)  # keygen, sign, verify --key
 
 DIGEST_EXIT = 3  # the report does not match its digest (2: any other unreadable report)
 
@@ -51,6 +54,11 @@ def run(args) -> int:
                                                   write_report)
     from lora_conformance.report.merge import MergeConflict, merge, write_matrix
 
+    from lora_conformance.report import signing
+
+    signed = signing.run(args)  # keygen, sign, and the signature half of verify --key
+    if signed is not None:
+        return signed
     check = not getattr(args, "ignore_digest", False)
     try:
         if args.report_command == "merge":

@@ -9,25 +9,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from lora_conformance.engines.base import AdapterIncompatibleError, UnsupportedFeatureError
+from lora_conformance.engines.base import AdapterFormatError, AdapterIncompatibleError, UnsupportedFeatureError
 from lora_conformance.engines.builtin.variants import Variant
 
 PREFIX = "base_model.model."
-
-
-def pattern_value(patterns: dict, module: str, default):
-    """PEFT semantics: a key matches a dot-bounded suffix of the module name; first match wins."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
 
 
 @dataclass
@@ -90,12 +81,15 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
 
     The shared validator (adapters/validate.py) runs first: malformed files, shapes of another
     model, non-finite values, config/tensor rank mismatches and ranks over max_rank are refused
-    with AdapterFormatError before anything is packed."""
-    from lora_conformance.adapters.validate import validate_adapter
+    with AdapterFormatError before anything is packed, and so are values that would not be finite
+    in ``dtype`` (the pool's): one Inf in the pool makes NaN of every row of a masked batched GEMM
+    (0 * Inf), the base's and other adapters' included. The packed tensors are checked again,
+    since what is stored (scaling folded into B, variants) is what the pool holds."""
+    from lora_conformance.adapters.validate import pattern_value, validate_adapter
 
     path = Path(path)
-    checked = validate_adapter(path, model_dir, max_rank)
-    cfg, tensors, raw = checked.config, checked.tensors, checked.raw
+    checked = validate_adapter(path, model_dir, max_rank, str(dtype).replace("torch.", ""))
+    cfg, tensors = checked.config, checked.tensors
     _check_config(cfg, path)
     if any(k.endswith("lora_magnitude_vector") for k in tensors):
         raise UnsupportedFeatureError(f"DoRA magnitude vectors in {path} are not supported by the builtin engine")
@@ -137,13 +131,13 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
         E = module.weight.shape[0] if kind_m == "expert" else 1
         r = A.shape[0] // E
         if r > max_rank:
-            field_ = "rank_pattern" if pattern_value(rank_pat, target, None) else "r"
+            field_ = "rank_pattern" if pattern_value(rank_pat, target, None) is not None else "r"
             raise AdapterIncompatibleError(
                 f"adapter {path}: rank {r} of {target} ({field_} in adapter_config.json) exceeds max_rank={max_rank}"
             )
         key_for_patterns = mod if kind_m == "expert" else target
-        rm = int(pattern_value(rank_pat, key_for_patterns, r0))
-        am = float(pattern_value(alpha_pat, key_for_patterns, alpha0))
+        rm, am = checked.module_params.get(key_for_patterns) or (
+            int(pattern_value(rank_pat, key_for_patterns, r0)), float(pattern_value(alpha_pat, key_for_patterns, alpha0)))
         if faults.on("patterns_ignored"):
             rm, am = r0, alpha0
         use_rs = rs and not faults.on("rslora_ignored")
@@ -151,11 +145,17 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
         if faults.on("delta_x1_1"):
             scale *= 1.1
         A, B = _stored_factors(A.float(), B.float(), variant, dtype)
-        ad.modules[target] = _pack(kind_m, module, A, B, r, E, scale, max_rank, dtype, path, target)
+        packed = _pack(kind_m, module, A, B, r, E, scale, max_rank, dtype, path, target)
+        for what, t in (("lora_A", packed.A), ("lora_B x scaling", packed.Bt)):
+            if not bool(torch.isfinite(t).all()):
+                raise AdapterFormatError(checked.weights_file, f"{target}.{what}",
+                                         f"not finite once stored in the engine's {str(dtype).replace('torch.', '')} "
+                                         f"pool (scaling {scale:.3g}); expected values finite in that dtype")
+        ad.modules[target] = packed
     if pin:
         for m in ad.modules.values():
             m.A, m.Bt = m.A.pin_memory(), m.Bt.pin_memory()
-    h = hashlib.sha256(raw)
+    h = hashlib.sha256(checked.weights_sha256.encode())
     h.update(json.dumps({"r": r0, "a": alpha0, "rs": rs, "rp": rank_pat, "ap": alpha_pat}, sort_keys=True).encode())
     ad.identity = h.hexdigest()[:32]
     return ad
