@@ -1,6 +1,6 @@
 """Signed reports: ``report keygen|sign|verify --key``. A report relabelled (another engine or
 device in its environment) or edited with its records digest recomputed still passes the digest
-check, but fails verification with the key; so does one signed by another key."""
+check (the digest is recomputed), but fails verification with the key; so does one signed by another key."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("cryptography")
 
 from lora_conformance.report import cli as report_cli
-from lora_conformance.report.document import build_report, records_digest, write_report
+from lora_conformance.report.document import build_report, report_digest, write_report
 from lora_conformance.report.signing import SIGNATURE_EXIT, canonical_bytes
 
 RECORDS = [
@@ -62,7 +62,7 @@ def test_keygen_writes_a_private_key_only_its_owner_reads(keys):
 def test_signed_report_verifies_with_the_key(signed, keys, capsys):
     assert _cli("verify", signed, "--key", keys[1]) == 0
     out = capsys.readouterr().out
-    assert "signature ok" in out and "records digest ok" in out
+    assert "signature ok" in out and "digest ok" in out
 
 
 def _relabel(data):
@@ -74,7 +74,7 @@ def _rechecksum(data):
     for rec in data["records"]:
         rec["phases"]["call"] = "passed"
         rec.pop("message", None)
-    data["records_digest"] = records_digest(data["records"])
+    data["digest"] = report_digest(data)  # what anyone editing a report can recompute
 
 
 @pytest.mark.parametrize("tamper", [_relabel, _rechecksum], ids=["relabelled", "re-checksummed"])
@@ -96,8 +96,8 @@ def test_another_key_or_no_signature_fails(signed, keys, tmp_path, capsys):
     assert "not a PEM public key" in capsys.readouterr().err
 
 
-def test_the_signature_covers_every_field_but_itself(signed):
+def test_the_signature_covers_every_field_but_itself_and_the_derived_digest(signed):
     data = json.loads(signed.read_text())
     body = canonical_bytes(data)
-    assert set(json.loads(body)) == set(data) - {"signature"}
+    assert set(json.loads(body)) == set(data) - {"signature", "digest"}
     assert canonical_bytes({**data, "signature": {"value": "x"}}) == body
