@@ -69,10 +69,10 @@ EXTRA_ARGS: dict[str, list[str]] = {"graph_stale_indices": ["--engine-arg", "gra
 # the catchers anyway, xfails while they miss, and fails once they catch it (then remove the entry).
 UNCAUGHT: dict[tuple[str, str], str] = {}
 
-# Faults shown on cpu only so far (README's "shown on" says so until an accelerator run shows them),
-# and the dtypes the accelerator run showed the others in: the H200, 2026-12-01,
+# Faults shown on cpu only (docs/faults.md's "shown on" says so until an accelerator run shows them),
+# and the dtypes the accelerator run showed the others in (an H200,
 # LORA_DETECTION_DTYPES=float32,bfloat16,float16 pytest tests/test_detection_power.py --device=cuda:
-# 89 passed, 2 skipped (lora_fp16 outside float32).
+# 89 passed, 2 skipped, lora_fp16 outside float32; reports/ keeps the run).
 NOT_YET_SHOWN_ON_GPU: set = set()
 SHOWN_ON_GPU_IN = ("float32", "bfloat16", "float16")
 # The dtypes README's table states for cpu: the default run's (float16 runs with LORA_DETECTION_DTYPES).

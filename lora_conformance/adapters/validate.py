@@ -24,14 +24,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
+from lora_conformance.checkpoints import ADAPTER_CONFIG as CONFIG
+from lora_conformance.checkpoints import ADAPTER_WEIGHTS as WEIGHTS
+from lora_conformance.checkpoints import PEFT_PREFIX as PREFIX
+from lora_conformance.checkpoints import is_encoder, pattern_value, read_adapter_config, split_lora_key
 from lora_conformance.engines.base import AdapterFormatError
 
-PREFIX = "base_model.model."
-CONFIG = "adapter_config.json"
-WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
-LORA_SUFFIXES = ((".lora_A.weight", "A"), (".lora_B.weight", "B"),
-                 (".lora_embedding_A", "A"), (".lora_embedding_B", "B"))
 # Characters that would make a name a path, a URL part or SGLang's "<base>:<adapter>" ambiguous.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 
@@ -70,10 +69,9 @@ shapes_cache_dir: Optional[Path] = None
 
 
 def _shapes_key(model_dir: str) -> Optional[str]:
-    from lora_conformance.engines._hf_common import is_encoder_only
     from lora_conformance.models import transformers_files_key
 
-    return transformers_files_key(model_dir, ("config.json",), f"encoder={is_encoder_only(Path(model_dir))}")
+    return transformers_files_key(model_dir, ("config.json",), f"encoder={is_encoder(model_dir)}")
 
 
 def _shapes_from_json(data: dict) -> BaseShapes:
@@ -92,7 +90,7 @@ def _base_shapes(model_dir: str, stamp: float) -> BaseShapes:
             pass  # unreadable or from another layout: rebuilt and rewritten below
     shapes = _build_base_shapes(model_dir)
     if path is not None:
-        from lora_conformance.reference.cache import write_json_atomic
+        from lora_conformance.fileio import write_json_atomic
 
         try:
             write_json_atomic(path, {"modules": shapes.modules, "params": shapes.params,
@@ -106,11 +104,9 @@ def _build_base_shapes(model_dir: str) -> BaseShapes:
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    from lora_conformance.engines._hf_common import is_encoder_only
-
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = (AutoModel if is_encoder_only(Path(model_dir)) else AutoModelForCausalLM).from_config(cfg)
+        model = (AutoModel if is_encoder(model_dir) else AutoModelForCausalLM).from_config(cfg)
     modules = {}
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
@@ -127,14 +123,6 @@ def base_shapes(model_dir: Path) -> BaseShapes:
     return _base_shapes(str(Path(model_dir).resolve()), cfg.stat().st_mtime if cfg.exists() else 0.0)
 
 
-def pattern_value(patterns: dict, module: str, default):
-    """PEFT semantics: a key matches a dot-bounded suffix of the module name; first match wins."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
-
-
 # ---- config ---------------------------------------------------------------------------------
 
 
@@ -144,23 +132,6 @@ def _is_int(v) -> bool:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def read_config(path: Path) -> dict:
-    f = path / CONFIG
-    if not path.is_dir():
-        raise AdapterFormatError(path, "directory", "is not a directory")
-    if not f.is_file():
-        raise AdapterFormatError(f, "file", "not found (a PEFT adapter directory has adapter_config.json)")
-    try:
-        cfg = json.loads(f.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise AdapterFormatError(f, "encoding", f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except ValueError as exc:
-        raise AdapterFormatError(f, "json", f"not valid JSON ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise AdapterFormatError(f, "json", f"expected an object, got {type(cfg).__name__}")
-    return cfg
 
 
 def check_config(cfg: dict, f: Path, base: BaseShapes) -> None:
@@ -251,18 +222,6 @@ def read_weights(path: Path) -> tuple[Path, dict, bytes]:
     return f, tensors, raw
 
 
-def _split(key: str) -> tuple[str, str, int]:
-    """'base_model.model.X.base_layer.lora_A.weight' -> (X, 'A'|'B'|'', base_layer nesting depth)."""
-    k = key[len(PREFIX):]
-    for suffix, kind in LORA_SUFFIXES:
-        if k.endswith(suffix):
-            mod, depth = k[: -len(suffix)], 0
-            while mod.endswith(".base_layer"):
-                mod, depth = mod[: -len(".base_layer")], depth + 1
-            return mod, kind, depth
-    return k, "", 0
-
-
 def _expert_param(mod: str, A, B, cfg: dict, base: BaseShapes) -> Optional[tuple[str, tuple]]:
     """The fused 3-D (E, out, in) parameter of ``mod`` these tensors fit (order of nesting unknown)."""
     for t in cfg.get("target_parameters") or ():
@@ -290,11 +249,11 @@ def check_tensors(tensors: dict, f: Path, cfg: dict, base: BaseShapes, max_rank:
             bad(key, f"dtype {t.dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
         if t.numel() and not bool(torch.isfinite(t).all()):
             bad(key, f"{int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN or Inf)")
-        mod, kind, depth = _split(key)
-        if kind:
-            pairs.setdefault((mod, depth), {})[kind] = (key, t)
+        lk = split_lora_key(key)
+        if lk.factor:
+            pairs.setdefault((lk.module, lk.depth), {})[lk.factor] = (key, t)
         else:
-            _check_other(key, mod, t, base, bad)
+            _check_other(key, lk.module, t, base, bad)
     if not pairs:
         bad("tensors", "no lora_A / lora_B tensors")
     r0 = cfg.get("r", 8)
@@ -361,7 +320,7 @@ def validate_adapter(path: Path, model_dir: Path, max_rank: Optional[int] = None
     """Check ``path`` against the base model at ``model_dir``; return what was read."""
     path = Path(path)
     base = base_shapes(Path(model_dir))
-    cfg = read_config(path)
+    cfg = read_adapter_config(path)
     check_config(cfg, path / CONFIG, base)
     f, tensors, raw = read_weights(path)
     check_tensors(tensors, f, cfg, base, max_rank)

@@ -23,9 +23,7 @@ refused with ``UnsupportedModelError`` before anything is traced.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from lora_conformance.engines.base import UnsupportedFeatureError
@@ -65,28 +63,13 @@ def check_convertible(model_dir: Path) -> dict:
 
 def converted_model(model_dir: Path, cache_root: Path) -> Path:
     """The IR directory for ``model_dir`` (converted once per content hash)."""
-    from filelock import FileLock
-
+    from lora_conformance.fileio import build_directory_once
     from lora_conformance.models import content_hash
 
     check_convertible(model_dir)
     key = f"{content_hash(model_dir)[:16]}-v{CONVERTER_VERSION}"
-    final = Path(cache_root) / key
-    if all((final / f).is_file() for f in IR_FILES):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(final.parent / f".{key}.lock")):
-        if all((final / f).is_file() for f in IR_FILES):
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
-        try:
-            convert(Path(model_dir), tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_directory_once(Path(cache_root) / key, lambda d: all((d / f).is_file() for f in IR_FILES),
+                                lambda tmp: convert(Path(model_dir), tmp))
 
 
 def convert(model_dir: Path, out: Path) -> None:

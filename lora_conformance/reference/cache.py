@@ -11,26 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-
-def write_json_atomic(path: Path, value: Any, **dump_args) -> None:
-    """Write ``value`` as JSON to ``path`` through a temp file and a rename: a concurrent reader
-    (another pytest-xdist worker) sees the old file or the whole new one, never half of it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f, **dump_args)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from lora_conformance.fileio import write_json_atomic
 
 
 def key_of(parts: dict[str, Any]) -> str:

@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lora_conformance.checkpoints import DTYPE_NAMES
+
 REPORT_FILES = ("report.json", "report.md", "report.html", "badge.svg")
 # The plugins a certification loads (with pytest's auto-loading off), each where it is installed.
 SUITE_PLUGINS = ("lora_conformance.plugin", "xdist.plugin", "_hypothesis_pytestplugin")
@@ -35,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="builtin", help="engine under test (registered name or module:Class; default: builtin)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="engine argument (repeatable)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                         help="dtype of the engine under test")
     parser.add_argument("--base-model", default=None, help="synthetic:llama (default), ... or a local checkpoint")
     parser.add_argument("--report", type=Path, default=Path("lora-report"),

@@ -8,6 +8,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 
 from lora_conformance import devices
+from lora_conformance.checkpoints import DTYPE_NAMES, torch_dtype
 from lora_conformance.engines.base import Capability, Engine, Limits, UnsupportedFeatureError
 from lora_conformance.engines.builtin.args import EngineArgs
 from lora_conformance.engines.builtin.engine.adapter import load_adapter_dir, model_lora_modules
@@ -21,9 +22,6 @@ from lora_conformance.engines.builtin.models.config import load_spec
 from lora_conformance.engines.builtin.models.loader import build_model
 from lora_conformance.types import GenerationRequest, GenerationResult
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class BuiltinEngine(Engine):
     name = "builtin"
 
@@ -34,9 +32,9 @@ class BuiltinEngine(Engine):
         self.device = devices.resolve_device(device or "auto")
         if dtype in (None, "", "auto"):
             dtype = devices.default_dtype_for(self.device)
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r}: the builtin engine takes one of {', '.join(_DTYPES)}")
-        self.dtype, self.torch_dtype = dtype, _DTYPES[dtype]
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype {dtype!r}: the builtin engine takes one of {', '.join(DTYPE_NAMES)}")
+        self.dtype, self.torch_dtype = dtype, torch_dtype(dtype)
         if self.cfg.graphs and not devices.graphs_supported(self.device):
             raise UnsupportedFeatureError(
                 f"engine arg graphs=1: graph capture is not supported on {self.device}; use graphs=0"

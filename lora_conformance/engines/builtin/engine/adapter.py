@@ -9,25 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from lora_conformance.checkpoints import pattern_value, split_lora_key
 from lora_conformance.engines.base import AdapterIncompatibleError, UnsupportedFeatureError
 from lora_conformance.engines.builtin.variants import Variant
-
-PREFIX = "base_model.model."
-
-
-def pattern_value(patterns: dict, module: str, default):
-    """PEFT semantics: a key matches a dot-bounded suffix of the module name; first match wins."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
 
 
 @dataclass
@@ -69,20 +59,6 @@ def _check_config(cfg: dict, path: Path) -> None:
         raise UnsupportedFeatureError(f"trainable_token_indices in {where} is not supported by the builtin engine")
 
 
-def _split_key(key: str) -> tuple[str, str, int]:
-    """'base_model.model.X.base_layer.lora_A.weight' -> (module X, 'A'|'B'|'embA'|'embB', nesting depth)."""
-    k = key[len(PREFIX):] if key.startswith(PREFIX) else key
-    for suffix, kind in ((".lora_A.weight", "A"), (".lora_B.weight", "B"),
-                         (".lora_embedding_A", "embA"), (".lora_embedding_B", "embB")):
-        if k.endswith(suffix):
-            mod = k[: -len(suffix)]
-            depth = 0
-            while mod.endswith(".base_layer"):
-                mod, depth = mod[: -len(".base_layer")], depth + 1
-            return mod, kind, depth
-    return k, "", 0
-
-
 def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, faults, dtype,
                      pin: bool, model_dir: Path, variant: Variant = Variant()) -> HostAdapter:
     """model_modules: our module name -> ('linear'|'embedding'|'expert', module); variant: how
@@ -114,12 +90,11 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
 
     pairs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
-        mod, kind, depth = _split_key(key)
-        if not kind:
+        lk = split_lora_key(key)
+        if not lk.factor:
             continue  # base_layer copies of embed_tokens/lm_head and the like
-        if mod.startswith("bert."):
-            mod = mod[len("bert."):]
-        pairs.setdefault((mod, depth), {})[kind] = t
+        mod = lk.module[len("bert."):] if lk.module.startswith("bert.") else lk.module
+        pairs.setdefault((mod, lk.depth), {})[("emb" if lk.embedding else "") + lk.factor] = t
 
     ad = HostAdapter(name=name, path=path, identity="")
     for (mod, depth), ts in sorted(pairs.items()):
