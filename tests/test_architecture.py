@@ -97,6 +97,15 @@ def layer_violations(root: Path) -> list[str]:
     return out
 
 
+CHECKPOINT_FILES = {"config.json", "adapter_config.json"}  # parsed only by lora_conformance.checkpoints
+
+
+def _is_json_load(call: ast.Call) -> bool:
+    f = call.func
+    return isinstance(f, ast.Attribute) and f.attr in ("loads", "load") and isinstance(f.value, ast.Name) \
+        and f.value.id == "json"
+
+
 def ownership_violations(root: Path) -> list[str]:
     out = []
     for module, path, tree in _modules(root):
@@ -110,6 +119,9 @@ def ownership_violations(root: Path) -> list[str]:
                     owner in ast.dump(node) or f"'{owner.rsplit('.', 1)[1]}'" in ast.dump(node))
                 if not delegates:
                     out.append(f"{where}:{node.lineno}: defines {node.name} (owned by {owner})")
+            elif isinstance(node, ast.Call) and _is_json_load(node) and module != "lora_conformance.checkpoints" \
+                    and any(isinstance(c, ast.Constant) and c.value in CHECKPOINT_FILES for c in ast.walk(node)):
+                out.append(f"{where}:{node.lineno}: parses a checkpoint file itself (use lora_conformance.checkpoints)")
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in OWNED_CONSTANTS:
                 owner = OWNED_CONSTANTS[node.value]
                 if module != owner:
@@ -168,6 +180,9 @@ def test_the_ownership_check_catches_what_it_should(tmp_path):
                                           "    return json.loads((d / 'adapter_config.json').read_text())\n",
         "lora_conformance/engines/adapter.py": "def pattern_value(p, m, d): return d\n"
                                                "MSG = f'rank in adapter_config.json'\n",
+        "lora_conformance/engines/vllm_engine.py": "import json\ndef f(d):\n"
+                                                   "    return json.loads((d / 'config.json').read_text())\n"
+                                                   "FILES = ('config.json', 'tokenizer.json')\n",
         # a listed delegate that decides by itself instead of asking the owner
         "lora_conformance/harness.py": "class H:\n    def model_kind(self, d):\n        return 'decoder'\n",
         "lora_conformance/reference/runner.py": "class R:\n    def is_encoder(self):\n"
@@ -176,6 +191,8 @@ def test_the_ownership_check_catches_what_it_should(tmp_path):
     })
     bad = "\n".join(ownership_violations(root))
     assert "harness.py:2: defines model_kind" in bad
+    assert "vllm_engine.py:3: parses a checkpoint file itself" in bad
+    assert "vllm_engine.py:4" not in bad  # naming the file (a hash list) is not parsing it
     assert "runner.py" not in bad
     assert "hypotheses.py:3: spells 'adapter_config.json'" in bad
     assert "engines/adapter.py:1: defines pattern_value" in bad

@@ -26,6 +26,7 @@ import json
 import shutil
 from pathlib import Path
 
+from lora_conformance.checkpoints import read_model_config
 from lora_conformance.engines.base import UnsupportedFeatureError
 
 IR_FILES = ("openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml", "openvino_detokenizer.xml")
@@ -42,7 +43,7 @@ def check_convertible(model_dir: Path) -> dict:
     """config.json of a checkpoint the tracer handles, or UnsupportedModelError saying why not."""
     path = Path(model_dir) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
+        cfg = read_model_config(model_dir)
     except (OSError, ValueError) as exc:
         raise UnsupportedModelError(f"openvino engine: cannot read {path}: {exc}") from exc
     kind = cfg.get("model_type")

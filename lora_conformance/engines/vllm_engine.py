@@ -56,10 +56,10 @@ VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_
 
 
 def _config_max_positions(model_dir: Path) -> Optional[int]:
-    import json
+    from lora_conformance.checkpoints import read_model_config
 
     try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        cfg = read_model_config(model_dir)
     except (OSError, ValueError):
         return None
     value = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
