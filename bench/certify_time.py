@@ -99,7 +99,7 @@ def main() -> int:
     p.add_argument("--skip-cold", action="store_true")
     p.add_argument("--skip-warm", action="store_true")
     p.add_argument("--unshared", action="store_true",
-                   help="also run each N > 1 with --lora-threads=<cores> (every worker at all cores: before issue 17)")
+                   help="also run each N > 1 with --lora-threads=<cores> (every worker at all cores: no thread share)")
     p.add_argument("--repeat", type=int, default=1, metavar="R",
                    help="time each warm worker count R times, interleaved, and print medians (default 1)")
     p.add_argument("--json", type=Path, default=None)

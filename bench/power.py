@@ -1,4 +1,4 @@
-"""Null distribution and power of the paired effect verdict (issue 11), per test family and dtype.
+"""Null distribution and power of the paired effect verdict, per test family and dtype.
 
 Null runs: correct engines with benign variations, each run randomised (adapter seed and rank,
 prompt subset, row order, composition), judged exactly as the suites judge them

@@ -66,7 +66,7 @@ class Harness:
 
     def model_kind(self, model_dir: Path) -> str:
         if model_dir not in self._kinds:
-            from lora_conformance.models import model_kind
+            from lora_conformance.checkpoints import model_kind
 
             self._kinds[model_dir] = model_kind(model_dir)
         return self._kinds[model_dir]
@@ -342,7 +342,7 @@ class TestContext:
         evidence.add(self.request.node, evidence.NOTE, text)
 
     def auxiliary(self, engine, capability: str, certified_by: str) -> bool:
-        """Whether this test may use an auxiliary feature it does not certify (issue 12): ``engine``
+        """Whether this test may use an auxiliary feature it does not certify: ``engine``
         (the one under test) declares ``capability``, its expectations do not record the certifying feature
         ``certified_by`` as broken (xfail / skip), and (prompt logprobs) a probe on an engine of its
         own, once per process, got answers that match the reference. Otherwise the test falls back to

@@ -13,7 +13,6 @@ correct hypothesis by a margin, and name the nearest one when it is not
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +57,9 @@ def served_as(other: str) -> Hypothesis:
 
 
 def _config(adapter_dir: Path) -> dict:
-    return json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    from lora_conformance.checkpoints import read_adapter_config
+
+    return read_adapter_config(adapter_dir)
 
 
 def _targets(cfg: dict) -> list[str]:

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+from lora_conformance.checkpoints import DTYPE_NAMES
+
 GROUP = "lora-conformance"
 ENV_PREFIX = "LORA_CONFORMANCE_"
 
@@ -43,10 +45,10 @@ OPTIONS: tuple[Option, ...] = (
         "synthetic:llama",
     ),
     Option("dtype", "--dtype", "dtype of the engine under test (default: float32 on cpu, bfloat16 elsewhere)",
-           None, choices=("float32", "bfloat16", "float16")),
+           None, choices=DTYPE_NAMES),
     Option("reference_device", "--reference-device", "device of the HF+PEFT reference", "cpu"),
     Option("reference_dtype", "--reference-dtype", "dtype of the HF+PEFT reference", "float32",
-           choices=("float32", "bfloat16", "float16")),
+           choices=DTYPE_NAMES),
     Option("lora_cache", "--lora-cache", "directory for synthetic models, adapters and cached references "
            "(default: the user cache directory)", None),
     Option("lora_refresh_references", "--lora-refresh-references", "recompute cached reference outputs",

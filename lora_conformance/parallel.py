@@ -30,7 +30,7 @@ USER_THREAD_VARIABLE = "OMP_NUM_THREADS"
 # Test time a worker should have to be worth starting. Each worker pays about 2 s of start-up
 # (python, pytest, torch, collection) and its own first uses (imports, engines, models) before its
 # tests; with less work than that, another worker costs more than it saves. On the H200 host's
-# 16-core cpu (bench/certify_time.py, warm, 2026-12-01), about 24 s of recorded tests certified in
+# 16-core cpu (bench/certify_time.py, warm), about 24 s of recorded tests certified in
 # 20.7 s with 2 workers, 16.1 s with 4, 15.6 s with 8 and 18.4 s with 16 (one per core).
 MIN_WORK_PER_WORKER_S = 3.0
 

@@ -159,7 +159,7 @@ def _check_writable_dirs(settings: Settings) -> None:
     """A read-only (or full) cache or report directory stops the run before any work, as a usage
     error naming the directory, instead of failing tests as if the engine were at fault or losing
     the report at the end."""
-    from lora_conformance.reference.cache import CacheEnvironmentError, check_writable_dir
+    from lora_conformance.fileio import CacheEnvironmentError, check_writable_dir
 
     try:
         check_writable_dir(settings.cache_dir, "the lora-conformance cache (--lora-cache)")

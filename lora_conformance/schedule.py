@@ -68,7 +68,7 @@ class DurationRecorder:
     def pytest_sessionfinish(self, session) -> None:
         if not self.measured:
             return
-        from lora_conformance.reference.cache import write_json_atomic
+        from lora_conformance.fileio import write_json_atomic
 
         merged = {**load(self.path), **{k: round(v, 3) for k, v in self.measured.items()}}
         try:

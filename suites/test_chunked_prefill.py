@@ -1,7 +1,7 @@
 """Chunked prefill: prompts longer than the prefill chunk, adapters changing inside chunks and at
 chunk boundaries, mixed with base rows. Every row (prompt logprobs and decode) must match its own
 isolated reference: a chunk that continues a prompt must run with that prompt's adapter and see
-the KV its earlier chunks wrote. Prompt logprobs are an auxiliary feature here (issue 12): used when
+the KV its earlier chunks wrote. Prompt logprobs are an auxiliary feature here: used when
 the engine has them and their own test is not recorded as broken; otherwise the decode, whose
 every step reads the KV all chunks wrote, is compared alone (the report says so).
 """

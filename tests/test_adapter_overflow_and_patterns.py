@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lora_conformance.adapters import AdapterSpec, synthesize_adapter
-from lora_conformance.adapters.patterns import PatternError, PatternMatcher
+from lora_conformance.patterns import PatternError, PatternMatcher
 from lora_conformance.adapters.validate import validate_adapter
 from lora_conformance.engine_health import assert_healthy, snapshot
 from lora_conformance.engines import create_engine

@@ -3,7 +3,7 @@
 Each engine in ``_defective_engines`` is the correct built-in engine with one thing wrong.
 A suite that asks every test for an auxiliary feature (prompt logprobs, embeddings, ...)
 makes one bug fail many features, and a certification matrix whose cells share one cause
-tells a vendor less than its colours suggest (issue 12). Each case runs only the suites in
+tells a vendor less than its colours suggest. Each case runs only the suites in
 which its defect can show (in-process through pytester, the session's reference cache
 shared) and compares the features that turned red, by feature id, with the defect's own.
 

@@ -31,7 +31,7 @@ FILES = {
     "test_b": 'register_cpu_ci(est_time=60, suite="per-commit")\n',
     "test_c": 'register_cpu_ci(est_time=50, suite="per-commit")\n',
     "test_d": 'register_cpu_ci(est_time=10, suite="per-commit")\n',
-    "test_e": 'register_cpu_ci(est_time=500, suite="per-commit", disabled="hangs, issue 3")\n',
+    "test_e": 'register_cpu_ci(est_time=500, suite="per-commit", disabled="hangs on this runner")\n',
     "test_f": 'register_cpu_ci(est_time=30, suite="per-commit", nightly=True)\n',
     "test_g": "",
 }
@@ -67,7 +67,7 @@ def test_selects_registered_files(pytester, suites):
     result.assert_outcomes(passed=8, deselected=6)
     assert ran_files(result) == {"test_a", "test_b", "test_c", "test_d"}
     result.stdout.fnmatch_lines(["ci: hw=cpu suite=per-commit nightly=False",
-                                 "*disabled: suites/test_e.py: hangs, issue 3"])
+                                 "*disabled: suites/test_e.py: hangs on this runner"])
 
 
 def test_nightly_adds_nightly_registrations(pytester, suites):

@@ -42,7 +42,7 @@ def test_reads_every_form(tmp_path):
 
         register_cpu_ci(est_time=40, suite="per-commit")
         register_xpu_ci(300, "nightly-full", True)
-        lora_conformance.ci.register_cuda_ci(est_time=12.5, suite="per-commit", disabled="flaky driver, issue 7")
+        lora_conformance.ci.register_cuda_ci(est_time=12.5, suite="per-commit", disabled="flaky driver")
         register_ci("tpu", 9, "nightly-full", nightly=True)
 
         def test_x():
@@ -52,7 +52,7 @@ def test_reads_every_form(tmp_path):
     assert regs == [
         Registration(path, 5, "cpu", "per-commit", 40.0),
         Registration(path, 6, "xpu", "nightly-full", 300.0, nightly=True),
-        Registration(path, 7, "cuda", "per-commit", 12.5, disabled="flaky driver, issue 7"),
+        Registration(path, 7, "cuda", "per-commit", 12.5, disabled="flaky driver"),
         Registration(path, 8, "tpu", "nightly-full", 9.0, nightly=True),
     ]
 

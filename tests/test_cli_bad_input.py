@@ -1,4 +1,4 @@
-"""Bad input to the synth CLI and to expectations files (issue 14): each is refused with a
+"""Bad input to the synth CLI and to expectations files: each is refused with a
 message naming the field and the value, never a traceback or a silently dropped value."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The suites run in-process through pytester against ``--engine=builtin --engine-arg fault=NAME``;
 every test named for a fault must fail, so a suite that cannot see a bug is itself a failure.
-The same suites pass with no fault (tests/test_suites_pass.py). README's fault table is this dict.
+The same suites pass with no fault (tests/test_suites_pass.py). docs/faults.md's fault table is this dict.
 """
 
 import os
@@ -69,13 +69,13 @@ EXTRA_ARGS: dict[str, list[str]] = {"graph_stale_indices": ["--engine-arg", "gra
 # the catchers anyway, xfails while they miss, and fails once they catch it (then remove the entry).
 UNCAUGHT: dict[tuple[str, str], str] = {}
 
-# Faults shown on cpu only so far (README's "shown on" says so until an accelerator run shows them),
-# and the dtypes the accelerator run showed the others in: the H200, 2026-12-01,
+# Faults shown on cpu only (docs/faults.md's "shown on" says so until an accelerator run shows them),
+# and the dtypes the accelerator run showed the others in (an H200,
 # LORA_DETECTION_DTYPES=float32,bfloat16,float16 pytest tests/test_detection_power.py --device=cuda:
-# 89 passed, 2 skipped (lora_fp16 outside float32).
+# 89 passed, 2 skipped, lora_fp16 outside float32; reports/ keeps the run).
 NOT_YET_SHOWN_ON_GPU: set = set()
 SHOWN_ON_GPU_IN = ("float32", "bfloat16", "float16")
-# The dtypes README's table states for cpu: the default run's (float16 runs with LORA_DETECTION_DTYPES).
+# The dtypes docs/faults.md's table states for cpu: the default run's (float16 runs with LORA_DETECTION_DTYPES).
 SHOWN_ON_CPU_IN = ("float32", "bfloat16")
 
 # float16 too where time allows (the accelerator validation runs all three):
@@ -115,6 +115,6 @@ def test_suites_catch_the_fault(suite_runner, fault, dtype, lora_settings):
     errors = [r.nodeid for r in result.reprec.getreports("pytest_runtest_logreport") if r.failed and r.when != "call"]
     assert not errors, f"fault {fault!r}: suite errors (not failures) in {errors}\n" + "\n".join(result.outlines[-60:])
     if (fault, dtype) in UNCAUGHT:
-        assert missed, f"fault {fault!r} is caught in {dtype} now: remove it from UNCAUGHT (the README follows)"
+        assert missed, f"fault {fault!r} is caught in {dtype} now: remove it from UNCAUGHT (docs/faults.md follows)"
         pytest.xfail(f"{UNCAUGHT[fault, dtype]}; not caught by {missed}")
     assert not missed, f"fault {fault!r} not caught by: {missed}\n" + "\n".join(result.outlines[-30:])

@@ -93,7 +93,9 @@ def test_adapter_conversion_keeps_peft_scaling_per_module(ckpt, tmp_path):
     """llama.cpp scales by alpha / (the tensor's rank): rsLoRA, rank and alpha patterns survive."""
     from safetensors.numpy import load_file
 
-    cfg = json.loads((ckpt["rs"] / "adapter_config.json").read_text())
+    from lora_conformance.checkpoints import read_adapter_config
+
+    cfg = read_adapter_config(ckpt["rs"])
     peft = load_file(str(ckpt["rs"] / "adapter_model.safetensors"))
     alpha, tensors = _read_lora(convert_adapter(ckpt["rs"], ckpt["base"], tmp_path))
     n_head = 2

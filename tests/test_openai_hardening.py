@@ -1,4 +1,4 @@
-"""openai engine hardening (issue 14): one deadline per request, typed errors for short or
+"""openai engine hardening: one deadline per request, typed errors for short or
 malformed answers, loopback checked on the argument list the server parses, proxies never
 used for loopback, the server stopped on every start-up failure, transactional reloads."""
 

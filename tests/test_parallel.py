@@ -114,7 +114,7 @@ def test_bad_lora_threads_names_its_source(plugin_run, monkeypatch):
 
 @pytest.mark.skipif(parallel.cpu_cores() < 2, reason="a share below torch's default needs at least 2 cores")
 def test_xdist_workers_each_take_their_share(tmp_path):
-    """The bug of issue 17: two xdist workers each kept torch's all-core pool."""
+    """Two xdist workers must not each keep torch's all-core thread pool (N workers x all cores)."""
     pytest.importorskip("xdist")
     (tmp_path / "test_t.py").write_text(textwrap.dedent(THREADS_TEST.format(expected=parallel.cpu_cores() // 2)))
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LORA_CONFORMANCE_LORA_THREADS")}

@@ -1,6 +1,6 @@
-"""Issue 14, failure 5: a cached reference entry of the wrong shape ({} , [1]) or not UTF-8 used to
-crash every rerun (KeyError 'token_ids', UnicodeDecodeError) without naming the file. Now it is
-discarded with a warning naming the file, and recomputed."""
+"""A cached reference entry of the wrong shape ({} , [1]) or not UTF-8 is discarded with a warning
+naming the file, and recomputed; it must not crash every rerun (KeyError 'token_ids',
+UnicodeDecodeError) without naming the file."""
 
 from __future__ import annotations
 

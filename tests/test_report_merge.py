@@ -20,7 +20,7 @@ NC = {"setup": "skipped", "teardown": "passed"}
 
 def env(engine, device, dtype):
     return {"engine": {"name": engine, "version": "1"}, "device": {"name": device, "type": device.split(":")[0]},
-            "dtype": dtype, "packages": {"torch": "2.13"}, "date": "2026-01-01"}
+            "dtype": dtype, "packages": {"torch": "2.13"}, "date": "1970-01-01"}
 
 
 def r(nodeid, phases, **kw):

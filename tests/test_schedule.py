@@ -1,4 +1,4 @@
-"""Longest tests first under pytest-xdist (issue 17): the order rule, the recorded durations, and a
+"""Longest tests first under pytest-xdist: the order rule, the recorded durations, and a
 real two-worker run that reorders identically in both workers."""
 
 import json

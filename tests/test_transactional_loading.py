@@ -1,8 +1,8 @@
 """Loading is transactional on the engines we ship in-process (builtin, peft): a refused adapter
 leaves the same adapter list and bit-identical outputs for the base and every loaded adapter,
-and the refusal is a typed EngineError naming the adapter's file. Also the five failures of
-issue 14 that concern loading, each reproduced (some with the shared validator bypassed, to
-show the engine's own rollback holds where a file gets past validation)."""
+and the refusal is a typed EngineError naming the adapter's file. Also the loading failures
+these engines once had, each reproduced (some with the shared validator bypassed, to show the
+engine's own rollback holds where a file gets past validation)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_bad_adapter_names_are_refused(loaded, adapters):
     assert_healthy(engine, before, f"refusing the names {BAD_NAMES}")
 
 
-# ---- issue 14, failure 1: builtin -------------------------------------------------------
+# ---- builtin: an unloaded slot is zeroed ----------------------------------------------
 
 
 def test_builtin_unload_clears_the_slot(llama, adapters, tmp_path, monkeypatch):
@@ -98,7 +98,7 @@ def test_nan_adapter_is_refused_naming_tensor(llama, adapters, tmp_path):
     assert engine.list_adapters() == []
 
 
-# ---- issue 14, failures 2 and 3 and the weak reload: peft (validator bypassed) -----------
+# ---- peft: failed loads and reloads leave nothing behind (validator bypassed) -----------
 
 
 @pytest.fixture

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Union
 
@@ -18,6 +15,7 @@ from lora_conformance.adapters.spec import (
     resolve_targets,
 )
 from lora_conformance.adapters.synth import ADAPTER_FILES, B_STD, synthesize_adapter
+from lora_conformance.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 # Distinct q/v adapters used by the suites. Seeds were picked by scanning (bench/model_margins.py
 # --scan): a random q/v adapter has bf16 or fp16 diverge from fp32 on >= 1 of the 16 default
@@ -53,9 +51,9 @@ __all__ = [
 
 
 def adapter_hash(path: Union[str, Path]) -> str:
-    """sha256 over the adapter files' bytes (config and weights)."""
+    """sha256 over the adapter files' bytes (config and weights, safetensors or .bin)."""
     h = hashlib.sha256()
-    for name in ADAPTER_FILES:
+    for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS):
         p = Path(path) / name
         if p.is_file():
             h.update(name.encode() + b"\0" + p.read_bytes())
@@ -64,29 +62,13 @@ def adapter_hash(path: Union[str, Path]) -> str:
 
 def synthesize_cached(base_dir: Union[str, Path], spec: AdapterSpec, cache_dir: Union[str, Path]) -> Path:
     """``synthesize_adapter`` into a content-addressed dir (base model hash + spec); safe across processes."""
-    from filelock import FileLock
-
-    from lora_conformance.models import content_hash
     from lora_conformance.adapters import synth
+    from lora_conformance.fileio import build_directory_once
+    from lora_conformance.models import content_hash
 
     key = hashlib.sha256(
         f"{content_hash(base_dir)}:{spec.cache_key()}:{synth.CODE_VERSION}".encode()
     ).hexdigest()[:20]
-    root = Path(cache_dir) / "adapters"
-    final = root / key
-    if all((final / f).is_file() for f in ADAPTER_FILES):
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f".{key}.lock")):
-        if all((final / f).is_file() for f in ADAPTER_FILES):
-            return final
-        from lora_conformance.reference.cache import remove_stale_temps
-
-        remove_stale_temps(root, f".{key}.", max_age_s=0)  # under the lock: a killed synthesis's leftovers
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
-        try:
-            synthesize_adapter(Path(base_dir), spec, tmp)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_directory_once(Path(cache_dir) / "adapters" / key,
+                                lambda d: all((d / f).is_file() for f in ADAPTER_FILES),
+                                lambda tmp: synthesize_adapter(Path(base_dir), spec, tmp))

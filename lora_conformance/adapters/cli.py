@@ -103,11 +103,11 @@ def _check_out(out: Path) -> None:
 
 def _check_layers(spec, base: Path) -> None:
     """--layers must name layers of the base model (PEFT silently skips the others)."""
-    import json
+    from lora_conformance.checkpoints import read_model_config
 
     if spec.layers_to_transform is None:
         return
-    cfg = json.loads((Path(base) / "config.json").read_text())
+    cfg = read_model_config(base)
     n = int(cfg.get("num_hidden_layers") or 0)
     outside = [i for i in spec.layers_to_transform if not 0 <= i < n]
     if outside:

@@ -16,7 +16,9 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+from lora_conformance.checkpoints import ADAPTER_CONFIG as CONFIG
+
+WEIGHTS = "adapter_model.safetensors"
 CONFIG_FIELDS = ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "target_modules",
                  "target_parameters", "layers_to_transform", "bias", "peft_type", "use_dora", "modules_to_save",
                  "lora_bias", "fan_in_fan_out")

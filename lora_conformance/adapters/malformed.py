@@ -12,8 +12,9 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from lora_conformance.checkpoints import ADAPTER_CONFIG as CONFIG
+
 WEIGHTS = "adapter_model.safetensors"
-CONFIG = "adapter_config.json"
 
 
 def _copy(good: Path, out: Path) -> Path:

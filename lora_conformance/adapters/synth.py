@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from lora_conformance.adapters.spec import AdapterSpec, resolve_targets
+from lora_conformance.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 # Default std of B (A is uniform(+-1/sqrt(fan_in)), PEFT's own A init). Chosen so a rank-8
 # q/v adapter changes greedy output within 4 tokens on most default prompts.
 B_STD = 0.03
 CODE_VERSION = 1  # bump when the bytes for a given spec change
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS[0])  # what synthesis writes
 
 
 def is_base_layer_key(key: str) -> bool:
@@ -127,7 +128,7 @@ def synthesize_adapter(base_dir: Path, spec: AdapterSpec, out_dir: Path) -> Path
     tensors = load_file(str(path))
     kept = {k: v.contiguous() for k, v in sorted(tensors.items()) if not is_base_layer_key(k)}
     save_file(kept, str(path), metadata={"format": "pt"})
-    cfg_path = out_dir / "adapter_config.json"
+    cfg_path = out_dir / ADAPTER_CONFIG
     cfg = json.loads(cfg_path.read_text())
     cfg["base_model_name_or_path"] = None  # a path would make the bytes machine-dependent
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))

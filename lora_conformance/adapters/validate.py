@@ -30,15 +30,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
-from lora_conformance.adapters.patterns import PatternError, PatternMatcher
+from lora_conformance.patterns import PatternError, PatternMatcher
+from lora_conformance.checkpoints import ADAPTER_CONFIG as CONFIG
+from lora_conformance.checkpoints import ADAPTER_WEIGHTS as WEIGHTS
+from lora_conformance.checkpoints import PEFT_PREFIX as PREFIX
+from lora_conformance.checkpoints import is_encoder, pattern_value, read_adapter_config, split_lora_key
 from lora_conformance.engines.base import AdapterFormatError
 
-PREFIX = "base_model.model."
-CONFIG = "adapter_config.json"
-WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
-LORA_SUFFIXES = ((".lora_A.weight", "A"), (".lora_B.weight", "B"),
-                 (".lora_embedding_A", "A"), (".lora_embedding_B", "B"))
 # Characters that would make a name a path, a URL part or SGLang's "<base>:<adapter>" ambiguous.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 
@@ -79,10 +78,9 @@ shapes_cache_dir: Optional[Path] = None
 
 
 def _shapes_key(model_dir: str) -> Optional[str]:
-    from lora_conformance.engines._hf_common import is_encoder_only
     from lora_conformance.models import transformers_files_key
 
-    return transformers_files_key(model_dir, ("config.json",), f"encoder={is_encoder_only(Path(model_dir))}")
+    return transformers_files_key(model_dir, ("config.json",), f"encoder={is_encoder(model_dir)}")
 
 
 def _shapes_from_json(data: dict) -> BaseShapes:
@@ -102,7 +100,7 @@ def _base_shapes(model_dir: str, stamp: float) -> BaseShapes:
             pass  # unreadable or from another layout: rebuilt and rewritten below
     shapes = _build_base_shapes(model_dir)
     if path is not None:
-        from lora_conformance.reference.cache import write_json_atomic
+        from lora_conformance.fileio import write_json_atomic
 
         try:
             write_json_atomic(path, {"modules": shapes.modules, "params": shapes.params,
@@ -116,11 +114,9 @@ def _build_base_shapes(model_dir: str) -> BaseShapes:
     import torch
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    from lora_conformance.engines._hf_common import is_encoder_only
-
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = (AutoModel if is_encoder_only(Path(model_dir)) else AutoModelForCausalLM).from_config(cfg)
+        model = (AutoModel if is_encoder(model_dir) else AutoModelForCausalLM).from_config(cfg)
     modules, others = {}, []
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
@@ -137,12 +133,6 @@ def _build_base_shapes(model_dir: str) -> BaseShapes:
 def base_shapes(model_dir: Path) -> BaseShapes:
     cfg = Path(model_dir) / "config.json"
     return _base_shapes(str(Path(model_dir).resolve()), cfg.stat().st_mtime if cfg.exists() else 0.0)
-
-
-def pattern_value(patterns: dict, module: str, default, matcher: Optional[PatternMatcher] = None):
-    """PEFT semantics: a key matches a dot-bounded suffix of the module name; first match wins
-    (in bounded time: ``patterns.PatternMatcher``)."""
-    return (matcher or PatternMatcher()).pattern_value(patterns, module, default)
 
 
 def _targeted(targets, module: str, matcher: PatternMatcher) -> bool:
@@ -163,23 +153,6 @@ def _is_int(v) -> bool:
 
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def read_config(path: Path) -> dict:
-    f = path / CONFIG
-    if not path.is_dir():
-        raise AdapterFormatError(path, "directory", "is not a directory")
-    if not f.is_file():
-        raise AdapterFormatError(f, "file", "not found (a PEFT adapter directory has adapter_config.json)")
-    try:
-        cfg = json.loads(f.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise AdapterFormatError(f, "encoding", f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except ValueError as exc:
-        raise AdapterFormatError(f, "json", f"not valid JSON ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise AdapterFormatError(f, "json", f"expected an object, got {type(cfg).__name__}")
-    return cfg
 
 
 def check_config(cfg: dict, f: Path, base: BaseShapes, matcher: Optional[PatternMatcher] = None) -> None:
@@ -302,18 +275,6 @@ def read_weights(f: Path, size_limit: Optional[int] = None) -> dict:
     return tensors
 
 
-def _split(key: str) -> tuple[str, str, int]:
-    """'base_model.model.X.base_layer.lora_A.weight' -> (X, 'A'|'B'|'', base_layer nesting depth)."""
-    k = key[len(PREFIX):]
-    for suffix, kind in LORA_SUFFIXES:
-        if k.endswith(suffix):
-            mod, depth = k[: -len(suffix)], 0
-            while mod.endswith(".base_layer"):
-                mod, depth = mod[: -len(".base_layer")], depth + 1
-            return mod, kind, depth
-    return k, "", 0
-
-
 def _expert_param(mod: str, A, B, cfg: dict, base: BaseShapes) -> Optional[tuple[str, tuple]]:
     """The fused 3-D (E, out, in) parameter of ``mod`` these tensors fit (order of nesting unknown)."""
     for t in cfg.get("target_parameters") or ():
@@ -343,11 +304,11 @@ def check_tensors(tensors: dict, f: Path, cfg: dict, base: BaseShapes, max_rank:
             bad(key, f"tensor name does not start with {PREFIX!r} (not a saved PEFT adapter)")
         if str(t.dtype).replace("torch.", "") not in FLOAT_DTYPES:
             bad(key, f"dtype {t.dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
-        mod, kind, depth = _split(key)
-        if kind:
-            pairs.setdefault((mod, depth), {})[kind] = (key, t)
+        lk = split_lora_key(key)
+        if lk.factor:
+            pairs.setdefault((lk.module, lk.depth), {})[lk.factor] = (key, t)
         else:
-            _check_other(key, mod, t, base, bad)
+            _check_other(key, lk.module, t, base, bad)
     if not pairs:
         bad("tensors", "no lora_A / lora_B tensors")
     r0 = cfg.get("r", 8)
@@ -406,8 +367,8 @@ def module_params(pairs: dict, cfg: dict, f: Path, matcher: PatternMatcher) -> d
     for mod, _ in pairs:
         hf_mod = _hf_name(mod)
         try:
-            out[hf_mod] = (int(matcher.pattern_value(cfg.get("rank_pattern") or {}, hf_mod, r0)),
-                           float(matcher.pattern_value(cfg.get("alpha_pattern") or {}, hf_mod, alpha0)))
+            out[hf_mod] = (int(matcher.value_for(cfg.get("rank_pattern") or {}, hf_mod, r0)),
+                           float(matcher.value_for(cfg.get("alpha_pattern") or {}, hf_mod, alpha0)))
         except PatternError as exc:
             raise AdapterFormatError(f.parent / CONFIG, "alpha_pattern", str(exc)) from None
     return out
@@ -489,7 +450,7 @@ def validate_adapter(path: Path, model_dir: Path, max_rank: Optional[int] = None
 
     path = Path(path)
     base = base_shapes(Path(model_dir))
-    cfg = read_config(path)
+    cfg = read_adapter_config(path)
     matcher = PatternMatcher()
     check_config(cfg, path / CONFIG, base, matcher)
     f = weights_file(path)

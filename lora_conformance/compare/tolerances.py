@@ -12,7 +12,7 @@ Measured worst cases (all suites, default prompts, 16 new tokens):
   prefill 0.26; on cpu below 0.25. Drift grows with the step: bf16 rounding compounds.
 - float16: decode within 0.046 (built-in and PEFT on cpu; the H200 runs stayed inside 0.08);
   prefill up to 0.116 (PEFT on cpu, 0.089 built-in), so prefill gets its own, wider bound.
-`python bench/calibrate_tolerances.py` on cpu (2026-11-30), worst over base + 4 default adapters x
+`python bench/calibrate_tolerances.py` on cpu, worst over base + 4 default adapters x
 16 prompts: float32 prefill 5.0e-5 / decode 1.1e-4; bfloat16 0.26 / 0.31; float16 0.116 / 0.046.
 """
 
@@ -54,7 +54,7 @@ class Tolerance:
 # The effect verdict's bounds (compare/effects.py), calibrated by bench/power.py: null runs of
 # correct engines with benign variations (default, rescale:3, rescale:0.25, preround, reverse,
 # one_at_a_time, PEFT), 200 randomised runs per dtype on the H200 (cuda) and 200 on its host's cpu,
-# families accuracy / semantics / all-linear (q/k B 5x) / mixed (2026-12-01). Worst seen, as a
+# families accuracy / semantics / all-linear (q/k B 5x) / mixed. Worst seen, as a
 # fraction of the bounds then in force, and the bound set from it (about 1.5x the worst):
 #   bfloat16: residual rms 0.101 (cuda) / 0.100 (cpu) -> effect_noise_max 0.15; gross 1.09 -> 2.0;
 #             free-running decode 1.71 -> 2.5; |slope - 1| at most 0.14 of (margin + 4 SE).

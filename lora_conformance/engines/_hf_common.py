@@ -1,4 +1,4 @@
-"""Helpers shared by the engine plugins: dtype names, top-k records, adapter-config checks.
+"""Helpers shared by the engine plugins: top-k records, engine-arg parsing; checkpoint facts re-exported.
 
 Nothing here imports torch at module level: the vllm/openai/sglang plugins import this
 module in processes where torch may be heavy or absent (the openai plugin needs only a
@@ -7,23 +7,22 @@ tokenizer), so torch is imported inside the functions that need it.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from lora_conformance.engines.base import AdapterIncompatibleError, EngineError
+from lora_conformance import checkpoints
+# One reader of dtype names and adapter_config.json: the checkpoint module's, under the names the engines use.
+from lora_conformance.checkpoints import DTYPE_NAMES, AdapterInfo  # noqa: F401
+from lora_conformance.checkpoints import adapter_info as read_adapter_info  # noqa: F401
+from lora_conformance.engines.base import EngineError
 from lora_conformance.types import TopK
-
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def torch_dtype(name: str):
-    import torch
-
-    if name not in DTYPE_NAMES:
-        raise EngineError(f"dtype {name!r} is not one of {', '.join(DTYPE_NAMES)}")
-    return getattr(torch, name)
+    try:
+        return checkpoints.torch_dtype(name)
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
 
 
 def topk_from_logprobs(row, k: int) -> TopK:
@@ -49,65 +48,6 @@ def trim_topk(entries: Mapping[int, float], k: int) -> TopK:
     return dict(pairs)
 
 
-# ---- adapter configs ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    """The parts of an adapter_config.json that decide whether an engine can serve it."""
-
-    path: Path
-    rank: int
-    max_rank: int  # over rank_pattern too
-    use_dora: bool
-    use_rslora: bool
-    modules_to_save: tuple[str, ...]
-    bias: str  # PEFT's "none" | "all" | "lora_only"
-    lora_bias: bool
-    target_modules: tuple[str, ...]
-    target_parameters: tuple[str, ...]
-    has_rank_pattern: bool
-    raw: Mapping[str, Any]
-
-    @property
-    def targets_embeddings(self) -> bool:
-        return any(m.split(".")[-1] in ("embed_tokens", "wte", "word_embeddings") for m in self.target_modules)
-
-    @property
-    def targets_lm_head(self) -> bool:
-        return any(m.split(".")[-1] == "lm_head" for m in self.target_modules)
-
-
-def read_adapter_info(path: Path) -> AdapterInfo:
-    path = Path(path)
-    cfg_file = path / "adapter_config.json"
-    if not cfg_file.is_file():
-        raise AdapterIncompatibleError(f"{path} is not a PEFT adapter directory (no adapter_config.json)")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise AdapterIncompatibleError(f"{cfg_file}: unreadable adapter config ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise AdapterIncompatibleError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
-    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
-        raise AdapterIncompatibleError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    r = int(cfg.get("r", 8))
-    pattern = cfg.get("rank_pattern") or {}
-    tm = cfg.get("target_modules") or ()
-    return AdapterInfo(
-        path=path,
-        rank=r,
-        max_rank=max([r, *(int(v) for v in pattern.values())]),
-        use_dora=bool(cfg.get("use_dora")),
-        use_rslora=bool(cfg.get("use_rslora")),
-        modules_to_save=tuple(cfg.get("modules_to_save") or ()),
-        bias=str(cfg.get("bias") or "none"),
-        lora_bias=bool(cfg.get("lora_bias")),
-        target_modules=(tm,) if isinstance(tm, str) else tuple(tm),
-        target_parameters=tuple(cfg.get("target_parameters") or ()),
-        has_rank_pattern=bool(pattern or cfg.get("alpha_pattern")),
-        raw=cfg,
-    )
 
 
 def load_tokenizer(model_dir: Path):
@@ -117,16 +57,5 @@ def load_tokenizer(model_dir: Path):
 
 
 def is_encoder_only(model_dir: Path) -> bool:
-    """True for checkpoints whose config describes an encoder without an LM head we generate with."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    archs = cfg.get("architectures") or []
-    if any("CausalLM" in a for a in archs):
-        return False
-    if cfg.get("is_decoder"):
-        return False
-    return cfg.get("model_type") in {"bert", "roberta", "xlm-roberta", "distilbert", "modernbert", "electra"} or any(
-        a.endswith("Model") or "MaskedLM" in a for a in archs
-    )
+    """True for checkpoints that are encoders (``checkpoints.model_kind``'s rule)."""
+    return checkpoints.is_encoder(model_dir)

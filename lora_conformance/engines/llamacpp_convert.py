@@ -31,14 +31,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from lora_conformance.adapters.validate import pattern_value
-from lora_conformance.engines._hf_common import read_adapter_info
+from lora_conformance import checkpoints
 from lora_conformance.engines.base import AdapterFormatError, UnsupportedFeatureError
-
-PEFT_PREFIX = "base_model.model."
-# PEFT tensor-name suffix -> (factor, embedding LoRA?)
-LORA_SUFFIXES = {".lora_A.weight": ("A", False), ".lora_B.weight": ("B", False),
-                 ".lora_embedding_A": ("A", True), ".lora_embedding_B": ("B", True)}
 
 CONVERTER_VERSION = "1"
 ARCHES = {"llama": "llama", "qwen2": "qwen2"}  # HF model_type -> GGUF architecture
@@ -165,7 +159,7 @@ def convert_model(model_dir: Path, cache_dir: Path, weight_type: str) -> Path:
     if weight_type not in WEIGHT_TYPES:
         raise UnsupportedFeatureError(f"engine 'llamacpp': dtype {weight_type!r} (expected {', '.join(WEIGHT_TYPES)})")
     model_dir = Path(model_dir)
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = checkpoints.read_model_config(model_dir)
     arch = arch_of(config)
     inputs = [model_dir / "config.json", model_dir / "tokenizer.json", *sorted(model_dir.glob("*.safetensors"))]
     final = Path(cache_dir) / f"{model_dir.name}-{_digest(inputs, weight_type)}-{weight_type}.gguf"
@@ -227,8 +221,8 @@ def convert_model(model_dir: Path, cache_dir: Path, weight_type: str) -> Path:
 
 def module_scaling(cfg: Mapping, module: str) -> tuple[int, float]:
     """PEFT's (rank, scaling) of ``module``: rank/alpha patterns, rsLoRA."""
-    r = int(pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", 8)))
-    alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", 8)))
+    r = int(checkpoints.pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", 8)))
+    alpha = float(checkpoints.pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", 8)))
     return r, alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
 
 
@@ -239,7 +233,7 @@ def convert_adapter(adapter_dir: Path, model_dir: Path, cache_dir: Path) -> Path
     from safetensors.numpy import load_file
 
     adapter_dir = Path(adapter_dir)
-    info = read_adapter_info(adapter_dir)
+    info = checkpoints.adapter_info(adapter_dir)
     cfg = dict(info.raw)
     refused = [why for cond, why in (
         (info.use_dora, "use_dora (GGUF LoRA has no DoRA magnitude vector)"),
@@ -252,22 +246,20 @@ def convert_adapter(adapter_dir: Path, model_dir: Path, cache_dir: Path) -> Path
     weights = adapter_dir / "adapter_model.safetensors"
     if not weights.is_file():
         raise AdapterFormatError(weights, "file", "not found (the converter reads adapter_model.safetensors)")
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = checkpoints.read_model_config(model_dir)
     arch = arch_of(config)
-    final = Path(cache_dir) / f"{adapter_dir.name}-{_digest([adapter_dir / 'adapter_config.json', weights], arch)}.gguf"
+    final = Path(cache_dir) / f"{adapter_dir.name}-{_digest([adapter_dir / checkpoints.ADAPTER_CONFIG, weights], arch)}.gguf"
 
     def write(tmp: Path) -> None:
         factors: dict[str, dict[str, object]] = {}
         for key, value in load_file(str(weights)).items():
-            if key.endswith(".base_layer.weight"):
+            k = checkpoints.split_lora_key(key)
+            if not k.factor and key.endswith(".base_layer.weight"):
                 continue  # PEFT's copy of a targeted embedding / lm_head base matrix, not LoRA
-            suffix = next((sfx for sfx in LORA_SUFFIXES if key.endswith(sfx)), None)
-            module = key[: -len(suffix)].removeprefix(PEFT_PREFIX) if suffix else ""
-            if suffix is None or ".base_layer" in module:
+            if not k.factor or k.depth:
                 raise UnsupportedFeatureError(f"engine 'llamacpp': {weights}: tensor {key} is not a plain LoRA factor")
-            factor, embedding = LORA_SUFFIXES[suffix]
-            factors.setdefault(module, {})[factor] = value.astype(np.float32)
-            factors[module]["embedding"] = embedding
+            factors.setdefault(k.module, {})[k.factor] = value.astype(np.float32)
+            factors[k.module]["embedding"] = k.embedding
         alpha = float(cfg.get("lora_alpha", 8)) or 1.0
         w = gguf.GGUFWriter(str(tmp), arch)
         w.add_string("general.type", "adapter")

@@ -35,7 +35,6 @@ limit of its own), ``flash_attn`` (``auto`` / ``on`` / ``off``; ``off`` in float
 from __future__ import annotations
 
 import ctypes
-import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -151,8 +150,10 @@ class LlamaCppEngine(Engine):
             from lora_conformance.engines.llamacpp_convert import ARCHES
             from lora_conformance.models import model_kind
 
+            from lora_conformance.checkpoints import read_model_config
+
             try:
-                model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+                model_type = read_model_config(model_dir).get("model_type")
             except (OSError, ValueError):
                 return None
             if model_kind(Path(model_dir)) != "decoder" or model_type not in ARCHES:

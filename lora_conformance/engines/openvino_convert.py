@@ -23,11 +23,10 @@ refused with ``UnsupportedModelError`` before anything is traced.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from lora_conformance.checkpoints import read_model_config
 from lora_conformance.engines.base import UnsupportedFeatureError
 
 IR_FILES = ("openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml", "openvino_detokenizer.xml")
@@ -44,7 +43,7 @@ def check_convertible(model_dir: Path) -> dict:
     """config.json of a checkpoint the tracer handles, or UnsupportedModelError saying why not."""
     path = Path(model_dir) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
+        cfg = read_model_config(model_dir)
     except (OSError, ValueError) as exc:
         raise UnsupportedModelError(f"openvino engine: cannot read {path}: {exc}") from exc
     kind = cfg.get("model_type")
@@ -65,28 +64,13 @@ def check_convertible(model_dir: Path) -> dict:
 
 def converted_model(model_dir: Path, cache_root: Path) -> Path:
     """The IR directory for ``model_dir`` (converted once per content hash)."""
-    from filelock import FileLock
-
+    from lora_conformance.fileio import build_directory_once
     from lora_conformance.models import content_hash
 
     check_convertible(model_dir)
     key = f"{content_hash(model_dir)[:16]}-v{CONVERTER_VERSION}"
-    final = Path(cache_root) / key
-    if all((final / f).is_file() for f in IR_FILES):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(final.parent / f".{key}.lock")):
-        if all((final / f).is_file() for f in IR_FILES):
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=final.parent))
-        try:
-            convert(Path(model_dir), tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_directory_once(Path(cache_root) / key, lambda d: all((d / f).is_file() for f in IR_FILES),
+                                lambda tmp: convert(Path(model_dir), tmp))
 
 
 def convert(model_dir: Path, out: Path) -> None:

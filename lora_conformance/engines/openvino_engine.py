@@ -87,13 +87,11 @@ def adapter_modules(path: Path) -> set[str]:
     """Module paths (``model.layers.0.self_attn.q_proj``) a PEFT adapter file carries LoRA for."""
     from safetensors import safe_open
 
-    found = set()
+    from lora_conformance.checkpoints import split_lora_key
+
     with safe_open(str(Path(path) / "adapter_model.safetensors"), "np") as f:
-        for key in f.keys():
-            for part in (".lora_A.", ".lora_B."):
-                if part in key:
-                    found.add(key.split(part)[0].removeprefix("base_model.model."))
-    return found
+        keys = [split_lora_key(key) for key in f.keys()]
+    return {k.module for k in keys if k.factor and not k.embedding}
 
 
 def _one_step_top_k(request: GenerationRequest) -> bool:

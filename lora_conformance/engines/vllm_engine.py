@@ -71,10 +71,10 @@ class VllmArgs:
 
 
 def _config_max_positions(model_dir: Path) -> Optional[int]:
-    import json
+    from lora_conformance.checkpoints import read_model_config
 
     try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        cfg = read_model_config(model_dir)
     except (OSError, ValueError):
         return None
     value = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
+from lora_conformance.checkpoints import model_kind  # the one rule; the harness asks it here
+from lora_conformance.fileio import build_directory_once
 from lora_conformance.settings import fixtures_dir
 
 # (stdlib only: the plugin validates --base-model with it) synthetic.DECODER_KINDS + encoder
@@ -57,39 +56,14 @@ def _accepted(spec: str) -> str:
 
 
 def _cached_build(kind: str, cache_dir: Path, seed: int) -> Path:
-    from filelock import FileLock
-
     key = hashlib.sha256(json.dumps(_recipe(kind, seed), sort_keys=True).encode()).hexdigest()[:16]
-    root = cache_dir / "models"
-    final = root / f"synthetic-{kind}-{key}"
-    if (final / "config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f".{final.name}.lock")):
-        if (final / "config.json").is_file():  # another process won the race
-            return final
-        from lora_conformance.reference.cache import remove_stale_temps
 
-        remove_stale_temps(root, f".{final.name}.", max_age_s=0)  # under the lock: a killed build's leftovers
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-        try:
-            build_synthetic(kind, tmp, seed)
-            content_hash(tmp)
-            os.replace(tmp, final)  # atomic: readers see nothing or the whole directory
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    def build(tmp: Path) -> None:
+        build_synthetic(kind, tmp, seed)
+        content_hash(tmp)
 
-
-def model_kind(model_dir: Union[str, Path]) -> str:
-    """"decoder", "moe" or "encoder", from config.json."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    archs = " ".join(cfg.get("architectures") or [])
-    if cfg.get("num_local_experts") or cfg.get("num_experts"):
-        return "moe"
-    if cfg.get("is_decoder") is False or "Bert" in archs or cfg.get("model_type") == "bert":
-        return "encoder"
-    return "decoder"
+    return build_directory_once(cache_dir / "models" / f"synthetic-{kind}-{key}",
+                                lambda d: (d / "config.json").is_file(), build)
 
 
 def transformers_files_key(model_dir: Union[str, Path], names: tuple[str, ...], extra: str = "") -> Optional[str]:
@@ -130,7 +104,7 @@ def content_hash(model_dir: Union[str, Path]) -> str:
                 h.update(chunk)
     digest = h.hexdigest()
     try:  # atomic: a concurrent reader must never take a half-written digest for the stamp's
-        from lora_conformance.reference.cache import write_text_atomic
+        from lora_conformance.fileio import write_text_atomic
 
         write_text_atomic(cached, f"{stamp}\n{digest}")
     except OSError:

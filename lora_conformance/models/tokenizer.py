@@ -129,7 +129,7 @@ def load_tokenizer(model_dir: Path):
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     name = type(tok).__name__
     if path is not None and getattr(transformers, name, None) is type(tok):
-        from lora_conformance.reference.cache import write_json_atomic
+        from lora_conformance.fileio import write_json_atomic
 
         try:
             write_json_atomic(path, {"class": name})

@@ -26,97 +26,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-TEMP_PREFIX = ".tmp-"
-# A temp file older than this is a dead writer's (a write takes milliseconds).
-STALE_TEMP_S = 600.0
-# What a cache write fails with when the environment, not the data, is at fault.
-ENVIRONMENT_ERRNOS = frozenset(e for e in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC,
-                                           getattr(errno, "EDQUOT", None), errno.ENOENT, errno.ENOTDIR)
-                               if e is not None)
-
-
-class CacheEnvironmentError(RuntimeError):
-    """The cache cannot be written (read-only file system, disk full, permissions): the run's
-    environment is at fault, not the engine under test."""
-
-
-CACHE_HINT = ("a run writes references, adapters and timings there: give a writable --lora-cache "
-              "(e.g. a copy of this one)")
-
-
-def environment_error(path: Path, exc: OSError, what: str = "the lora-conformance cache",
-                      hint: str = CACHE_HINT) -> CacheEnvironmentError:
-    reason = exc.strerror or type(exc).__name__
-    return CacheEnvironmentError(f"cannot write {what} at {path}: {reason} (errno {exc.errno}); {hint}")
-
-
-def check_writable_dir(path: Path, what: str, hint: str = CACHE_HINT) -> None:
-    """Create ``path`` if needed and write (then remove) a probe file in it; raise
-    CacheEnvironmentError naming ``what`` when that fails. Run before any work, so a read-only
-    cache or report directory stops the run at once instead of after it."""
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=TEMP_PREFIX + "probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise environment_error(path, exc, what, hint) from None
-
-
-def remove_stale_temps(directory: Path, prefix: str = TEMP_PREFIX, max_age_s: float = STALE_TEMP_S) -> int:
-    """Remove files and directories named ``prefix*`` in ``directory`` older than ``max_age_s``
-    (a killed writer's leftovers); returns how many. Never raises."""
-    import shutil
-
-    removed, now = 0, time.time()
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return 0
-    for entry in entries:
-        if not entry.name.startswith(prefix) or entry.name.endswith(".lock"):
-            continue
-        try:
-            if now - entry.stat(follow_symlinks=False).st_mtime < max_age_s:
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
-            removed += 1
-        except OSError:
-            pass  # another process removed it, or it is not ours to remove
-    return removed
-
-
-def write_json_atomic(path: Path, value: Any, **dump_args) -> None:
-    """Write ``value`` as JSON to ``path`` through a temp file and a rename: a concurrent reader
-    (another pytest-xdist worker) sees the old file or the whole new one, never half of it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f, **dump_args)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    remove_stale_temps(path.parent)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """``path.write_text(text)`` through a temp file and a rename (readers never see half of it)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from lora_conformance.fileio import (  # noqa: F401  (re-exported: the cache's writers)
+    CACHE_HINT,
+    ENVIRONMENT_ERRNOS,
+    STALE_TEMP_S,
+    TEMP_PREFIX,
+    CacheEnvironmentError,
+    check_writable_dir,
+    environment_error,
+    remove_stale_temps,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 
 def key_of(parts: dict[str, Any]) -> str:

@@ -101,18 +101,15 @@ class ReferenceRunner:
     @property
     def is_encoder(self) -> bool:
         if self._encoder is None:
-            import json
+            from lora_conformance.checkpoints import model_kind
 
-            cfg = json.loads((self.model_dir / "config.json").read_text())
-            archs = cfg.get("architectures") or []
-            self._encoder = cfg.get("model_type") in ("bert", "roberta", "xlm-roberta") or any(
-                a.endswith("Model") and "CausalLM" not in a for a in archs) and not cfg.get("is_decoder", False)
+            self._encoder = model_kind(self.model_dir) == "encoder"
         return self._encoder
 
     def _torch_dtype(self):
-        import torch
+        from lora_conformance.checkpoints import torch_dtype
 
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        return torch_dtype(self.dtype)
 
     def _load_base(self):
         if self._base is None:

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lora_conformance.checkpoints import DTYPE_NAMES
+
 REPORT_FILES = ("report.json", "report.md", "report.html", "badge.svg")
 # The plugins a certification loads (with pytest's auto-loading off), each where it is installed.
 SUITE_PLUGINS = ("lora_conformance.plugin", "xdist.plugin", "_hypothesis_pytestplugin")
@@ -49,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="builtin", help="engine under test (registered name or module:Class; default: builtin)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="engine argument (repeatable)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                         help="dtype of the engine under test")
     parser.add_argument("--base-model", default=None, help="synthetic:llama (default), ... or a local checkpoint")
     parser.add_argument("--report", type=Path, default=Path("lora-report"),
@@ -365,7 +367,7 @@ def run_pytest(cmd: Sequence[str], env: Optional[dict] = None, grace_s: Optional
 
 def check_report_dir(report_dir: Path) -> Optional[str]:
     """None, or why the report cannot be written there (checked before the run, not after it)."""
-    from lora_conformance.reference.cache import CacheEnvironmentError, check_writable_dir
+    from lora_conformance.fileio import CacheEnvironmentError, check_writable_dir
 
     try:
         check_writable_dir(report_dir, "the report directory (--report)", "the report is written there at the "

@@ -145,7 +145,7 @@ def sign_file(path: Path, private_key_path: Path, output: Path | None = None) ->
     path, data = _read(path)
     signed = sign_report(data, _load_key(private_key_path, private=True))
     out = Path(output) if output else path
-    from lora_conformance.reference.cache import write_text_atomic
+    from lora_conformance.fileio import write_text_atomic
 
     write_text_atomic(out, json.dumps(signed, indent=1, sort_keys=True) + "\n")
     return out, signed[SIGNATURE_FIELD]["key_id"]

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
 from lora_conformance import devices
+from lora_conformance.checkpoints import DTYPE_NAMES, torch_dtype
 from lora_conformance.engines.base import Capability, Engine, Limits, UnsupportedFeatureError
 from lora_conformance.engines.builtin.args import EngineArgs
 from lora_conformance.engines.builtin.faults import Faults
@@ -15,7 +16,6 @@ from lora_conformance.types import GenerationRequest, GenerationResult
 
 # torch and the engine's parts are imported when an engine is created, not with the class: the
 # plugin reads the class's declarations (args, capabilities) before any test, and fast.
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _inference_mode(fn):
@@ -51,9 +51,9 @@ class BuiltinEngine(Engine):
         self.device = devices.resolve_device(device or "auto")
         if dtype in (None, "", "auto"):
             dtype = devices.default_dtype_for(self.device)
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r}: the builtin engine takes one of {', '.join(_DTYPES)}")
-        self.dtype, self.torch_dtype = dtype, getattr(torch, dtype)
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype {dtype!r}: the builtin engine takes one of {', '.join(DTYPE_NAMES)}")
+        self.dtype, self.torch_dtype = dtype, torch_dtype(dtype)
         if self.cfg.graphs and not devices.graphs_supported(self.device):
             raise UnsupportedFeatureError(
                 f"engine arg graphs=1: graph capture is not supported on {self.device}; use graphs=0"

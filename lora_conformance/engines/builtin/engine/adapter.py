@@ -15,10 +15,9 @@ from typing import Optional
 
 import torch
 
-from lora_conformance.engines.base import AdapterFormatError, AdapterIncompatibleError, UnsupportedFeatureError
+from lora_conformance.checkpoints import pattern_value, split_lora_key
+from lora_conformance.engines.base import AdapterIncompatibleError, UnsupportedFeatureError
 from lora_conformance.engines.builtin.variants import Variant
-
-PREFIX = "base_model.model."
 
 
 @dataclass
@@ -60,20 +59,6 @@ def _check_config(cfg: dict, path: Path) -> None:
         raise UnsupportedFeatureError(f"trainable_token_indices in {where} is not supported by the builtin engine")
 
 
-def _split_key(key: str) -> tuple[str, str, int]:
-    """'base_model.model.X.base_layer.lora_A.weight' -> (module X, 'A'|'B'|'embA'|'embB', nesting depth)."""
-    k = key[len(PREFIX):] if key.startswith(PREFIX) else key
-    for suffix, kind in ((".lora_A.weight", "A"), (".lora_B.weight", "B"),
-                         (".lora_embedding_A", "embA"), (".lora_embedding_B", "embB")):
-        if k.endswith(suffix):
-            mod = k[: -len(suffix)]
-            depth = 0
-            while mod.endswith(".base_layer"):
-                mod, depth = mod[: -len(".base_layer")], depth + 1
-            return mod, kind, depth
-    return k, "", 0
-
-
 def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, faults, dtype,
                      pin: bool, model_dir: Path, variant: Variant = Variant()) -> HostAdapter:
     """model_modules: our module name -> ('linear'|'embedding'|'expert', module); variant: how
@@ -85,7 +70,7 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
     in ``dtype`` (the pool's): one Inf in the pool makes NaN of every row of a masked batched GEMM
     (0 * Inf), the base's and other adapters' included. The packed tensors are checked again,
     since what is stored (scaling folded into B, variants) is what the pool holds."""
-    from lora_conformance.adapters.validate import pattern_value, validate_adapter
+    from lora_conformance.adapters.validate import validate_adapter
 
     path = Path(path)
     checked = validate_adapter(path, model_dir, max_rank, str(dtype).replace("torch.", ""))
@@ -108,12 +93,11 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
 
     pairs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
-        mod, kind, depth = _split_key(key)
-        if not kind:
+        lk = split_lora_key(key)
+        if not lk.factor:
             continue  # base_layer copies of embed_tokens/lm_head and the like
-        if mod.startswith("bert."):
-            mod = mod[len("bert."):]
-        pairs.setdefault((mod, depth), {})[kind] = t
+        mod = lk.module[len("bert."):] if lk.module.startswith("bert.") else lk.module
+        pairs.setdefault((mod, lk.depth), {})[("emb" if lk.embedding else "") + lk.factor] = t
 
     ad = HostAdapter(name=name, path=path, identity="")
     for (mod, depth), ts in sorted(pairs.items()):

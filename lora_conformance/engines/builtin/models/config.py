@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from lora_conformance.checkpoints import kind_of_config, read_model_config
 from lora_conformance.engines.base import UnsupportedFeatureError
 
 DECODERS = {"llama", "mistral", "qwen2", "qwen3"}
@@ -58,10 +58,15 @@ def _rope(cfg: dict) -> tuple[float, Optional[dict]]:
 
 
 def load_spec(model_dir: Path) -> ModelSpec:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = read_model_config(model_dir)
     mt = cfg.get("model_type", "")
     eos = cfg.get("eos_token_id")
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    served_as = "encoder" if mt in ENCODERS else "moe" if mt in MOE_DECODERS else "decoder"
+    if mt in DECODERS | MOE_DECODERS | ENCODERS and kind_of_config(cfg) != served_as:
+        raise UnsupportedFeatureError(  # the harness and the reference would load it as the other kind
+            f"{model_dir}/config.json describes a {mt} {kind_of_config(cfg)} (architectures "
+            f"{cfg.get('architectures')}); the builtin engine serves {mt} only as a {served_as}")
     if mt in ENCODERS:
         h = cfg["hidden_size"]
         return ModelSpec(

@@ -86,6 +86,6 @@ class PatternMatcher:
                 return key
         return None
 
-    def pattern_value(self, patterns: dict, name: str, default):
+    def value_for(self, patterns: dict, name: str, default):
         key = self.pattern_key(patterns, name)
         return default if key is None else patterns[key]

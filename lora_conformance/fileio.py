@@ -1,0 +1,137 @@
+"""Writes that concurrent readers never see half-done (a JSON file, a text file, a whole
+directory), the leftovers of killed writers removed, and the environment's own failures
+(read-only, full) told apart from the data's.
+
+pytest-xdist workers share one cache (models, adapters, references, module shapes, durations), so
+every writer goes through a temp file or directory beside the target and one ``os.replace``: a
+reader sees the old content or the whole new one. Stdlib only at import time (``filelock`` is
+imported where a directory is built), so any layer may call it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+TEMP_PREFIX = ".tmp-"
+# A temp file older than this is a dead writer's (a write takes milliseconds).
+STALE_TEMP_S = 600.0
+# What a cache write fails with when the environment, not the data, is at fault.
+ENVIRONMENT_ERRNOS = frozenset(e for e in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC,
+                                           getattr(errno, "EDQUOT", None), errno.ENOENT, errno.ENOTDIR)
+                               if e is not None)
+
+
+class CacheEnvironmentError(RuntimeError):
+    """The cache cannot be written (read-only file system, disk full, permissions): the run's
+    environment is at fault, not the engine under test."""
+
+
+CACHE_HINT = ("a run writes references, adapters and timings there: give a writable --lora-cache "
+              "(e.g. a copy of this one)")
+
+
+def environment_error(path: Path, exc: OSError, what: str = "the lora-conformance cache",
+                      hint: str = CACHE_HINT) -> CacheEnvironmentError:
+    reason = exc.strerror or type(exc).__name__
+    return CacheEnvironmentError(f"cannot write {what} at {path}: {reason} (errno {exc.errno}); {hint}")
+
+
+def check_writable_dir(path: Path, what: str, hint: str = CACHE_HINT) -> None:
+    """Create ``path`` if needed and write (then remove) a probe file in it; raise
+    CacheEnvironmentError naming ``what`` when that fails. Run before any work, so a read-only
+    cache or report directory stops the run at once instead of after it."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=TEMP_PREFIX + "probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise environment_error(path, exc, what, hint) from None
+
+
+def remove_stale_temps(directory: Path, prefix: str = TEMP_PREFIX, max_age_s: float = STALE_TEMP_S) -> int:
+    """Remove files and directories named ``prefix*`` in ``directory`` older than ``max_age_s``
+    (a killed writer's leftovers); returns how many. Never raises."""
+    removed, now = 0, time.time()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith(prefix) or entry.name.endswith(".lock"):
+            continue
+        try:
+            if now - entry.stat(follow_symlinks=False).st_mtime < max_age_s:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+            removed += 1
+        except OSError:
+            pass  # another process removed it, or it is not ours to remove
+    return removed
+
+
+def write_json_atomic(path: Path, value: Any, **dump_args) -> None:
+    """Write ``value`` as JSON to ``path`` through a temp file and a rename: a concurrent reader
+    (another pytest-xdist worker) sees the old file or the whole new one, never half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f, **dump_args)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    remove_stale_temps(path.parent)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path.write_text(text)`` through a temp file and a rename (readers never see half of it)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build_directory_once(final: Path, complete: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
+    """``final``, built by ``build(tmp)`` into a temp directory beside it and renamed into place,
+    unless ``complete(final)`` already holds. A file lock per target makes racing processes build
+    it once; the loser of the race finds it complete. An incomplete ``final`` (a crash of an older
+    layout) is replaced."""
+    from filelock import FileLock
+
+    final = Path(final)
+    if complete(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final.parent / f".{final.name}.lock")):
+        if complete(final):  # another process won the race
+            return final
+        remove_stale_temps(final.parent, f".{final.name}.", max_age_s=0)  # under the lock: a killed build's
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        try:
+            build(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # atomic: readers see nothing or the whole directory
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,263 @@
+"""The architecture, enforced: who may import whom, who owns which knowledge, and no history in
+the product. Each check is a function over a source tree, and each has a test showing it catches
+what it should (on a small tree written for it), so a check that silently passes is itself caught."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# ---- import layers --------------------------------------------------------------------------
+
+# module (dotted prefix) -> imports (dotted prefixes) it must not make, and why.
+FORBIDDEN_IMPORTS = {
+    # Reading checkpoints and writing files belong to checkpoints / fileio: these layers sit below
+    # the reference and must not reach up into it (that was the hidden import cycle).
+    "lora_conformance.models": ("lora_conformance.reference",),
+    "lora_conformance.adapters": ("lora_conformance.reference",),
+    "lora_conformance.schedule": ("lora_conformance.reference",),
+    "lora_conformance.engines": ("lora_conformance.reference",),
+    "lora_conformance.compare": ("lora_conformance.reference",),
+    # The owners are the bottom layer: stdlib, plus the typed errors of the engine interface.
+    "lora_conformance.fileio": ("lora_conformance",),
+    "lora_conformance.checkpoints": ("lora_conformance.",),
+    "lora_conformance.patterns": ("lora_conformance",),
+}
+# checkpoints matches rank / alpha patterns in bounded time through the stdlib-and-regex patterns module.
+ALLOWED_IMPORTS = {"lora_conformance.checkpoints": ("lora_conformance.engines.base", "lora_conformance.patterns")}
+# Only the reference itself touches its cache module; others use the package's face.
+PRIVATE_MODULES = {"lora_conformance.reference.cache": "lora_conformance.reference"}
+
+# Knowledge with one owner: a function of this name is defined only in the owner module.
+OWNED_FUNCTIONS = {
+    "write_json_atomic": "lora_conformance.fileio",
+    "build_directory_once": "lora_conformance.fileio",
+    "read_adapter_config": "lora_conformance.checkpoints",
+    "read_adapter_info": "lora_conformance.checkpoints",
+    "adapter_info": "lora_conformance.checkpoints",
+    "split_lora_key": "lora_conformance.checkpoints",
+    "_split_key": "lora_conformance.checkpoints",
+    "pattern_value": "lora_conformance.checkpoints",
+    "model_kind": "lora_conformance.checkpoints",
+    "is_encoder": "lora_conformance.checkpoints",
+    "torch_dtype": "lora_conformance.checkpoints",
+}
+# A string constant that means "I read this file myself": only the owner spells it.
+OWNED_CONSTANTS = {"adapter_config.json": "lora_conformance.checkpoints"}
+# Wrappers that keep a name (a module's, a cached method's) and ask the owner; each must import it.
+DELEGATES = {("lora_conformance.engines._hf_common", "torch_dtype"), ("lora_conformance.harness", "model_kind"),
+             ("lora_conformance.reference.runner", "is_encoder")}
+
+
+def _modules(root: Path, package: str = "lora_conformance"):
+    for path in sorted((root / package).rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        yield ".".join(parts), path, ast.parse(path.read_text(), str(path))
+
+
+def _imports(module: str, tree: ast.AST, is_package: bool):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            yield node.lineno, name
+            for alias in node.names:  # "from lora_conformance import reference" imports a module too
+                yield node.lineno, f"{name}.{alias.name}"
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix.rstrip(".") or name.startswith(prefix if prefix.endswith(".") else prefix + ".")
+
+
+def layer_violations(root: Path) -> list[str]:
+    out = []
+    for module, path, tree in _modules(root):
+        where = path.relative_to(root)
+        for lineno, name in _imports(module, tree, path.name == "__init__.py"):
+            for owner, forbidden in FORBIDDEN_IMPORTS.items():
+                if not _under(module, owner):
+                    continue
+                for f in forbidden:
+                    if (_under(name, f) or (f.endswith(".") and name.startswith(f))) and not any(
+                            _under(name, a) for a in ALLOWED_IMPORTS.get(owner, ())):
+                        out.append(f"{where}:{lineno}: {module} imports {name} (forbidden: {f})")
+            for private, owner in PRIVATE_MODULES.items():
+                if _under(name, private) and not _under(module, owner):
+                    out.append(f"{where}:{lineno}: {module} imports {private} (only {owner} may)")
+    return out
+
+
+CHECKPOINT_FILES = {"config.json", "adapter_config.json"}  # parsed only by lora_conformance.checkpoints
+
+
+def _is_json_load(call: ast.Call) -> bool:
+    f = call.func
+    return isinstance(f, ast.Attribute) and f.attr in ("loads", "load") and isinstance(f.value, ast.Name) \
+        and f.value.id == "json"
+
+
+def ownership_violations(root: Path) -> list[str]:
+    out = []
+    for module, path, tree in _modules(root):
+        where = path.relative_to(root)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in OWNED_FUNCTIONS:
+                owner = OWNED_FUNCTIONS[node.name]
+                if module == owner:
+                    continue
+                delegates = (module, node.name) in DELEGATES and (
+                    owner in ast.dump(node) or f"'{owner.rsplit('.', 1)[1]}'" in ast.dump(node))
+                if not delegates:
+                    out.append(f"{where}:{node.lineno}: defines {node.name} (owned by {owner})")
+            elif isinstance(node, ast.Call) and _is_json_load(node) and module != "lora_conformance.checkpoints" \
+                    and any(isinstance(c, ast.Constant) and c.value in CHECKPOINT_FILES for c in ast.walk(node)):
+                out.append(f"{where}:{node.lineno}: parses a checkpoint file itself (use lora_conformance.checkpoints)")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in OWNED_CONSTANTS:
+                owner = OWNED_CONSTANTS[node.value]
+                if module != owner:
+                    out.append(f"{where}:{node.lineno}: spells {node.value!r} (owned by {owner})")
+    return out
+
+
+def test_import_layers():
+    bad = layer_violations(ROOT)
+    assert not bad, "imports across the layers:\n" + "\n".join(bad)
+
+
+def test_each_piece_of_knowledge_has_one_owner():
+    bad = ownership_violations(ROOT)
+    assert not bad, "knowledge outside its owner:\n" + "\n".join(bad)
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        p = tmp_path / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return tmp_path
+
+
+def test_the_layer_check_catches_what_it_should(tmp_path):
+    root = _tree(tmp_path, {
+        "lora_conformance/__init__.py": "",
+        "lora_conformance/models/__init__.py": "def f():\n    from lora_conformance.reference.cache import x\n",
+        "lora_conformance/adapters/__init__.py": "from lora_conformance import reference\n",
+        "lora_conformance/schedule.py": "from .reference import cache\n",
+        "lora_conformance/harness.py": "from lora_conformance.reference import ReferenceRunner\n"
+                                       "from lora_conformance.reference.cache import key_of\n",
+        "lora_conformance/checkpoints.py": "from lora_conformance.engines.base import AdapterFormatError\n"
+                                           "from lora_conformance.models import x\n",
+        "lora_conformance/fileio.py": "import json\n",
+        "lora_conformance/reference/__init__.py": "from lora_conformance.reference.cache import ReferenceCache\n",
+        "lora_conformance/reference/cache.py": "from lora_conformance.fileio import write_json_atomic\n",
+    })
+    bad = "\n".join(layer_violations(root))
+    assert "models imports lora_conformance.reference.cache (forbidden" in bad
+    assert "adapters imports lora_conformance.reference" in bad
+    assert "schedule imports lora_conformance.reference" in bad
+    assert "harness imports lora_conformance.reference.cache (only lora_conformance.reference may)" in bad
+    assert "checkpoints imports lora_conformance.models" in bad
+    # allowed: the harness uses the reference's face, the owners import what they may
+    assert "harness imports lora_conformance.reference (" not in bad
+    assert "engines.base" not in bad and "fileio" not in bad and "reference/__init__" not in bad
+
+
+def test_the_ownership_check_catches_what_it_should(tmp_path):
+    root = _tree(tmp_path, {
+        "lora_conformance/__init__.py": "",
+        "lora_conformance/checkpoints.py": "C = 'adapter_config.json'\ndef pattern_value(): pass\n",
+        "lora_conformance/hypotheses.py": "import json\ndef _config(d):\n"
+                                          "    return json.loads((d / 'adapter_config.json').read_text())\n",
+        "lora_conformance/engines/adapter.py": "def pattern_value(p, m, d): return d\n"
+                                               "MSG = f'rank in adapter_config.json'\n",
+        "lora_conformance/engines/vllm_engine.py": "import json\ndef f(d):\n"
+                                                   "    return json.loads((d / 'config.json').read_text())\n"
+                                                   "FILES = ('config.json', 'tokenizer.json')\n",
+        # a listed delegate that decides by itself instead of asking the owner
+        "lora_conformance/harness.py": "class H:\n    def model_kind(self, d):\n        return 'decoder'\n",
+        "lora_conformance/reference/runner.py": "class R:\n    def is_encoder(self):\n"
+                                                "        from lora_conformance.checkpoints import model_kind\n"
+                                                "        return model_kind(self.d) == 'encoder'\n",
+    })
+    bad = "\n".join(ownership_violations(root))
+    assert "harness.py:2: defines model_kind" in bad
+    assert "vllm_engine.py:3: parses a checkpoint file itself" in bad
+    assert "vllm_engine.py:4" not in bad  # naming the file (a hash list) is not parsing it
+    assert "runner.py" not in bad
+    assert "hypotheses.py:3: spells 'adapter_config.json'" in bad
+    assert "engines/adapter.py:1: defines pattern_value" in bad
+    assert "checkpoints.py" not in bad
+    assert "engines/adapter.py:2" not in bad  # a message naming the file is not a reader of it
+
+
+# ---- no history in the product --------------------------------------------------------------
+
+# Where the product lives; reports/ is the lab notebook and may carry dates and runs.
+PRODUCT = ("lora_conformance", "suites", "tests", "docs", "ci", "bench", ".ci", "pyproject.toml",
+           "README.md", "conftest.py")
+TEXT_SUFFIXES = {".py", ".md", ".toml", ".yml", ".yaml", ".sh", ".txt", ".cfg", ".ini", ""}
+HISTORY = re.compile(r"\b(issue|session|stop)s?\s+#?[0-9]+|\b20[0-9]{2}-[01][0-9]-[0-3][0-9]\b", re.I)
+REPORT_PATH = re.compile(r"reports/[\w.\-/]+")  # links into reports/ name a dated file: fine
+
+
+def history_mentions(root: Path, places=PRODUCT) -> list[str]:
+    out = []
+    for place in places:
+        base = root / place
+        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file()) if base.is_dir() else []
+        for path in files:
+            if path.suffix not in TEXT_SUFFIXES or "__pycache__" in path.parts:
+                continue
+            try:
+                text = path.read_text()
+            except UnicodeDecodeError:
+                continue
+            for n, line in enumerate(text.splitlines(), 1):
+                m = HISTORY.search(REPORT_PATH.sub("", line))
+                if m:
+                    out.append(f"{path.relative_to(root)}:{n}: {m.group(0)!r}: {line.strip()[:120]}")
+    return out
+
+
+def test_no_issue_or_session_numbers_or_dates_in_the_product():
+    """Say what, not when: measurements and campaigns go to reports/, method to docs/."""
+    bad = history_mentions(ROOT)
+    assert not bad, "history inside the product (move it to reports/, or say what instead of when):\n" + "\n".join(bad)
+
+
+N, DAY = "12", "2026-" + "12-01"  # spelled apart, so this file does not trip its own check
+
+
+@pytest.mark.parametrize("line, caught", [
+    (f"# fixed in issue {N}", True), (f"(Issue #{N})", True), (f"session {N}'s tree", True),
+    (f"Sessions {N} and 4", True), (f"stop {N} of the campaign", True), (f"measured {DAY} on the H200", True),
+    (f"see [the run](reports/{DAY}-h200.md)", False), ("vllm#16668", False),
+    (f"https://github.com/o/r/issues/{N}", False), ("openvino 2026.4.1", False), ("a pytest session", False),
+])
+def test_the_history_check_catches_what_it_should(tmp_path, line, caught):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "x.md").write_text(f"text\n{line}\n")
+    found = history_mentions(tmp_path, ("docs",))
+    assert bool(found) == caught, found
+    if caught:
+        assert found[0].startswith("docs/x.md:2: ")
+
+
+def test_reports_are_the_only_exempt_place(tmp_path):
+    assert "reports" not in PRODUCT
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "run.md").write_text(f"session {N}, {DAY}\n")
+    (tmp_path / "README.md").write_text(f"see reports/{DAY}-run.md (session {N})\n")
+    assert history_mentions(tmp_path) == [f"README.md:1: 'session {N}': see reports/{DAY}-run.md (session {N})"]
