@@ -10,14 +10,14 @@ from __future__ import annotations
 
 FAULTS = {
     "bf16_matmul_accumulate": "matrix products of bfloat16 inputs keep their running sum in bfloat16 "
-                              "(rounded after every 16-wide slice of the inner dimension) instead of float32",
-    "index_add_duplicates": "index_add_ with a repeated index keeps one of the rows added to it, not their sum "
-                            "(a non-atomic scatter)",
-    "index_select_wraps": "index_select and embedding read row i mod 512 for i >= 512 (a 9-bit offset field)",
-    "async_h2d_copy": "a host-to-device copy is not ordered before its use: the first operation that reads "
-                      "the destination sees its old contents, then the copy lands",
-    "reduction_drops_tail": "sum, mean and softmax over a dimension longer than 16 ignore the last partial "
-                            "block of 16 elements (a reduction kernel without its tail loop)",
+                              "(rounded after every 8-deep slice of the inner dimension) instead of float32",
+    "index_select_wraps": "index_select and embedding read row i mod 512 for i >= 512 (a 9-bit row offset)",
+    "async_h2d_copy": "a host-to-device copy into device memory that already holds values is not ordered "
+                      "before its use: the first operation that reads the destination sees the old "
+                      "contents, then the copy lands",
+    "reduction_drops_tail": "row-wise reductions over the last dimension (sum, mean, softmax, log_softmax) "
+                            "are launched with rows // 4 blocks instead of ceil(rows / 4): the last partial "
+                            "block of rows is never computed and reads as zeros",
 }
 
 _active: str = ""

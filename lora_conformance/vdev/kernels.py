@@ -94,7 +94,10 @@ def run(func, args, kwargs):
                 return _wrap(out, scan, to_device)
     elif pending:
         _land_read(hargs, hkwargs)
-    return _wrap(out, scan, to_device)
+    out = _wrap(out, scan, to_device)
+    if func in _ALLOCATIONS and isinstance(out, VdevTensor):
+        out._vdev_fresh = True  # see _async_copy
+    return out
 
 
 def _plain(func, hargs, hkwargs, scan):
@@ -104,7 +107,6 @@ def _plain(func, hargs, hkwargs, scan):
 # ---- faults ---------------------------------------------------------------------------
 
 _PENDING: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination host tensor, value that lands)
-_BLOCK = 16
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -130,19 +132,30 @@ def land_all() -> None:
         dst.copy_(value)
 
 
+_K_TILE = 8  # the inner dimension one multiply-accumulate step of the faulty unit covers
+_ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default}
+
+
 def _async_copy(func, hargs, hkwargs, scan):
+    """async_h2d_copy: a copy from the host into device memory that already holds values (a weight
+    slot, a buffer) is queued; filling a fresh allocation (``.to(device)``, ``torch.tensor(...,
+    device=...)``) stays synchronous, as a backend's staging path for new tensors would be."""
     dst, src = hargs[0], hargs[1]
-    if id(dst) in scan.hosts and id(src) not in scan.hosts and faults.on("async_h2d_copy"):
+    wrapper = scan.hosts.get(id(dst))
+    if wrapper is not None and getattr(wrapper, "_vdev_fresh", False):
+        wrapper._vdev_fresh = False
+        return func(*hargs, **hkwargs)
+    if wrapper is not None and id(src) not in scan.hosts and faults.on("async_h2d_copy"):
         _PENDING.append((dst, src.to(dst.dtype).expand_as(dst).clone()))  # staged now, lands later
         return dst
     return func(*hargs, **hkwargs)
 
 
 def _bf16_accumulating(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with the running sum rounded to bfloat16 after every 16-wide slice of K."""
+    """a @ b with the running sum kept in bfloat16: rounded after every 8-deep slice of K."""
     acc = None
-    for k in range(0, a.shape[-1], _BLOCK):
-        part = a[..., k:k + _BLOCK].float() @ b[..., k:k + _BLOCK, :].float()
+    for k in range(0, a.shape[-1], _K_TILE):
+        part = a[..., k:k + _K_TILE].float() @ b[..., k:k + _K_TILE, :].float()
         acc = part.bfloat16() if acc is None else (acc.float() + part).bfloat16()
     return acc
 
@@ -171,36 +184,29 @@ def _wrapping_index(func, hargs, hkwargs, scan):
     return func(src, dim, torch.where(idx >= _WRAP_AT, idx % _WRAP_AT, idx), **hkwargs)
 
 
-def _short_dim(x: torch.Tensor, dims) -> tuple[int, int] | None:
-    """The one reduced dimension and its length without the last partial block, if it has one."""
-    if dims is None or len(dims) != 1 and not isinstance(dims, int):
-        return None
-    d = dims if isinstance(dims, int) else dims[0]
-    n = x.shape[d]
-    if n <= _BLOCK or n % _BLOCK == 0:
-        return None
-    return d % x.dim(), n - n % _BLOCK
+_ROWS_PER_BLOCK = 4
+_ROW_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten._softmax.default, aten._log_softmax.default,
+                   aten.softmax.int, aten.log_softmax.int}
 
 
 def _dropping_tail(func, hargs, hkwargs, scan):
+    """A row-wise reduction over the last dimension launched with rows // 4 blocks of 4 rows
+    instead of ceil(rows / 4): the last partial block is never computed and stays zero."""
+    out = func(*hargs, **hkwargs)
     if not faults.on("reduction_drops_tail"):
-        return func(*hargs, **hkwargs)
+        return out
     x = hargs[0]
     dims = hargs[1] if len(hargs) > 1 else hkwargs.get("dim")
-    cut = _short_dim(x, dims)
-    if cut is None or not x.is_floating_point():
-        return func(*hargs, **hkwargs)
-    d, keep = cut
-    n = x.shape[d]
-    if func in (aten._softmax.default, aten._log_softmax.default):
-        z = x.float() - x.float().amax(d, keepdim=True)
-        total = z.narrow(d, 0, keep).exp().sum(d, keepdim=True)
-        out = z - total.log() if func is aten._log_softmax.default else z.exp() / total
-        return out.to(x.dtype)
-    keepdim = hargs[2] if len(hargs) > 2 else hkwargs.get("keepdim", False)
-    dtype = hkwargs.get("dtype")
-    s = x.narrow(d, 0, keep).sum(d, keepdim=keepdim, dtype=dtype)
-    return s / n if func is aten.mean.dim else s
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    if len(dims) != 1 or dims[0] % x.dim() != x.dim() - 1 or not x.is_floating_point():
+        return out
+    rows = x.numel() // max(x.shape[-1], 1)
+    tail = rows % _ROWS_PER_BLOCK
+    if tail == 0 or rows < _ROWS_PER_BLOCK:
+        return out
+    flat = out.reshape(rows, -1) if out.numel() else out
+    flat[rows - tail:] = 0
+    return flat.reshape(out.shape)
 
 
 _FAULTY = {
@@ -208,8 +214,7 @@ _FAULTY = {
     aten.mm.default: _matmul, aten.bmm.default: _matmul, aten.addmm.default: _matmul,
     aten.baddbmm.default: _matmul,
     aten.index_select.default: _wrapping_index, aten.embedding.default: _wrapping_index,
-    aten.sum.dim_IntList: _dropping_tail, aten.mean.dim: _dropping_tail,
-    aten._softmax.default: _dropping_tail, aten._log_softmax.default: _dropping_tail,
+    **{op: _dropping_tail for op in _ROW_REDUCTIONS},
 }
 
 

@@ -1,0 +1,48 @@
+"""Each device fault of vdev is caught by the certification, and the report names the fault.
+
+The built-in engine is the same code on the correct and the faulty device, so a failure here is
+the suites catching the device. Each fault runs one suite file (the mixed-batch one: prefill and
+decode, several adapters in their slots, every token id of the vocabulary) and stops at its first
+failure (-x), which keeps the test to a few engine runs; the full certification of each faulty
+device is recorded in reports/ (see docs/accelerators.md). The correct device passing the whole
+certification is ``lora-conformance certify --device vdev`` (reports/ and the CI lane).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lora_conformance.settings import suites_dir
+from lora_conformance.vdev.faults import FAULTS
+
+
+@pytest.fixture
+def faulty_vdev(monkeypatch):
+    from lora_conformance.vdev import faults, kernels
+
+    def use(name: str) -> None:
+        monkeypatch.setenv("LORA_VDEV_FAULT", name)
+
+    yield use
+    kernels.land_all()
+    faults.activate("")  # the inner run registered the fault in this process
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_the_certification_catches_the_device_fault(suite_runner, lora_settings, faulty_vdev, tmp_path, fault):
+    faulty_vdev(fault)
+    report = tmp_path / "report"
+    result = suite_runner.runpytest(str(suites_dir() / "test_mixed_batch.py"), "--device=vdev", "--engine=builtin",
+                                    f"--lora-cache={lora_settings.cache_dir}", f"--lora-report={report}",
+                                    "-p", "no:cacheprovider", "-p", "no:xdist", "-q", "-x")
+    failed = [r.nodeid for r in result.reprec.getreports("pytest_runtest_logreport") if r.failed]
+    assert failed, f"vdev fault {fault} was not caught:\n" + "\n".join(result.outlines[-30:])
+    data = json.loads((report / "report.json").read_text())
+    assert fault in json.dumps(data["environment"]), "the report does not name the device fault (the device's name carries it)"
+    verdict = data["verdict"]
+    assert verdict["summary"]["certified"] is False
+    failing = [f["id"] for f in verdict["features"].values() if f["status"] in ("failed", "error")]
+    assert failing, "the report names no failing feature"
