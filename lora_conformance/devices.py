@@ -332,8 +332,13 @@ def pin_memory_supported(device: str) -> bool:
     if t == "cpu":
         return False
     if t not in _PINNING:
+        import warnings
+
+        torch, dev = _torch(), _torch().device(device)
         try:
-            _PINNING[t] = bool(_torch().empty(1).pin_memory(_torch().device(device)).is_pinned(_torch().device(device)))
+            with warnings.catch_warnings():  # naming the device is deprecated, but says which one we ask
+                warnings.simplefilter("ignore", DeprecationWarning)
+                _PINNING[t] = bool(torch.empty(1).pin_memory(dev).is_pinned(dev))
         except Exception:  # noqa: BLE001 - any refusal means no
             _PINNING[t] = False
     return _PINNING[t]
