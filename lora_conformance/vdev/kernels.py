@@ -63,6 +63,8 @@ def _wrap(x, scan: _Scan, to_device: bool):
     if isinstance(x, torch.Tensor) and not isinstance(x, VdevTensor):
         same = scan.hosts.get(id(x))
         if same is not None:
+            if to_device and same.__dict__.get("_vdev_fresh"):
+                same._vdev_fresh = False  # written in place: no longer a fresh allocation
             # an in-place operation, or ``to()`` with nothing to do, returns its input; moved to
             # the host, the values are copied (a device tensor never shares memory with one)
             return same if to_device else x.clone()
