@@ -46,3 +46,24 @@ def test_the_certification_catches_the_device_fault(suite_runner, lora_settings,
     assert verdict["summary"]["certified"] is False
     failing = [f["id"] for f in verdict["features"].values() if f["status"] in ("failed", "error")]
     assert failing, "the report names no failing feature"
+
+
+@pytest.mark.slow
+def test_the_correct_device_passes_the_same_suite(suite_runner, lora_settings, faulty_vdev, tmp_path):
+    """The control for the test above (the failures are the faults'), and the per-commit check that
+    the device layer still runs the built-in engine on a privateuse1 device. The whole
+    certification on vdev takes minutes (every operation crosses into Python), so the test suite
+    runs this file; ci/workflows/vdev.yml runs the per-commit files and reports/ the full run."""
+    faulty_vdev("")
+    from lora_conformance.vdev import tensor
+
+    before = tensor.memory().peak
+    result = suite_runner.runpytest(str(suites_dir() / "test_mixed_batch.py"), "--device=vdev", "--engine=builtin",
+                                    f"--lora-cache={lora_settings.cache_dir}", "-p", "no:cacheprovider",
+                                    "-p", "no:xdist", "-q")
+    reports = result.reprec.getreports("pytest_runtest_logreport")
+    failed = [r.nodeid for r in reports if r.failed]
+    assert not failed, "the correct vdev fails:\n" + "\n".join(result.outlines[-30:])
+    passed = [r for r in reports if r.when == "call" and r.passed]
+    assert len(passed) >= 10 and all("[vdev-" in r.nodeid for r in passed)
+    assert tensor.memory().peak > before  # the engine's weights and caches were held by the device
