@@ -3,9 +3,10 @@
 The built-in engine is the same code on the correct and the faulty device, so a failure here is
 the suites catching the device. Each fault runs one suite file (the mixed-batch one: prefill and
 decode, several adapters in their slots, every token id of the vocabulary) and stops at its first
-failure (-x), which keeps the test to a few engine runs; the full certification of each faulty
-device is recorded in reports/ (see docs/accelerators.md). The correct device passing the whole
-certification is ``lora-conformance certify --device vdev`` (reports/ and the CI lane).
+failure (-x), which keeps the test to a few engine runs. The file is not hand-picked per fault:
+the same file for every fault, and the correct device passes it (the control below). The correct
+device passing the whole certification is ``lora-conformance certify --device vdev`` (reports/ and
+the CI lane).
 """
 
 from __future__ import annotations

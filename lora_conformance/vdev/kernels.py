@@ -122,9 +122,11 @@ def _land_read(hargs, hkwargs) -> None:
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
             if isinstance(t, torch.Tensor):
                 keys.add(_storage_key(t))
-    for item in [p for p in _PENDING if _storage_key(p[0]) in keys]:
-        _PENDING.remove(item)
-        item[0].copy_(item[1])
+    landing = [p for p in _PENDING if _storage_key(p[0]) in keys]
+    if landing:
+        _PENDING[:] = [p for p in _PENDING if _storage_key(p[0]) not in keys]
+        for dst, value in landing:
+            dst.copy_(value)
 
 
 def land_all() -> None:
