@@ -140,6 +140,13 @@ def test_faults_change_what_their_kernel_computes(fault, vdev):
     slot.copy_(torch.full((4,), 9.0))
     devices.synchronize(vdev)  # a synchronisation completes every copy in flight
     assert (slot * 1).tolist() == [9.0] * 4
+    pool = torch.zeros(2, 3, device=vdev)
+    pool[0].copy_(torch.ones(3))
+    pool[1].copy_(torch.full((3,), 2.0))
+    other = torch.zeros(3, device=vdev)
+    other.copy_(torch.ones(3))
+    assert pool.sum().item() == 0.0  # both slots of the pool read stale; both land after that read
+    assert pool.sum().item() == 9.0 and (other * 1).tolist() == [0.0] * 3
 
 
 def test_the_builtin_engine_really_runs_on_vdev(vdev, tmp_path):

@@ -94,7 +94,7 @@ def run(func, args, kwargs):
             # inference tensor has none of: make the view's wrapper a normal tensor, as its base is
             with torch.inference_mode(False):
                 return _wrap(out, scan, to_device)
-    elif pending:
+    elif pending and func is not aten.copy_.default:  # a copy writes: only reads see copies land
         _land_read(hargs, hkwargs)
     out = _wrap(out, scan, to_device)
     if func in _ALLOCATIONS and isinstance(out, VdevTensor):
