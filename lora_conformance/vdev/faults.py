@@ -10,7 +10,7 @@ from __future__ import annotations
 
 FAULTS = {
     "bf16_matmul_accumulate": "matrix products of bfloat16 inputs keep their running sum in bfloat16 "
-                              "(rounded after every 8-deep slice of the inner dimension) instead of float32",
+                              "(rounded after every product is added) instead of float32",
     "index_select_wraps": "index_select and embedding read row i mod 512 for i >= 512 (a 9-bit row offset)",
     "async_h2d_copy": "a host-to-device copy into device memory that already holds values is not ordered "
                       "before its use: the first operation that reads the destination sees the old "

@@ -136,7 +136,7 @@ def land_all() -> None:
         dst.copy_(value)
 
 
-_K_TILE = 8  # the inner dimension one multiply-accumulate step of the faulty unit covers
+_K_TILE = 1  # the faulty unit rounds its accumulator after every product
 _ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default}
 
 
@@ -156,7 +156,7 @@ def _async_copy(func, hargs, hkwargs, scan):
 
 
 def _bf16_accumulating(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with the running sum kept in bfloat16: rounded after every 8-deep slice of K."""
+    """a @ b with the running sum kept in bfloat16: rounded after every product is added."""
     acc = None
     for k in range(0, a.shape[-1], _K_TILE):
         part = a[..., k:k + _K_TILE].float() @ b[..., k:k + _K_TILE, :].float()
