@@ -48,6 +48,41 @@ def maybe_import_ipex(required: bool = False) -> bool:
         return False
 
 
+# ---- device plugins: backends registered on request ------------------------------------
+
+DEVICE_PLUGIN_GROUP = "lora_conformance.devices"
+# Ours, so that a source checkout works before `pip install -e .` has written entry points.
+_BUILTIN_DEVICE_PLUGINS = {"vdev": "lora_conformance.vdev:register"}
+
+
+def device_plugins() -> dict[str, str]:
+    """Device type -> ``module:function`` that registers it with torch (entry points add to ours)."""
+    from importlib.metadata import entry_points
+
+    found = dict(_BUILTIN_DEVICE_PLUGINS)
+    for ep in entry_points(group=DEVICE_PLUGIN_GROUP):
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
+def register_device_plugin(device_type_: str) -> bool:
+    """Register the plugin that provides ``device_type_``, if one does; True when one did.
+
+    A device plugin is a function that makes its type a torch device in this process (and may
+    be called again: it must be idempotent). Nothing registers a backend until a run names it.
+    """
+    target = device_plugins().get(device_type_)
+    if target is None:
+        return False
+    module, _, attr = target.partition(":")
+    try:
+        register = getattr(importlib.import_module(module), attr or "register")
+        register()
+    except Exception as exc:  # noqa: BLE001 - a plugin's failure is the user's answer, said clearly
+        raise DeviceError(f"device plugin {device_type_!r} ({target}) failed to register: {exc}") from exc
+    return True
+
+
 def _privateuse1_name() -> Optional[str]:
     torch = _torch()
     name = torch._C._get_privateuse1_backend_name()
@@ -103,6 +138,7 @@ def resolve_device(spec: str, worker_index: Optional[int] = None) -> str:
         if pu1:
             candidates.append(pu1)
         spec = next((t for t in candidates if is_available(t)), "cpu")
+    register_device_plugin(spec.split(":", 1)[0])
     try:
         dev = torch.device(spec)
     except (RuntimeError, ValueError) as exc:
@@ -286,8 +322,26 @@ def wait_event(device: str, event: Any, stream: Any = None) -> None:
     (stream or current_stream(device)).wait_event(event)
 
 
+_PINNING: dict[str, bool] = {}
+
+
 def pin_memory_supported(device: str) -> bool:
-    return device_type(device) != "cpu"
+    """Whether host memory can be pinned for copies to ``device`` (asked once per type: a
+    privateuse1 backend written in Python has no pinned-memory allocator)."""
+    t = device_type(device)
+    if t == "cpu":
+        return False
+    if t not in _PINNING:
+        import warnings
+
+        torch, dev = _torch(), _torch().device(device)
+        try:
+            with warnings.catch_warnings():  # naming the device is deprecated, but says which one we ask
+                warnings.simplefilter("ignore", DeprecationWarning)
+                _PINNING[t] = bool(torch.empty(1).pin_memory(dev).is_pinned(dev))
+        except Exception:  # noqa: BLE001 - any refusal means no
+            _PINNING[t] = False
+    return _PINNING[t]
 
 
 # ---- stream tracing (what the race detector listens to) -------------------------------

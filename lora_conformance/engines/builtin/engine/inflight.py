@@ -78,8 +78,14 @@ class InflightServer:
             with self.cond:
                 if _finished(seqs):
                     return self.llm.results(seqs)
-                ran = self.llm.step()
-                self.cond.notify_all()
+                try:
+                    ran = self.llm.step()
+                except BaseException as exc:
+                    # its requests stay scheduled: waits for them (an adapter change) must end
+                    self.failure = exc
+                    raise
+                finally:
+                    self.cond.notify_all()
                 if not ran and not _finished(seqs):
                     raise EngineFailure("engine 'builtin': requests left unscheduled with nothing to run")
 
