@@ -298,8 +298,8 @@ class TestContext:
         from lora_conformance.compare import ConformanceAssertionError, assert_logprobs_close
 
         tol = self.tolerance
-        wide = replace(tol, prefill_atol=factor * tol.prefill_atol, decode_atol=factor * tol.decode_atol,
-                       tie_margin=factor * tol.tie_margin)
+        wide = replace(tol, prompt_rms_max=factor * tol.prompt_rms_max, effect_gross_atol=factor * tol.effect_gross_atol,
+                       decode_atol=factor * tol.decode_atol, tie_margin=factor * tol.tie_margin)
         if others is None:
             others = self.reference([replace(r, adapter=None) for r in requests])
         for ref, base in zip(references, others):
@@ -309,7 +309,7 @@ class TestContext:
                 return  # visible
         raise AssertionError(
             f"{label}: the adapters' effect on the reference is within {factor} x the {tol.dtype} tolerance "
-            f"(prefill {tol.prefill_atol}, decode {tol.decode_atol}) for every request: this test could not tell "
+            f"(prompt rms {tol.prompt_rms_max}, decode {tol.decode_atol}) for every request: this test could not tell "
             "an engine that ignores them from a correct one (suite defect: strengthen the adapter)")
 
     def note(self, text: str) -> None:
@@ -409,6 +409,34 @@ class TestContext:
             reqs = self.requests(list(labels), prompts=ps)
             self.assert_matches_reference(engine.generate(reqs), self.reference(reqs, {**adapters, **others}), reqs,
                                           label=label, tolerance=gross)
+        return analyses
+
+    def assert_prompt_logprobs_conform(self, engine, labels: Sequence[Optional[str]],
+                                       adapters: Mapping[str, AdapterRef] = {},
+                                       prompts: Optional[Sequence[str]] = None, *, routing: bool = True,
+                                       label: str = "") -> list:
+        """``assert_conforms``' paired verdict on the engine's *prompt* logprobs
+        (``conformance.run_prompt_logprobs``): every prompt position is a teacher-forced context; the
+        engine's effect (prompt logprobs with the row's adapter minus without, both from the engine)
+        must match the reference's and be nearest the correct hypothesis. Pooled over every position
+        of every row: no single position decides. Returns the analyses."""
+        from lora_conformance import conformance
+        from lora_conformance.compare.effects import assert_effects_conform
+
+        names = [n for n in dict.fromkeys(labels) if n]
+        paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
+        ps = list(prompts or self.prompts)
+        row_prompts = [ps[i % len(ps)] for i in range(len(labels))]
+        alts = conformance.default_alternatives(labels, paths, routing)
+        plan = conformance.Plan(list(labels), row_prompts, paths, alts, conformance.required_hypotheses(alts))
+        analyses = conformance.run_prompt_logprobs(plan, engine, self.harness.reference(self.model_dir),
+                                                   self.tolerance)
+        import json
+
+        self.request.node.user_properties.append(
+            ("lora_effects", json.dumps([a.as_evidence() for a in analyses], default=str)))
+        assert_effects_conform(analyses, label=label or "prompt logprobs " + (", ".join(names) or "base"),
+                               extra_evidence={"logprobs": "prompt"})
         return analyses
 
     def assert_matches_reference(self, outputs: Sequence[GenerationResult], references: Sequence[GenerationResult],

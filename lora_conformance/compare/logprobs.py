@@ -8,11 +8,17 @@ engine's token below the dtype's ``tie_margin``. Such a divergence is reported a
 and the comparison stops (after a tie the two continuations are conditioned on different
 text). A divergence at a decisive step is a failure.
 
-Prefill: position by position, the same top-k logprob tolerance (``prefill_atol``).
+Prefill (prompt logprobs): pooled, not position by position. At each position the logprobs of
+the ids both sides report are centred (minus their mean: a softmax normaliser cancels); the rms
+of the centred differences over every position of the prompt must stay below the dtype's
+``prompt_rms_max`` and no single point may exceed the gross bound ``effect_gross_atol``. Both
+are calibrated on null runs of correct engines (``bench/power.py``); the precise verdict on prompt
+logprobs is the paired one (``conformance.run_prompt_logprobs``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -31,7 +37,8 @@ class Agreement:
     steps_compared: int
     tie_at: Optional[int] = None  # step of a tolerated divergence
     max_decode_diff: float = 0.0
-    max_prefill_diff: float = 0.0
+    max_prefill_diff: float = 0.0  # worst centred prompt-logprob difference (a point)
+    prefill_rms: float = 0.0  # rms of the centred prompt-logprob differences (pooled)
     notes: list[str] = field(default_factory=list)
 
 
@@ -83,19 +90,36 @@ def assert_logprobs_close(
                 f"{prefix}prompt logprobs cover {len(actual.prompt_logprobs)} positions, reference "
                 f"{len(reference.prompt_logprobs)} (prompt tokenised differently?)",
                 {**base_ev, "summary": "prompt length mismatch"}, actual, reference, decode, None)
+        sq, points, worst, worst_pos = 0.0, 0, 0.0, None
         for pos, (a, r) in enumerate(zip(actual.prompt_logprobs, reference.prompt_logprobs)):
-            d, tid = _max_common_diff(a, r)
-            agreement.max_prefill_diff = max(agreement.max_prefill_diff, d)
-            if d > tol.prefill_atol:
-                raise _fail(
-                    f"{prefix}prompt logprob at position {pos + 1} (token id {tid}) differs by {d:.4g} "
-                    f"> prefill_atol {tol.prefill_atol:g} ({tol.dtype})",
-                    {**base_ev, "summary": f"prefill diff {d:.4g} > {tol.prefill_atol:g} at position {pos + 1}",
-                     "position": pos + 1, "diff": d}, actual, reference, decode, None)
-            if not (a.keys() & r.keys()):
+            common = sorted(a.keys() & r.keys())
+            if not common:
                 raise _fail(f"{prefix}prompt position {pos + 1}: top-k sets are disjoint",
                             {**base_ev, "summary": f"disjoint prefill top-k at position {pos + 1}"},
                             actual, reference, decode, None)
+            if len(common) < 2:
+                continue  # one id: its centred value is 0 on both sides
+            ma, mr = sum(a[t] for t in common) / len(common), sum(r[t] for t in common) / len(common)
+            for t in common:
+                d = (a[t] - ma) - (r[t] - mr)
+                sq, points = sq + d * d, points + 1
+                if abs(d) > worst:
+                    worst, worst_pos = abs(d), pos
+        agreement.max_prefill_diff = worst
+        agreement.prefill_rms = math.sqrt(sq / points) if points else 0.0
+        if worst > tol.effect_gross_atol:
+            raise _fail(
+                f"{prefix}prompt logprobs at position {worst_pos + 1} differ (centred) by {worst:.4g} > gross bound "
+                f"{tol.effect_gross_atol:g} ({tol.dtype})",
+                {**base_ev, "summary": f"prefill diff {worst:.4g} > {tol.effect_gross_atol:g} at position "
+                 f"{worst_pos + 1}", "position": worst_pos + 1, "diff": worst}, actual, reference, decode, None)
+        if agreement.prefill_rms > tol.prompt_rms_max:
+            raise _fail(
+                f"{prefix}prompt logprobs differ (centred, pooled over {points} points of "
+                f"{len(actual.prompt_logprobs)} positions) by rms {agreement.prefill_rms:.4g} > prompt_rms_max "
+                f"{tol.prompt_rms_max:g} ({tol.dtype}; worst point {worst:.3g} at position {worst_pos + 1})",
+                {**base_ev, "summary": f"prefill rms {agreement.prefill_rms:.4g} > {tol.prompt_rms_max:g}",
+                 "rms": agreement.prefill_rms, "diff": worst}, actual, reference, decode, None)
 
     n = min(len(actual.token_ids), len(reference.token_ids))
     for step in range(n):
