@@ -349,12 +349,13 @@ def main() -> None:
                     help="built-in engine faults for power runs (moe_*: on the moe family; others: accuracy)")
     ap.add_argument("--reference-device", default="cpu", help="where the float32 reference runs")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cache", type=Path, default=default_cache_dir())
+    ap.add_argument("--cache", type=Path, default=None, help="model, adapter and reference cache (default: the user's)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--merge", type=Path, nargs="+", help="print the combined tables of earlier --json outputs")
     a = ap.parse_args()
     if a.merge:
         return merge(a)
+    a.cache = a.cache or default_cache_dir()
     rng = random.Random(a.seed)
     models, runners = {}, {}
 

@@ -17,7 +17,7 @@ POWER_DEVICE=${6:-cuda}
 DTYPES="float32 bfloat16 float16"
 FAULTS=moe_lora_unweighted,moe_lora_weight_of_next_expert,moe_lora_first_expert_only,moe_expert_mismatch,moe_down_proj_dropped
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 BASE=$(mktemp -d /tmp/lc-power-base-XXXX)
 # The base models once, copied to each process's own cache (no two processes write one cache).
 python -c "
