@@ -73,15 +73,28 @@ EFFECTS: dict[str, dict[str, float]] = {
     "bfloat16": dict(effect_noise=0.02, effect_noise_max=0.15, effect_slope_margin=0.03, effect_gross_atol=2.0,
                      embedding_effect_rel_max=0.15, free_running_atol=2.5),
     "float16": dict(effect_noise=0.005, effect_noise_max=0.015, effect_slope_margin=0.01, effect_gross_atol=0.3,
-                    embedding_effect_rel_max=0.03, free_running_atol=0.45),
+                    embedding_effect_rel_max=0.03, free_running_atol=0.8),
 }
 
+# Prompt logprobs and the free-running gross bounds, from bench/power.py's null runs with the benign
+# rewritings (rescale, scaling folded into A or B, SVD re-factorisation, rank permuted or padded with
+# zeros, pre-rounding, LoRA merged into the base weights, reversed / one-at-a-time batches, PEFT),
+# 200 runs per dtype on the H200 host's cpu, families accuracy / semantics / all-linear / mixed / MoE
+# (2026-12-02, reports/2026-12-02-null-runs-rewritings-moe-power.md). Worst seen:
+#   prompt rms of one request (centred, pooled over its positions): bfloat16 0.224 (an all-linear adapter
+#     on a prompt of 3 positions; 0.145 in every other request), float16 0.033, float32 3.2e-5. The check
+#     pools every request of a comparison (compare.assert_prompt_logprobs_close), which stays below its
+#     worst request: prompt_rms_max bfloat16 0.3, float16 0.05, float32 1e-3.
+#   free-running decode, float16: 0.538 at step 0 on the MoE family (the default engine; 0.28 elsewhere)
+#     and a single prompt point 0.42 -> free_running_atol 0.8 (it also bounds single prompt points).
+# The paired checks (teacher-forced contexts and prompt logprobs) had 0 false alarms in 200 runs per
+# dtype at the bounds above (EFFECTS), the prompt check's worst residual 0.43 of its bound (float16).
 TOLERANCES: dict[str, Tolerance] = {
     "float32": Tolerance("float32", prompt_rms_max=1e-3, decode_atol=2e-3, tie_margin=2e-3,
                          rouge_l_min=1.0, embedding_cos_min=0.999, **EFFECTS["float32"]),
-    "bfloat16": Tolerance("bfloat16", prompt_rms_max=0.15, decode_atol=0.75, tie_margin=0.75,
+    "bfloat16": Tolerance("bfloat16", prompt_rms_max=0.3, decode_atol=0.75, tie_margin=0.75,
                           rouge_l_min=0.9, embedding_cos_min=0.99, **EFFECTS["bfloat16"]),
-    "float16": Tolerance("float16", prompt_rms_max=0.04, decode_atol=0.08, tie_margin=0.08,
+    "float16": Tolerance("float16", prompt_rms_max=0.05, decode_atol=0.08, tie_margin=0.08,
                          rouge_l_min=0.9, embedding_cos_min=0.995, **EFFECTS["float16"]),
 }
 
