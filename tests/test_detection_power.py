@@ -78,7 +78,11 @@ UNCAUGHT: dict[tuple[str, str], str] = {}
 # and the dtypes the accelerator run showed the others in: the H200, 2026-12-01,
 # LORA_DETECTION_DTYPES=float32,bfloat16,float16 pytest tests/test_detection_power.py --device=cuda:
 # 89 passed, 2 skipped (lora_fp16 outside float32).
-NOT_YET_SHOWN_ON_GPU: set = {"moe_lora_unweighted", "moe_lora_weight_of_next_expert", "moe_lora_first_expert_only"}
+# delta_x1_1: its catcher accuracy::prefill_logprobs_with_adapter (the paired prompt-logprob verdict) has
+# not run on an accelerator yet; the MoE expert-weighting faults were caught on the H200 by
+# bench/power.py (20/20 per dtype) but not yet through this test.
+NOT_YET_SHOWN_ON_GPU: set = {"delta_x1_1", "moe_lora_unweighted", "moe_lora_weight_of_next_expert",
+                             "moe_lora_first_expert_only"}
 SHOWN_ON_GPU_IN = ("float32", "bfloat16", "float16")
 # The dtypes README's table states for cpu: the default run's (float16 runs with LORA_DETECTION_DTYPES).
 SHOWN_ON_CPU_IN = ("float32", "bfloat16")
