@@ -1,20 +1,30 @@
-"""Null distribution and power of the paired effect verdict, per test family and dtype.
+"""Null distribution and power of the paired effect verdicts, per check, test family and dtype.
 
-Null runs: correct engines with benign variations, each run randomised (adapter seed and rank,
-prompt subset, row order, composition), judged exactly as the suites judge them
-(``conformance.run`` + ``compare.effects`` + the free-running decode check). Variations:
-``default``; ``rescale:C`` (adapter stored as C*A, B/C: the same delta, other rounding);
-``preround`` (A and B rounded to the model dtype first); ``reverse`` (each engine call's requests
-in reversed order); ``one_at_a_time`` (each request alone); ``peft`` (the PEFT engine); and any
-``--engine-arg`` set of the built-in engine given with ``--variant`` (e.g. ``variant=fp32_delta``).
-Any failure of a null run is a false alarm.
+Null runs: correct engines with benign rewritings, each run randomised (adapter seed and rank,
+prompt subset, row order, composition), judged exactly as the suites judge them, by every check:
+``effects`` (``conformance.run``: teacher-forced contexts), ``prompt`` (``conformance.run_prompt_logprobs``:
+the paired prompt-logprob verdict of ``accuracy::prefill_logprobs_with_adapter``) and ``free_running``
+(the gross decode check with prompt logprobs, ``compare.assert_logprobs_close``). Rewritings, each
+the same adapter in exact arithmetic, fed to a correct engine (the reference keeps the original):
+``rescale:C`` (C*A, B/C); ``fold:A`` / ``fold:B`` (each module's scaling folded into A or B, alpha set
+so the scaling is 1); ``svd`` (A and B rebuilt from an SVD of B @ A, per expert for MoE experts);
+``permute`` (rank components permuted); ``pad:P`` (rank padded with P zero components, alpha kept
+per module); ``preround`` (A and B rounded to the model dtype); ``merged`` (the LoRA merged into
+the base weights, in float32 then rounded to the dtype, for batches of a single adapter); the
+engine variations ``reverse`` (each call's requests reversed), ``one_at_a_time`` (each request alone),
+``peft`` (the PEFT engine), and any built-in engine-arg set given with ``--variant`` (e.g.
+``variant=fp32_delta``). Runs cycle through families and variations, so every family meets every
+variation. Any failure of a null run is a false alarm of the check that failed.
 
 Power: the same runs with the engine's delta mis-scaled (B x s stored in the adapter the engine
-loads, the reference keeps the original) for each s of ``--scales``; the smallest |s - 1| detected
-in every run is printed per family and dtype, with the detection rate.
+loads, the reference keeps the original) for each s of ``--scales``; each module's LoRA dropped
+(``--drops``, all-linear family); and each built-in engine fault of ``--faults`` on the families it
+applies to (the MoE expert faults on the ``moe`` family), with the detection rate per cell.
 
     python bench/power.py --dtypes float32,bfloat16,float16 --runs 200 --power-runs 20
     python bench/power.py --device cuda --dtypes bfloat16 --runs 200        # on an accelerator
+    python bench/power.py --dtypes bfloat16 --runs 0 --power-runs 20 --scales "" --drops "" \
+        --faults moe_lora_unweighted,moe_lora_weight_of_next_expert,moe_lora_first_expert_only
 """
 
 from __future__ import annotations
@@ -26,13 +36,13 @@ import random
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from lora_conformance import conformance
 from lora_conformance.adapters import AdapterSpec, synthesize_cached
 from lora_conformance.compare import tolerance_for
-from lora_conformance.compare.effects import SuiteDefectError
-from lora_conformance.compare.logprobs import assert_logprobs_close
+from lora_conformance.compare.logprobs import assert_logprobs_close, assert_prompt_logprobs_close
 from lora_conformance.compare.errors import ConformanceAssertionError
 from lora_conformance.engines import create_engine
 from lora_conformance.models import default_prompts, resolve_base_model
@@ -41,23 +51,39 @@ from lora_conformance.settings import default_cache_dir
 from lora_conformance.types import GenerationRequest
 
 SEEDS = (9, 19, 33, 37, 101, 202, 303, 404)
+# The MoE suite's expert adapters (suites/test_moe.py): down_proj B (PEFT's un-nested
+# ``experts.lora_B``) strong enough that an expert LoRA output weighted wrongly shows in bfloat16.
+MOE_B_STD = {"experts.lora_B": 0.12}
+# family -> (adapter specs for a run, shape, base model)
 FAMILIES = {
-    # one q/v adapter per request (accuracy::single_adapter_matches_reference)
-    "accuracy": lambda rng: ([AdapterSpec(seed=rng.choice(SEEDS), rank=rng.choice((8, 16)))], "single"),
+    # one q/v adapter per request (accuracy::single_adapter_matches_reference, prefill_logprobs_with_adapter)
+    "accuracy": lambda rng: ([AdapterSpec(seed=rng.choice(SEEDS), rank=rng.choice((8, 16)))], "single", "llama"),
     # target sets, rsLoRA, patterns (adapter_semantics)
     "semantics": lambda rng: ([rng.choice([
         AdapterSpec(seed=rng.choice(SEEDS), targets=rng.choice(("attention", "mlp", "all-linear"))),
         AdapterSpec(seed=rng.choice(SEEDS), rank=16, alpha=8, use_rslora=True),
         AdapterSpec(seed=rng.choice(SEEDS), rank=8, alpha=16, rank_pattern={"v_proj": 4},
-                    alpha_pattern={"q_proj": 32})])], "single"),
+                    alpha_pattern={"q_proj": 32})])], "single", "llama"),
     # every linear module targeted, q/k B 5x, down_proj 2x (adapter_semantics::target_set): the family that certifies
     # single modules, and whose dropped modules the power runs inject
     "alllinear": lambda rng: ([AdapterSpec(seed=rng.choice(SEEDS), targets="all-linear",
-                                           b_std_pattern={"q_proj": 0.15, "k_proj": 0.15, "down_proj": 0.06})], "single"),
+                                           b_std_pattern={"q_proj": 0.15, "k_proj": 0.15, "down_proj": 0.06})],
+                              "single", "llama"),
     # two adapters and base rows in one batch (mixed_batch, accuracy::every_dtype)
-    "mixed": lambda rng: ([AdapterSpec(seed=s) for s in rng.sample(SEEDS, 2)], "mixed"),
+    "mixed": lambda rng: ([AdapterSpec(seed=s) for s in rng.sample(SEEDS, 2)], "mixed", "llama"),
+    # MoE expert LoRA (moe::expert_lora_matches_reference)
+    "moe": lambda rng: ([AdapterSpec(seed=rng.choice((501, 502) + SEEDS), targets="moe_experts",
+                                     b_std_pattern=MOE_B_STD)], "single", "moe"),
 }
-VARIATIONS = ("default", "rescale:3", "rescale:0.25", "preround", "reverse", "one_at_a_time", "peft")
+ROWS = {"alllinear": 16, "moe": 6}  # rows of a single-adapter run (default 6)
+REWRITES = ("rescale:3", "rescale:0.25", "fold:A", "fold:B", "svd", "permute", "pad:8", "preround")
+VARIATIONS = ("default",) + REWRITES + ("merged", "reverse", "one_at_a_time", "peft")
+# decode_default: the free-running decode at the default per-step bounds (decode_atol, tie_margin), as the
+# suites that compare an engine's decode with the reference directly judge it (lifecycle, prefix cache, ...).
+CHECKS = ("effects", "prompt", "free_running", "decode_default")
+# The expert-level faults of the built-in engine's catalogue, run on the moe family.
+MOE_FAULTS = ("moe_lora_unweighted", "moe_lora_weight_of_next_expert", "moe_lora_first_expert_only",
+              "moe_expert_mismatch", "moe_down_proj_dropped")
 
 
 class _Wrapper:
@@ -78,49 +104,182 @@ class OneAtATime(_Wrapper):
         return [self.engine.generate([r])[0] for r in reqs]
 
 
+class Merged(_Wrapper):
+    """An engine that merges a LoRA into the base weights for batches of that one adapter (no base
+    rows, no other adapter) and serves every other batch unmerged: ``make(name, path)`` gives an
+    engine on the merged base model."""
+
+    def __init__(self, engine, make):
+        super().__init__(engine)
+        self.make, self.paths, self.merged = make, {}, {}
+
+    def load_adapter(self, name, path):
+        self.engine.load_adapter(name, path)
+        self.paths[name] = path
+
+    def unload_adapter(self, name):
+        self.engine.unload_adapter(name)
+        self.paths.pop(name, None)
+
+    def generate(self, reqs):
+        names = {r.adapter for r in reqs}
+        if len(names) != 1 or None in names:
+            return self.engine.generate(reqs)
+        name = names.pop()
+        key = str(self.paths[name])
+        if key not in self.merged:
+            for e in self.merged.values():
+                e.close()
+            self.merged = {key: self.make(name, self.paths[name])}
+        return self.merged[key].generate([replace(r, adapter=None) for r in reqs])
+
+    def close(self):
+        for e in self.merged.values():
+            e.close()
+        self.merged = {}
+
+
+def merged_model(model_dir: Path, adapter: Path, root: Path) -> Path:
+    """``model_dir`` with ``adapter`` merged into its weights (PEFT's merge, float32), saved beside."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    dst = root / f"merged-{model_dir.name}-{adapter.name}"
+    if dst.exists():
+        return dst
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    tmp = root / (dst.name + ".tmp")
+    merged.save_pretrained(tmp)
+    for f in model_dir.iterdir():
+        if f.is_file() and not (tmp / f.name).exists():
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(dst)
+    return dst
+
+
+def _module_scaling(cfg: dict, module: str) -> tuple[int, float, bool]:
+    from lora_conformance.engines.builtin.engine.adapter import pattern_value
+
+    r = int(pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", 8)))
+    alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", 8)))
+    return r, alpha, bool(cfg.get("use_rslora", False))
+
+
+def _unit_alpha(r: int, rs: bool) -> float:
+    return math.sqrt(r) if rs else float(r)
+
+
 def transformed(src: Path, how: str, dtype: str, root: Path) -> Path:
-    """A copy of adapter ``src`` with its factors transformed (``rescale:C``, ``preround``, ``scale:S``)."""
+    """A copy of adapter ``src`` rewritten (``REWRITES``, or ``scale:S`` / ``drop:M`` for power):
+    the same adapter in exact arithmetic for every rewrite, another for scale / drop."""
     import torch
     from safetensors.torch import load_file, save_file
 
     dst = root / f"{src.name}-{how.replace(':', '_')}-{dtype}"
     if dst.exists():
         return dst
-    shutil.copytree(src, dst)
+    cfg = json.loads((src / "adapter_config.json").read_text())
     tensors = load_file(src / "adapter_model.safetensors")
     kind, _, arg = how.partition(":")
-    for k, t in tensors.items():
-        is_a = "lora_A" in k or "lora_embedding_A" in k
-        is_b = "lora_B" in k or "lora_embedding_B" in k
+    pairs: dict[str, dict[str, str]] = {}
+    for k in tensors:
+        for tag, part in (("lora_A", "A"), ("lora_B", "B"), ("lora_embedding_A", "A"), ("lora_embedding_B", "B")):
+            if f".{tag}" in k:
+                pairs.setdefault(k.split(f".{tag}")[0], {})[part] = k
+    gen = torch.Generator().manual_seed(1234)
+    new_cfg = dict(cfg)
+    if kind == "pad":  # every module's rank + P; alpha per module so that its scaling is unchanged
+        p = int(arg)
+        new_cfg["r"] = cfg.get("r", 8) + p
+        new_cfg["rank_pattern"] = {k: v + p for k, v in (cfg.get("rank_pattern") or {}).items()}
+    if kind in ("fold", "pad"):
+        new_cfg["alpha_pattern"] = {}
+    for stem, ab in pairs.items():
+        if "A" not in ab or "B" not in ab:
+            continue
+        A, B = tensors[ab["A"]].double(), tensors[ab["B"]].double()
+        module = stem.removeprefix("base_model.model.")
+        module = module.replace(".base_layer", "")
+        E = _experts_of(A, B, cfg)
+        r = A.shape[0] // E
         if kind == "rescale":
-            c = float(arg)
-            tensors[k] = t * c if is_a else (t / c if is_b else t)
-        elif kind == "scale" and is_b:
-            tensors[k] = t * float(arg)
-        elif kind == "drop" and is_b and f".{arg}." in k:
-            tensors[k] = t * 0
-        elif kind == "preround" and (is_a or is_b):
-            tensors[k] = t.to(getattr(torch, dtype)).to(t.dtype)
-    save_file(tensors, dst / "adapter_model.safetensors")
+            A, B = A * float(arg), B / float(arg)
+        elif kind == "scale":
+            B = B * float(arg)
+        elif kind == "drop" and f".{arg}" in stem + ".":
+            B = B * 0
+        elif kind == "preround":
+            A, B = A.to(getattr(torch, dtype)).double(), B.to(getattr(torch, dtype)).double()
+        elif kind in ("svd", "permute", "pad"):
+            Ae = A.view(E, r, -1)  # experts: lora_A (r*E, in) grouped by expert, lora_B (out, r*E) by rank
+            Be = B.view(B.shape[0], r, E).permute(2, 0, 1) if E > 1 else B.unsqueeze(0)
+            outA, outB = [], []
+            for e in range(E):
+                a, b = Ae[e], Be[e]
+                if kind == "svd":
+                    U, S, Vh = torch.linalg.svd(b @ a, full_matrices=False)
+                    a, b = S[:r].sqrt()[:, None] * Vh[:r], U[:, :r] * S[:r].sqrt()
+                elif kind == "permute":
+                    perm = torch.randperm(r, generator=gen)
+                    a, b = a[perm], b[:, perm]
+                else:
+                    a = torch.cat([a, a.new_zeros(int(arg), a.shape[1])])
+                    b = torch.cat([b, b.new_zeros(b.shape[0], int(arg))], dim=1)
+                outA.append(a)
+                outB.append(b)
+            A = torch.cat(outA)
+            B = torch.stack(outB).permute(1, 2, 0).reshape(B.shape[0], -1) if E > 1 else outB[0]
+        if kind in ("fold", "pad"):
+            rm, am, rs = _module_scaling(cfg, module)
+            s_m = am / _unit_alpha(rm, rs)
+            if kind == "fold":
+                A, B = (A * s_m, B) if arg == "A" else (A, B * s_m)
+                new_cfg["alpha_pattern"][module] = _unit_alpha(rm, rs)
+            else:
+                new_cfg["alpha_pattern"][module] = s_m * _unit_alpha(rm + int(arg), rs)
+        tensors[ab["A"]], tensors[ab["B"]] = A.float().contiguous(), B.float().contiguous()
+    if kind in ("fold", "pad"):  # the rewrite keeps each module's scaling (fold: 1 x the folded factor)
+        for stem in pairs:
+            module = stem.removeprefix("base_model.model.").replace(".base_layer", "")
+            r0, a0, rs = _module_scaling(cfg, module)
+            r1, a1, _ = _module_scaling(new_cfg, module)
+            want = 1.0 if kind == "fold" else a0 / _unit_alpha(r0, rs)
+            got = a1 / _unit_alpha(r1, rs)
+            assert abs(got - want) <= 1e-9 * max(1.0, want), (how, module, want, got)
+    tmp = root / (dst.name + ".tmp")
+    shutil.copytree(src, tmp)
+    (tmp / "adapter_config.json").write_text(json.dumps(new_cfg, indent=1))
+    save_file(tensors, tmp / "adapter_model.safetensors")
+    tmp.rename(dst)
     return dst
 
 
+def _experts_of(A, B, cfg) -> int:
+    """Experts fused in one factor pair (1 for a plain module): lora_A (r*E, in), lora_B (out, r*E)."""
+    if not cfg.get("target_parameters"):
+        return 1
+    r = int(cfg.get("r", 8))
+    return max(1, A.shape[0] // r)
+
+
 def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None):
-    """One randomised run; returns (passed, stats, message)."""
-    specs, shape = FAMILIES[family](rng)
+    """One randomised run, judged by every check; returns (failures by check, stats, defects)."""
+    specs, shape, _ = FAMILIES[family](rng)
     names = [f"a{i}" for i in range(len(specs))]
     paths = {n: synthesize_cached(model_dir, s, cache / "adapters") for n, s in zip(names, specs)}
     if shape == "single":
-        labels = [names[0]] * (16 if family == "alllinear" else 6)
+        labels = [names[0]] * ROWS.get(family, 6)
     else:
         labels = names * 2 + [None] * 2
         rng.shuffle(labels)
     prompts = rng.sample(default_prompts(), len(labels))
     loaded = []
+    failures = {c: [] for c in CHECKS}
     try:
         for n in names:
-            p = transformed(paths[n], how, dtype, tmp) if how else paths[n]
-            engine.engine.load_adapter(n, p) if hasattr(engine, "engine") else engine.load_adapter(n, p)
+            engine.load_adapter(n, transformed(paths[n], how, dtype, tmp) if how else paths[n])
             loaded.append(n)
         tol = tolerance_for(dtype)
         alts = conformance.default_alternatives(labels, paths)
@@ -131,27 +290,47 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None)
                  "slope": max(abs(a.slope - 1) / (tol.effect_slope_margin + 4 * a.slope_se) for a in analyses),
                  "gamma": max((f.gamma for a in analyses for f in a.fits), default=0.0),
                  "separation": min((f.separation for a in analyses for f in a.fits), default=math.inf),
-                 "free_running": 0.0}
-        failures = [f"{a.label}: {x}" for a in analyses for x in a.failures]
+                 "free_running": 0.0, "prompt_rms": 0.0, "prompt_gross": 0.0}
+        failures["effects"] += [f"{a.label}: {x}" for a in analyses for x in a.failures]
         defects = [f"{a.label}: {x}" for a in analyses for x in a.defects]
-        reqs = [GenerationRequest(p, l, 16, 5) for l, p in zip(labels, prompts)]
+        prompt_lp = engine.supports("prompt_logprobs")
+        if prompt_lp:
+            try:
+                pa = conformance.run_prompt_logprobs(plan, engine, runner, tol)
+                failures["prompt"] += [f"{a.label}: {x}" for a in pa for x in a.failures]
+                defects += [f"prompt {a.label}: {x}" for a in pa for x in a.defects]
+                stats.update({
+                    "prompt_residual": max(a.residual_rms for a in pa) / tol.effect_noise_max,
+                    "prompt_slope": max(abs(a.slope - 1) / (tol.effect_slope_margin + 4 * a.slope_se) for a in pa),
+                    "prompt_gamma": max((f.gamma for a in pa for f in a.fits), default=0.0),
+                    "prompt_max": max(a.residual_max for a in pa) / tol.effect_gross_atol})
+            except ConformanceAssertionError as exc:
+                failures["prompt"].append(str(exc).splitlines()[0])
+        reqs = [GenerationRequest(p, l, 16, 5, prompt_logprobs=prompt_lp) for l, p in zip(labels, prompts)]
         outs = engine.generate(reqs)
         refs = runner.generate(reqs, paths)
-        from dataclasses import replace
-
         gross = replace(tol, decode_atol=max(tol.decode_atol, tol.free_running_atol),
                         tie_margin=max(tol.tie_margin, tol.free_running_atol))
+        try:  # pooled over every request of the check, as lora.assert_matches_reference does
+            rms, worst = assert_prompt_logprobs_close(outs, refs, tol, labels=[str(q.adapter) for q in reqs])
+            stats["prompt_rms"], stats["prompt_gross"] = rms / tol.prompt_rms_max, worst / tol.free_running_atol
+        except ConformanceAssertionError as exc:
+            failures["free_running"].append(f"free-running: {str(exc).splitlines()[0]}")
         for o, r, q in zip(outs, refs, reqs):
             try:
-                ag = assert_logprobs_close(o, r, gross, label=str(q.adapter))
+                ag = assert_logprobs_close(o, r, gross, label=str(q.adapter), check_prompt=False)
                 stats["free_running"] = max(stats["free_running"], ag.max_decode_diff / gross.decode_atol)
             except ConformanceAssertionError as exc:
-                failures.append(f"free-running: {str(exc).splitlines()[0]}")
-        return not failures, stats, failures, defects
+                failures["free_running"].append(f"free-running: {str(exc).splitlines()[0]}")
+            try:
+                ag = assert_logprobs_close(o, r, tol, label=str(q.adapter), check_prompt=False)
+                stats["decode_default"] = max(stats.get("decode_default", 0.0), ag.max_decode_diff / tol.decode_atol)
+            except ConformanceAssertionError as exc:
+                failures["decode_default"].append(f"decode at default bounds: {str(exc).splitlines()[0]}")
+        return failures, stats, defects
     finally:
-        target = engine.engine if hasattr(engine, "engine") else engine
         for n in loaded:
-            target.unload_adapter(n)
+            engine.unload_adapter(n)
 
 
 def main() -> None:
@@ -163,91 +342,148 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[],
                     help="extra built-in engine arg set as a variation, e.g. variant=fp32_delta (repeatable)")
     ap.add_argument("--runs", type=int, default=200, help="null runs per dtype")
-    ap.add_argument("--power-runs", type=int, default=10, help="runs per family, dtype and scale")
+    ap.add_argument("--start", type=int, default=0,
+                    help="index of the first null run in the family x variation cycle (split runs over processes)")
+    ap.add_argument("--power-runs", type=int, default=10, help="runs per family, dtype and scale / drop / fault")
     ap.add_argument("--scales", default="0.9,0.95,1.03,1.05,1.1")
     ap.add_argument("--drops", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                     help="modules whose LoRA the engine drops in the alllinear family's power runs")
+    ap.add_argument("--faults", default=",".join(MOE_FAULTS),
+                    help="built-in engine faults for power runs (moe_*: on the moe family; others: accuracy)")
+    ap.add_argument("--reference-device", default="cpu", help="where the float32 reference runs")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cache", type=Path, default=default_cache_dir())
+    ap.add_argument("--cache", type=Path, default=None, help="model, adapter and reference cache (default: the user's)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--merge", type=Path, nargs="+", help="print the combined tables of earlier --json outputs")
     a = ap.parse_args()
     if a.merge:
         return merge(a)
+    a.cache = a.cache or default_cache_dir()
     rng = random.Random(a.seed)
-    model_dir = resolve_base_model("synthetic:llama", a.cache / "models")
-    runner = ReferenceRunner(model_dir, "cpu", "float32", ReferenceCache(a.cache / "references"))
+    models, runners = {}, {}
+
+    def model(kind):
+        if kind not in models:
+            models[kind] = resolve_base_model(f"synthetic:{kind}", a.cache / "models")
+            runners[kind] = ReferenceRunner(models[kind], a.reference_device, "float32", ReferenceCache(a.cache / "references"))
+        return models[kind], runners[kind]
+
     tmp = Path(tempfile.mkdtemp(prefix="lc-power-"))
     families = a.families.split(",")
     variations = a.variations.split(",") + [f"builtin:{v}" for v in a.variant]
     results = {}
     engines = {}
 
-    def engine_for(var, dtype):
+    def engine_for(var, dtype, kind):
+        model_dir, _ = model(kind)
         name = "peft" if var == "peft" else "builtin"
         args = dict(x.split("=", 1) for x in var.split(":", 1)[1].split(",")) if var.startswith("builtin:") else {}
-        key = (name, dtype, tuple(sorted(args.items())))
+        key = (name, dtype, kind, tuple(sorted(args.items())))
         if key not in engines:
             for k in [k for k in engines if k[1] != dtype]:
                 engines.pop(k).close()
             engines[key] = create_engine(name, model_dir, a.device, dtype, args)
         e = engines[key]
+        if var == "merged":
+            return Merged(e, lambda n, p: create_engine("builtin", merged_model(model_dir, p, tmp), a.device, dtype, {}))
         return Reversed(e) if var == "reverse" else OneAtATime(e) if var == "one_at_a_time" else e
+
+    errors = []
+
+    def run(fam, var, dtype, how):
+        """One run; an exception (a harness problem, not a verdict) is recorded and the run not counted."""
+        kind = FAMILIES[fam](random.Random(0))[2]
+        model_dir, runner = model(kind)
+        engine = engine_for(var, dtype, kind)
+        try:
+            return one_run(rng, fam, engine, runner, model_dir, a.cache, dtype, tmp, how)
+        except Exception as exc:  # noqa: BLE001 - counted apart, printed with the results
+            import traceback
+
+            errors.append({"family": fam, "variation": var, "dtype": dtype, "how": how,
+                           "error": f"{type(exc).__name__}: {exc}"[:300],
+                           "where": traceback.format_exc().splitlines()[-3:]})
+            return None
+        finally:
+            if isinstance(engine, Merged):
+                engine.close()
 
     try:
         for dtype in a.dtypes.split(","):
             t0 = time.time()
-            null = {f: {"runs": 0, "false_alarms": 0, "defects": 0, "worst": {}} for f in families}
+            null = {f: _null_row() for f in families}
             alarms = []
-            for i in range(a.runs):
-                fam, var = families[i % len(families)], rng.choice(variations)
-                how = var if var.startswith(("rescale", "preround")) else None
-                ok, stats, failures, defects = one_run(rng, fam, engine_for(var, dtype), runner, model_dir,
-                                                       a.cache, dtype, tmp, how)
+            power = {}
+            for i in range(a.start, a.start + a.runs):
+                fam, var = families[i % len(families)], variations[(i // len(families)) % len(variations)]
+                how = var if var.split(":")[0] in {w.split(":")[0] for w in REWRITES} else None
+                got = run(fam, var, dtype, how)
+                if got is None:
+                    _save_partial(a, results, dtype, null, alarms, power, t0, errors)
+                    continue
+                failures, stats, defects = got
                 row = null[fam]
                 row["runs"] += 1
-                row["false_alarms"] += not ok
+                bad = [c for c in CHECKS if failures[c]]
+                row["false_alarms"] += bool(bad)
+                for c in bad:
+                    row["by_check"][c] += 1
                 row["defects"] += bool(defects)
+                row["variations"][var] = row["variations"].get(var, 0) + 1
                 for k, v in stats.items():
                     row["worst"][k] = (min if k == "separation" else max)(row["worst"].get(k, v), v)
-                if not ok or defects:
+                if bad or defects:
                     alarms.append({"family": fam, "variation": var, "failures": failures, "defects": defects})
-                if a.json and i % 20 == 19:  # partial results survive a time limit
-                    results[dtype] = {"null": null, "alarms": alarms[:20], "power": {}, "seconds": time.time() - t0}
-                    a.json.write_text(json.dumps(results, indent=1, default=str))
-            power = {}
+                _save_partial(a, results, dtype, null, alarms, power, t0, errors)
             for m in [x for x in a.drops.split(",") if x]:
                 hits = 0
+                runs = 0
                 for _ in range(a.power_runs):
-                    ok, *_ = one_run(rng, "alllinear", engine_for("default", dtype), runner, model_dir, a.cache,
-                                     dtype, tmp, f"drop:{m}")
-                    hits += not ok
-                power.setdefault("drop", {})[m] = [hits, a.power_runs]
-                _save_partial(a, results, dtype, null, alarms, power, t0)
-            for fam in [f for f in families if f not in ("mixed", "alllinear")]:
+                    got = run("alllinear", "default", dtype, f"drop:{m}")
+                    if got is not None:
+                        runs, hits = runs + 1, hits + any(got[0].values())
+                power.setdefault("drop", {})[m] = [hits, runs]
+                _save_partial(a, results, dtype, null, alarms, power, t0, errors)
+            for fault in [x for x in a.faults.split(",") if x]:
+                fam = "moe" if fault.startswith("moe_") else "accuracy"
+                hits, runs, by_check = 0, 0, {c: 0 for c in CHECKS}
+                for _ in range(a.power_runs):
+                    got = run(fam, f"builtin:fault={fault}", dtype, None)
+                    if got is None:
+                        continue
+                    runs, hits = runs + 1, hits + any(got[0].values())
+                    for c in CHECKS:
+                        by_check[c] += bool(got[0][c])
+                    power.setdefault("fault", {})[fault] = [hits, runs, by_check]
+                    _save_partial(a, results, dtype, null, alarms, power, t0, errors)
+                _save_partial(a, results, dtype, null, alarms, power, t0, errors)
+            for fam in [f for f in families if f not in ("mixed", "alllinear", "moe")]:
                 for s in [float(x) for x in a.scales.split(",") if x]:
-                    hits = 0
+                    hits = runs = 0
                     for _ in range(a.power_runs):
-                        ok, *_ = one_run(rng, fam, engine_for("default", dtype), runner, model_dir, a.cache,
-                                         dtype, tmp, f"scale:{s}")
-                        hits += not ok
-                    power.setdefault(fam, {})[s] = [hits, a.power_runs]
-                    _save_partial(a, results, dtype, null, alarms, power, t0)
-            results[dtype] = {"null": null, "alarms": alarms[:20], "power": power, "seconds": time.time() - t0}
-            if a.json:
-                a.json.write_text(json.dumps(results, indent=1, default=str))
-            _print(dtype, null, power, alarms, a)
+                        got = run(fam, "default", dtype, f"scale:{s}")
+                        if got is not None:
+                            runs, hits = runs + 1, hits + any(got[0].values())
+                    power.setdefault(fam, {})[s] = [hits, runs]
+                    _save_partial(a, results, dtype, null, alarms, power, t0, errors)
+            _save_partial(a, results, dtype, null, alarms, power, t0, errors)
+            _print(dtype, null, power, alarms, a, [e for e in errors if e["dtype"] == dtype])
     finally:
         for e in engines.values():
             e.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    if a.json:
-        a.json.write_text(json.dumps(results, indent=1, default=str))
 
 
-def _save_partial(a, results, dtype, null, alarms, power, t0) -> None:
+def _null_row() -> dict:
+    return {"runs": 0, "false_alarms": 0, "by_check": {c: 0 for c in CHECKS}, "defects": 0, "worst": {},
+            "variations": {}}
+
+
+def _save_partial(a, results, dtype, null, alarms, power, t0, errors) -> None:
+    """After every run: partial results survive a time limit."""
     if a.json:
-        results[dtype] = {"null": null, "alarms": alarms[:20], "power": power, "seconds": time.time() - t0}
+        results[dtype] = {"null": null, "alarms": alarms[:40], "power": power, "seconds": time.time() - t0,
+                          "errors": [e for e in errors if e["dtype"] == dtype][:20]}
         a.json.write_text(json.dumps(results, indent=1, default=str))
 
 
@@ -256,23 +492,32 @@ def merge(a) -> None:
     combined: dict = {}
     for path in a.merge:
         for dtype, r in json.loads(path.read_text()).items():
-            c = combined.setdefault(dtype, {"null": {}, "alarms": [], "power": {}})
+            c = combined.setdefault(dtype, {"null": {}, "alarms": [], "power": {}, "errors": []})
+            c["errors"] += r.get("errors", [])
             for fam, row in r["null"].items():
-                cr = c["null"].setdefault(fam, {"runs": 0, "false_alarms": 0, "defects": 0, "worst": {}})
+                cr = c["null"].setdefault(fam, _null_row())
                 for k in ("runs", "false_alarms", "defects"):
                     cr[k] += row[k]
+                for k, v in row.get("by_check", {}).items():
+                    cr["by_check"][k] = cr["by_check"].get(k, 0) + v
+                for k, v in row.get("variations", {}).items():
+                    cr["variations"][k] = cr["variations"].get(k, 0) + v
                 for k, v in row["worst"].items():
                     cr["worst"][k] = (min if k == "separation" else max)(cr["worst"].get(k, v), v)
             c["alarms"] += r["alarms"]
             for fam, by in r["power"].items():  # runs of one cell split over processes add up
                 cell = c["power"].setdefault(fam, {})
                 for k, v in by.items():
-                    k = float(k) if fam != "drop" else k
-                    h, n = _counts(cell.get(k, [0, 0]))
+                    k = float(k) if fam not in ("drop", "fault") else k
+                    old = cell.get(k, [0, 0, {}])
+                    h, n = _counts(old)
                     h2, n2 = _counts(v)
-                    cell[k] = [h + h2, n + n2]
+                    checks = dict(old[2]) if isinstance(old, list) and len(old) > 2 else {}
+                    for ck, cv in (v[2] if isinstance(v, list) and len(v) > 2 else {}).items():
+                        checks[ck] = checks.get(ck, 0) + cv
+                    cell[k] = [h + h2, n + n2, checks]
     for dtype, c in combined.items():
-        _print(dtype, c["null"], c["power"], c["alarms"], a)
+        _print(dtype, c["null"], c["power"], c["alarms"], a, c["errors"])
 
 
 def _counts(v) -> tuple[int, int]:
@@ -288,27 +533,54 @@ def _lower_bound(hits: int, runs: int) -> float:
     return 0.05 ** (1 / runs) if runs and hits == runs else 0.0
 
 
-def _print(dtype, null, power, alarms, a):
+def _print(dtype, null, power, alarms, a, errors=()):
     power = dict(power)
     tol = tolerance_for(dtype)
     print(f"\n== {dtype} on {a.device}: effect_noise {tol.effect_noise:g}, noise_max {tol.effect_noise_max:g}, "
-          f"slope_margin {tol.effect_slope_margin:g}")
-    print(f"{'family':10} {'runs':>5} {'false alarms':>12} {'defects':>8} {'resid/bound':>11} {'slope/bound':>11} "
-          f"{'max gamma':>9} {'min separ.':>10} {'free-run/atol':>13}")
+          f"slope_margin {tol.effect_slope_margin:g}, prompt_rms_max {tol.prompt_rms_max:g}")
+    print("worst statistic / its bound (resid, slope: teacher-forced contexts; p-resid, p-slope, p-max: the paired "
+          "prompt check; free-run, p-rms, p-gross: the free-running check's decode and prompt logprobs; decode_d: the "
+          "decode at the default per-step bounds)")
+    keys = ("residual", "slope", "prompt_residual", "prompt_slope", "prompt_max", "free_running", "prompt_rms",
+            "prompt_gross", "decode_default")
+    print(f"{'family':10} {'runs':>5} {'alarms':>6} " + " ".join(f"{c[:8]:>8}" for c in CHECKS) +
+          f" {'defects':>7} " + " ".join(f"{k.replace('prompt_', 'p-')[:8]:>8}" for k in keys) + f" {'gamma':>6}")
     for fam, r in null.items():
         w = r["worst"]
-        print(f"{fam:10} {r['runs']:>5} {r['false_alarms']:>12} {r['defects']:>8} {w.get('residual', 0):>11.3f} "
-              f"{w.get('slope', 0):>11.3f} {w.get('gamma', 0):>9.3f} {w.get('separation', 0):>10.1f} "
-              f"{w.get('free_running', 0):>13.3f}")
+        print(f"{fam:10} {r['runs']:>5} {r['false_alarms']:>6} " +
+              " ".join(f"{r.get('by_check', {}).get(c, 0):>8}" for c in CHECKS) + f" {r['defects']:>7} " +
+              " ".join(f"{w.get(k, 0):>8.3f}" for k in keys) +
+              f" {max(w.get('gamma', 0), w.get('prompt_gamma', 0)):>6.2f}")
     total = sum(r["runs"] for r in null.values())
     fa = sum(r["false_alarms"] for r in null.values())
-    print(f"false alarms: {fa}/{total} runs (95% upper bound on the per-run rate: {3 / max(total, 1):.3g} when 0)")
-    for al in alarms[:5]:
-        print("  alarm:", al["family"], al["variation"], (al["failures"] + al["defects"])[:2])
+    per_check = {c: sum(r.get("by_check", {}).get(c, 0) for r in null.values()) for c in CHECKS}
+    print(f"false alarms: {fa}/{total} runs (" + ", ".join(f"{c} {n}/{total}" for c, n in per_check.items()) +
+          f"; 95% upper bound on the per-run rate: {3 / max(total, 1):.3g} when 0)")
+    variations: dict = {}
+    for r in null.values():
+        for v, n in r.get("variations", {}).items():
+            variations[v] = variations.get(v, 0) + n
+    if variations:
+        print("runs per variation: " + ", ".join(f"{v} {n}" for v, n in sorted(variations.items())))
+    for al in alarms[:8]:
+        fails = al["failures"]
+        flat = [x for c in CHECKS for x in fails.get(c, [])] if isinstance(fails, dict) else fails
+        print("  alarm:", al["family"], al["variation"], (flat + al["defects"])[:2])
+    if errors:
+        print(f"errors (runs not counted): {len(errors)}")
+        for e in list(errors)[:5]:
+            print("  error:", e["family"], e["variation"], e["error"], e.get("where", [])[-1:])
     drops = power.pop("drop", {})
     if drops:
         print("single module dropped, detected: " + "  ".join(
             f"{m}: {h}/{n}" for m, (h, n) in ((m, _counts(v)) for m, v in drops.items())))
+    faults = power.pop("fault", {})
+    for fault, v in faults.items():
+        h, n = _counts(v)
+        checks = v[2] if isinstance(v, list) and len(v) > 2 else {}
+        print(f"fault {fault:32} detected {h}/{n}" + (f" (power >= {_lower_bound(h, n):.1%} at 95% confidence)"
+                                                      if n and h == n else "") +
+              "; by check: " + ", ".join(f"{c} {k}" for c, k in checks.items()))
     for fam, by_scale in power.items():
         counts = {float(s): _counts(v) for s, v in by_scale.items()}
         cells = "  ".join(f"x{s:g}: {h}/{n}" for s, (h, n) in sorted(counts.items()))

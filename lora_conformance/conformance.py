@@ -100,7 +100,42 @@ def run(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
     without = engine.generate([GenerationRequest(rows[i].texts[j], None, 1, plan.top_k) for i, j in slots])
     got_a = {s: (o.logprobs[0] if o.logprobs else {}) for s, o in zip(slots, with_adapter)}
     got_b = {s: (o.logprobs[0] if o.logprobs else {}) for s, o in zip(slots, without)}
+    return _pooled(plan, runner, rows, got_a, got_b, tol)
 
+
+def run_prompt_logprobs(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
+    """The same paired statistics over *prompt* logprobs: every prompt position is a teacher-forced
+    context already (the prompt is the forced text). The engine is asked for its prompt logprobs
+    (``prompt_logprobs=True``, ``plan.top_k`` per position) once with each row's adapter, all rows in
+    one call, and once without any; the reference scores the same positions (``context_logprobs``)
+    under the correct hypothesis and each alternative. A row whose prompt logprobs are missing or
+    cover another number of positions than the reference's tokenisation fails the check."""
+    from lora_conformance.compare.errors import ConformanceAssertionError
+
+    rows = []
+    for label, prompt in zip(plan.labels, plan.prompts):
+        ids = list(runner.tokenizer(prompt).input_ids)
+        rows.append(Row(label, prompt, ids, list(range(len(ids) - 1)), [prompt] * (len(ids) - 1)))
+    with_adapter = engine.generate([GenerationRequest(r.prompt, r.label, 1, plan.top_k, prompt_logprobs=True)
+                                    for r in rows])
+    without = engine.generate([GenerationRequest(r.prompt, None, 1, plan.top_k, prompt_logprobs=True) for r in rows])
+    got_a, got_b = {}, {}
+    for i, (r, a, b) in enumerate(zip(rows, with_adapter, without)):
+        for what, out, got in (("with its adapter", a, got_a), ("without adapter", b, got_b)):
+            pl = out.prompt_logprobs
+            if pl is None or len(pl) != len(r.positions):
+                raise ConformanceAssertionError(
+                    f"row {i} ({r.label or BASE_LABEL}) {what}: prompt logprobs cover "
+                    f"{'no' if pl is None else len(pl)} positions, the reference's tokenisation "
+                    f"{len(r.positions)} (prompt {r.prompt!r})",
+                    {"check": "prompt_effects", "row": i, "summary": "prompt logprobs missing or misaligned"})
+            got.update({(i, j): dict(pl[j] or {}) for j in range(len(pl))})
+    return _pooled(plan, runner, rows, got_a, got_b, tol)
+
+
+def _pooled(plan: Plan, runner, rows: list[Row], got_a: dict, got_b: dict, tol) -> list[EffectAnalysis]:
+    """Per label: the centred engine effect ``E`` and reference effects (correct ``R``, each
+    alternative ``H``) at every context ``(row, position index)`` the engine answered."""
     samples: dict[str, EffectSample] = {}
     for label in dict.fromkeys(plan.labels):
         idx = [i for i, r in enumerate(rows) if r.label == label]
@@ -124,7 +159,7 @@ def run(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
                     h_rows[h.name].append(score(path, h, ids))
         sample = EffectSample(name, required=(plan.required or {}).get(name))
         for k, i in enumerate(idx):
-            for j in range(plan.contexts_per_prompt):
+            for j in range(len(rows[i].positions)):
                 if (i, j) not in got_a:
                     sample.contexts_skipped += 1
                     continue

@@ -321,8 +321,8 @@ class TestContext:
         from lora_conformance.compare import ConformanceAssertionError, assert_logprobs_close
 
         tol = self.tolerance
-        wide = replace(tol, prefill_atol=factor * tol.prefill_atol, decode_atol=factor * tol.decode_atol,
-                       tie_margin=factor * tol.tie_margin)
+        wide = replace(tol, prompt_rms_max=factor * tol.prompt_rms_max, free_running_atol=factor * tol.free_running_atol,
+                       decode_atol=factor * tol.decode_atol, tie_margin=factor * tol.tie_margin)
         if others is None:
             others = self.reference([replace(r, adapter=None) for r in requests])
         for ref, base in zip(references, others):
@@ -332,7 +332,7 @@ class TestContext:
                 return  # visible
         raise AssertionError(
             f"{label}: the adapters' effect on the reference is within {factor} x the {tol.dtype} tolerance "
-            f"(prefill {tol.prefill_atol}, decode {tol.decode_atol}) for every request: this test could not tell "
+            f"(prompt rms {tol.prompt_rms_max}, decode {tol.decode_atol}) for every request: this test could not tell "
             "an engine that ignores them from a correct one (suite defect: strengthen the adapter)")
 
     def note(self, text: str) -> None:
@@ -435,16 +435,47 @@ class TestContext:
                                           label=label, tolerance=gross)
         return analyses
 
+    def assert_prompt_logprobs_conform(self, engine, labels: Sequence[Optional[str]],
+                                       adapters: Mapping[str, AdapterRef] = {},
+                                       prompts: Optional[Sequence[str]] = None, *, routing: bool = True,
+                                       label: str = "") -> list:
+        """``assert_conforms``' paired verdict on the engine's *prompt* logprobs
+        (``conformance.run_prompt_logprobs``): every prompt position is a teacher-forced context; the
+        engine's effect (prompt logprobs with the row's adapter minus without, both from the engine)
+        must match the reference's and be nearest the correct hypothesis. Pooled over every position
+        of every row: no single position decides. Returns the analyses."""
+        from lora_conformance import conformance
+        from lora_conformance.compare.effects import assert_effects_conform
+
+        names = [n for n in dict.fromkeys(labels) if n]
+        paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
+        ps = list(prompts or self.prompts)
+        row_prompts = [ps[i % len(ps)] for i in range(len(labels))]
+        alts = conformance.default_alternatives(labels, paths, routing)
+        plan = conformance.Plan(list(labels), row_prompts, paths, alts, conformance.required_hypotheses(alts))
+        analyses = conformance.run_prompt_logprobs(plan, engine, self.harness.reference(self.model_dir),
+                                                   self.tolerance)
+        import json
+
+        self.request.node.user_properties.append(
+            ("lora_effects", json.dumps([a.as_evidence() for a in analyses], default=str)))
+        assert_effects_conform(analyses, label=label or "prompt logprobs " + (", ".join(names) or "base"),
+                               extra_evidence={"logprobs": "prompt"})
+        return analyses
+
     def assert_matches_reference(self, outputs: Sequence[GenerationResult], references: Sequence[GenerationResult],
                                  requests: Sequence[GenerationRequest], label: str = "", tolerance=None) -> None:
-        """Logprobs (prefill and decode, tie-aware) and ROUGE-L of every output against its reference."""
-        from lora_conformance.compare import assert_logprobs_close, assert_rouge_l
+        """Prompt logprobs (pooled over every request), decode logprobs (tie-aware) and ROUGE-L of every
+        output against its reference."""
+        from lora_conformance.compare import assert_logprobs_close, assert_prompt_logprobs_close, assert_rouge_l
 
         assert len(outputs) == len(references) == len(requests), "one output per request"
-        for i, (out, ref, req) in enumerate(zip(outputs, references, requests)):
-            what = f"{label + ' ' if label else ''}slot {i} (adapter={req.adapter or 'base'})"
-            tol = tolerance or self.tolerance
-            agreement = assert_logprobs_close(out, ref, tol, label=what, decode=self.decode)
+        tol = tolerance or self.tolerance
+        whats = [f"{label + ' ' if label else ''}slot {i} (adapter={req.adapter or 'base'})"
+                 for i, req in enumerate(requests)]
+        assert_prompt_logprobs_close(outputs, references, tol, labels=whats, decode=self.decode)
+        for out, ref, what in zip(outputs, references, whats):
+            agreement = assert_logprobs_close(out, ref, tol, label=what, decode=self.decode, check_prompt=False)
             if agreement.tie_at is None:
                 assert_rouge_l(out.text, ref.text, tol.rouge_l_min, label=what)
 

@@ -5,6 +5,9 @@ A hypothesis is a transform of the reference's PEFT model: it rescales LoRA laye
 "delta x1.1", "rsLoRA ignored" or "patterns ignored" are computed by the reference itself,
 exactly, on the same contexts as the correct hypothesis. Two more kinds need no transform:
 ``served_as`` (another adapter's reference: a routing bug) and ``base`` (no adapter at all).
+MoE expert LoRA has a third: ``expert_routing`` re-weights, per token and selected expert, what
+the fused experts' LoRA adds (an expert's down_proj LoRA output weighted otherwise than its base
+output, or LoRA on only the first selected expert), from calls of PEFT's own experts module.
 
 The suites ask the engine's effect (adapter minus base, from the engine) to be nearest the
 correct hypothesis by a margin, and name the nearest one when it is not
@@ -27,7 +30,8 @@ class Hypothesis:
     """``kind``: ``scale`` (every LoRA layer's scaling x ``factor``), ``drop`` (layers whose name
     ends with ``module`` contribute nothing), ``alpha_not_over_r`` / ``rslora_ignored`` /
     ``patterns_ignored`` (scaling recomputed the wrong way), ``served_as`` (another adapter,
-    ``adapter`` names it), ``base`` (no adapter)."""
+    ``adapter`` names it), ``base`` (no adapter), ``expert_routing`` (``module`` names one of
+    ``EXPERT_ROUTING``)."""
 
     name: str
     description: str
@@ -54,6 +58,18 @@ def base() -> Hypothesis:
 
 def served_as(other: str) -> Hypothesis:
     return Hypothesis(f"served as {other}", f"the request got adapter {other!r} instead", "served_as", adapter=other)
+
+
+# Expert-level errors of a fused MoE LoRA path (kind ``expert_routing``): name -> description.
+EXPERT_ROUTING: dict[str, str] = {
+    "unweighted": "each expert's down_proj LoRA output added with weight 1, not its routing weight",
+    "next_expert": "each expert's down_proj LoRA output weighted with the next selected expert's routing weight",
+    "first_only": "expert LoRA applied only to each token's first (highest-weight) selected expert",
+}
+
+
+def expert_routing(mode: str) -> Hypothesis:
+    return Hypothesis(f"expert LoRA {mode.replace('_', ' ')}", EXPERT_ROUTING[mode], "expert_routing", module=mode)
 
 
 def _config(adapter_dir: Path) -> dict:
@@ -90,6 +106,8 @@ def standard(adapter_dir: Path, others: Sequence[str] = ()) -> list[Hypothesis]:
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         out.append(Hypothesis("patterns ignored", "rank_pattern / alpha_pattern ignored in the scaling",
                               "patterns_ignored"))
+    if any(t.endswith("down_proj") for t in cfg.get("target_parameters") or []):
+        out += [expert_routing(m) for m in EXPERT_ROUTING]
     out += [served_as(o) for o in others]
     out.append(base())
     return out
@@ -131,10 +149,14 @@ class applied:
         self.model, self.hyp, self.adapter = model, hyp, adapter
         self.cfg = _config(adapter_dir) if adapter_dir is not None else {}
         self._saved: list[tuple[Any, float]] = []
+        self._patched: list[Any] = []
 
     def __enter__(self):
         hyp = self.hyp
         if hyp.kind in ("served_as", BASE) or (hyp.kind == "scale" and hyp.factor == 1.0):
+            return self.model
+        if hyp.kind == "expert_routing":
+            self._patch_experts(hyp.module)
             return self.model
         layers = _lora_layers(self.model)
         matched = 0
@@ -158,7 +180,60 @@ class applied:
                              f"(layers: {sorted({_layer_name(n, l).rsplit('.', 1)[-1] for n, l in layers})})")
         return self.model
 
+    def _patch_experts(self, mode: str) -> None:
+        """Replace each outermost PEFT experts wrapper's forward ``f(x, idx, w)`` (linear in the
+        routing weights ``w``) by the hypothesis', from calls of the original with other weights and
+        with LoRA scalings zeroed: the down_proj LoRA output is exactly full minus down-off, since
+        down_proj is the experts' last linear map."""
+        import torch
+
+        wrappers = [m for n, m in _lora_layers(self.model)
+                    if getattr(m, "parameter_name", None) == "down_proj" and ".base_layer" not in n]
+        if not wrappers:
+            raise ValueError(f"hypothesis {self.hyp.name!r}: the reference model has no LoRA on fused expert "
+                             "down_proj parameters")
+        adapter = self.adapter
+
+        def layers_of(outer):
+            out, m = [], outer
+            while hasattr(m, "scaling") and adapter in getattr(m, "scaling", {}):
+                out.append(m)
+                m = m.base_layer
+            return out
+
+        def zeroed(layers, fn):
+            saved = [(l, l.scaling[adapter]) for l in layers]
+            try:
+                for l, _ in saved:
+                    l.scaling[adapter] = 0.0
+                return fn()
+            finally:
+                for l, v in saved:
+                    l.scaling[adapter] = v
+
+        for outer in wrappers:
+            original = outer.forward
+            layers = layers_of(outer)
+            down = [l for l in layers if l.parameter_name == "down_proj"]
+
+            def forward(x, idx, w, *args, _orig=original, _layers=layers, _down=down, **kwargs):
+                if mode == "first_only":
+                    first = torch.zeros_like(w)
+                    first[:, 0] = 1
+                    return (_orig(x, idx, w * first, *args, **kwargs) +
+                            zeroed(_layers, lambda: _orig(x, idx, w * (1 - first), *args, **kwargs)))
+                target = torch.ones_like(w) if mode == "unweighted" else torch.roll(w, -1, dims=1)
+                extra = target - w
+                return (_orig(x, idx, w, *args, **kwargs) + _orig(x, idx, extra, *args, **kwargs) -
+                        zeroed(_down, lambda: _orig(x, idx, extra, *args, **kwargs)))
+
+            outer.forward = forward
+            self._patched.append(outer)
+
     def __exit__(self, *exc):
         for layer, old in reversed(self._saved):
             layer.scaling[self.adapter] = old
         self._saved.clear()
+        for m in self._patched:
+            del m.forward  # the class's forward again
+        self._patched.clear()

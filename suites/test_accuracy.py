@@ -3,7 +3,8 @@
 Adapters: the paired effect statistics at teacher-forced contexts (``lora.assert_conforms``:
 effective scale, residual against the dtype's noise bound, nearest hypothesis), plus the
 free-running decode check (tie-aware top-k logprobs and ROUGE-L). Prompt logprobs are asked
-for only by the test that certifies them.
+for only by the test that certifies them, and judged by the same paired statistics, every prompt
+position a teacher-forced context (``lora.assert_prompt_logprobs_conform``).
 """
 
 import pytest
@@ -41,12 +42,11 @@ def test_single_adapter_matches_reference(lora, device, dtype, adapter):
 @pytest.mark.feature("accuracy/prefill_logprobs_with_adapter",
                       "prompt logprobs with an adapter match the reference", requires=("prompt_logprobs",))
 def test_prefill_logprobs_with_adapter(lora, device, dtype):
+    """Adapter A on every default prompt, with prompt logprobs: the engine's effect on them (with A
+    minus without, both from the engine) against the reference's, pooled over every position."""
     engine = lora.engine
     lora.load(engine, "A")
-    reqs = _requests(lora, "A", True)
-    outs = engine.generate(reqs)
-    assert all(o.prompt_logprobs is not None for o in outs), "engine declares prompt_logprobs but returned none"
-    lora.assert_matches_reference(outs, lora.reference(reqs), reqs, label="prefill A")
+    lora.assert_prompt_logprobs_conform(engine, ["A"] * len(lora.prompts), label="prefill A")
 
 
 @pytest.mark.feature("accuracy/every_dtype_matches_reference",

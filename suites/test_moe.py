@@ -14,7 +14,11 @@ register_npu_ci(est_time=20, suite="per-commit")
 
 pytestmark = [pytest.mark.base_model("moe"), pytest.mark.requires("moe")]
 
-EXPERTS = {"M1": AdapterSpec(seed=501, targets="moe_experts"), "M2": AdapterSpec(seed=502, targets="moe_experts")}
+# down_proj's LoRA (PEFT's un-nested ``experts.lora_B``) 4x the default B std: an expert LoRA output
+# weighted otherwise than the expert's base output (the routing weight) must show in bfloat16.
+DOWN_B_STD = {"experts.lora_B": 0.12}
+EXPERTS = {"M1": AdapterSpec(seed=501, targets="moe_experts", b_std_pattern=DOWN_B_STD),
+           "M2": AdapterSpec(seed=502, targets="moe_experts", b_std_pattern=DOWN_B_STD)}
 ATTENTION = AdapterSpec(seed=503, targets="attention")
 
 

@@ -51,6 +51,8 @@ def scenario(w, fault, active: bool):
                 "drop_v_proj": ["a1"], "lm_head_dropped": ["emb"], "embed_tokens_dropped": ["emb"],
                 "lora_fp16": ["a1"], "delta_twice": ["a1"], "moe_expert_mismatch": ["moe_ad"],
                 "prefix_cache_ignores_adapter": ["a1"], "delta_x1_1": ["a1"], "moe_down_proj_dropped": ["moe_ad"],
+                "moe_lora_unweighted": ["moe_ad"], "moe_lora_weight_of_next_expert": ["moe_ad"],
+                "moe_lora_first_expert_only": ["moe_ad"],
                 "embedding_adapter_misrouted": ["e1", "e2"],
                 "chunk_continuation_drops_adapter": ["a1"], "masked_prefill_padded_rows": ["a1", "a2"],
                 "inflight_no_drain": ["a1"], **{f"drop_{m}": ["a1"] for m in DROPPABLE_LINEAR_MODULES}}.get(fault, [])
@@ -131,7 +133,7 @@ def test_fault_changes_behaviour(world, fault):
 
 
 def test_catalogue():
-    assert len(FAULTS) == 30 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait"}
+    assert len(FAULTS) == 33 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait"}
     assert Faults(None).name is None and Faults("").name is None
     assert not any(Faults(None).on(f) for f in FAULTS)
     with pytest.raises(ValueError, match="unknown fault"):

@@ -33,6 +33,7 @@ CATCHERS: dict[str, list[str]] = {
     "drop_up_proj": ["test_adapter_semantics.py::test_target_set"],
     "drop_down_proj": ["test_adapter_semantics.py::test_target_set"],
     "delta_x1_1": ["test_accuracy.py::test_single_adapter_matches_reference",
+                   "test_accuracy.py::test_prefill_logprobs_with_adapter",
                    "test_adapter_semantics.py::test_alpha_scaling"],
     "moe_down_proj_dropped": ["test_moe.py::test_expert_lora_matches_reference"],
     "embedding_adapter_misrouted": ["test_embeddings.py::test_mixed_adapters_in_one_batch"],
@@ -49,6 +50,10 @@ CATCHERS: dict[str, list[str]] = {
     "graph_stale_indices": ["test_runtime_modes.py::test_graphs_equal_eager"],
     "overlap_no_wait": ["test_runtime_modes.py::test_overlap_loading_is_stream_ordered"],
     "moe_expert_mismatch": ["test_moe.py::test_expert_lora_matches_reference"],
+    # expert-level weighting: the MoE test's hypotheses include each (hypotheses.EXPERT_ROUTING)
+    "moe_lora_unweighted": ["test_moe.py::test_expert_lora_matches_reference"],
+    "moe_lora_weight_of_next_expert": ["test_moe.py::test_expert_lora_matches_reference"],
+    "moe_lora_first_expert_only": ["test_moe.py::test_expert_lora_matches_reference"],
     "delta_twice": ["test_accuracy.py::test_single_adapter_matches_reference",
                     "test_mixed_batch.py::test_composition_matches_isolated_references"],
     "chunk_continuation_drops_adapter": ["test_chunked_prefill.py::test_long_prompts_match_reference",
@@ -72,8 +77,12 @@ UNCAUGHT: dict[tuple[str, str], str] = {}
 # Faults shown on cpu only (docs/faults.md's "shown on" says so until an accelerator run shows them),
 # and the dtypes the accelerator run showed the others in (an H200,
 # LORA_DETECTION_DTYPES=float32,bfloat16,float16 pytest tests/test_detection_power.py --device=cuda:
-# 89 passed, 2 skipped, lora_fp16 outside float32; reports/ keeps the run).
-NOT_YET_SHOWN_ON_GPU: set = set()
+# 89 passed, 2 skipped (lora_fp16 outside float32).
+# delta_x1_1: its catcher accuracy::prefill_logprobs_with_adapter (the paired prompt-logprob verdict) has
+# not run on an accelerator yet; the MoE expert-weighting faults were caught on the H200 by
+# bench/power.py (20/20 per dtype) but not yet through this test.
+NOT_YET_SHOWN_ON_GPU: set = {"delta_x1_1", "moe_lora_unweighted", "moe_lora_weight_of_next_expert",
+                             "moe_lora_first_expert_only"}
 SHOWN_ON_GPU_IN = ("float32", "bfloat16", "float16")
 # The dtypes docs/faults.md's table states for cpu: the default run's (float16 runs with LORA_DETECTION_DTYPES).
 SHOWN_ON_CPU_IN = ("float32", "bfloat16")

@@ -146,3 +146,60 @@ def test_context_scoring_matches_free_running_reference_and_hypotheses_apply(lla
     assert max(abs(dropped[0][k] - forced[0][k]) for k in forced[0]) > 1e-3
     again = runner.context_logprobs([row.sequence], [row.positions], adapter, ids=[ids])[0]
     assert max(abs(again[0][k] - forced[0][k]) for k in forced[0]) < 1e-5, "scaling restored after the hypothesis"
+
+
+def test_expert_routing_hypotheses_are_the_engine_faults(tmp_path):
+    """The reference's expert-level hypotheses (an expert's down_proj LoRA output weighted 1 or with
+    the next selected expert's weight, LoRA on the first selected expert only) reproduce the built-in
+    engine's faults of those names in float32, and are far from the correct hypothesis."""
+    from lora_conformance.adapters import AdapterSpec, synthesize_adapter
+    from lora_conformance.engines import create_engine
+    from lora_conformance.models import resolve_base_model
+    from lora_conformance.reference import ReferenceRunner
+    from lora_conformance.types import GenerationRequest
+
+    moe = resolve_base_model("synthetic:moe", tmp_path / "models")
+    adapter = synthesize_adapter(moe, AdapterSpec(seed=501, targets="moe_experts",
+                                                  b_std_pattern={"experts.lora_B": 0.06}), tmp_path / "m")
+    names = [h.name for h in hyps.standard(adapter)]
+    assert {hyps.expert_routing(m).name for m in hyps.EXPERT_ROUTING} <= set(names)
+    runner = ReferenceRunner(moe)
+    prompt = "the old man saw a big red dragon in the deep blue sea"
+    ids = list(runner.tokenizer(prompt).input_ids)
+    pos = list(range(len(ids) - 1))
+    for fault, mode in (("moe_lora_unweighted", "unweighted"), ("moe_lora_weight_of_next_expert", "next_expert"),
+                        ("moe_lora_first_expert_only", "first_only")):
+        with create_engine("builtin", moe, "cpu", "float32", {"fault": fault}) as engine:
+            engine.load_adapter("M", adapter)
+            got = engine.generate([GenerationRequest(prompt, "M", 1, 20, prompt_logprobs=True)])[0].prompt_logprobs
+        want = [sorted(x) for x in got]
+        hyp = runner.context_logprobs([ids], [pos], adapter, hyps.expert_routing(mode), ids=[want])[0]
+        right = runner.context_logprobs([ids], [pos], adapter, ids=[want])[0]
+        to_hyp = max(abs(got[j][t] - hyp[j][t]) for j in range(len(pos)) for t in want[j])
+        to_right = max(abs(got[j][t] - right[j][t]) for j in range(len(pos)) for t in want[j])
+        assert to_hyp < 1e-4 and to_right > 0.05, (fault, to_hyp, to_right)
+
+
+def test_prompt_logprobs_paired_verdict_passes_correct_and_names_a_misscale(llama, tmp_path):
+    """conformance.run_prompt_logprobs: every prompt position a context; the correct engine conforms,
+    an engine whose delta is 10% too large is judged nearest 'delta x1.1'."""
+    from lora_conformance import conformance
+    from lora_conformance.adapters import AdapterSpec, synthesize_adapter
+    from lora_conformance.compare import tolerance_for
+    from lora_conformance.engines import create_engine
+    from lora_conformance.models import default_prompts
+    from lora_conformance.reference import ReferenceRunner
+
+    adapter = synthesize_adapter(llama, AdapterSpec(seed=9), tmp_path / "a")
+    runner = ReferenceRunner(llama)
+    labels = ["A"] * 6 + [None, None]
+    alts = conformance.default_alternatives(labels, {"A": adapter})
+    plan = conformance.Plan(labels, default_prompts()[:8], {"A": adapter}, alts, conformance.required_hypotheses(alts))
+    for args, nearest in (({}, "correct"), ({"fault": "delta_x1_1"}, "delta x1.1")):
+        with create_engine("builtin", llama, "cpu", "float32", args) as engine:
+            engine.load_adapter("A", adapter)
+            analyses = conformance.run_prompt_logprobs(plan, engine, runner, tolerance_for("float32"))
+        a = next(x for x in analyses if x.label == "A")
+        assert a.contexts >= 40 and not a.defects, (a.contexts, a.defects)
+        assert a.nearest == nearest and bool(a.failures) == (nearest != "correct"), a.summary()
+        assert not next(x for x in analyses if x.label == conformance.BASE_LABEL).failures

@@ -8,6 +8,7 @@ from lora_conformance.compare.errors import ConformanceAssertionError
 from lora_conformance.compare.logprobs import (
     Agreement,
     assert_logprobs_close,
+    assert_prompt_logprobs_close,
     assert_same_output,
     assert_tokens_equal,
     margin,
@@ -23,7 +24,8 @@ from lora_conformance.compare.tolerances import TOLERANCES, Tolerance, tolerance
 
 __all__ = [
     "Agreement", "BASE", "ConformanceAssertionError", "IndistinctReferencesError", "TOLERANCES", "Tolerance",
-    "assert_embeddings_close", "assert_logprobs_close", "assert_nearest_reference_routing", "assert_rouge_l",
+    "assert_embeddings_close", "assert_logprobs_close", "assert_nearest_reference_routing",
+    "assert_prompt_logprobs_close", "assert_rouge_l",
     "assert_same_output", "assert_tokens_equal", "cosine", "margin", "output_distance", "rouge_l",
     "tolerance_for",
 ]

@@ -8,13 +8,20 @@ engine's token below the dtype's ``tie_margin``. Such a divergence is reported a
 and the comparison stops (after a tie the two continuations are conditioned on different
 text). A divergence at a decisive step is a failure.
 
-Prefill: position by position, the same top-k logprob tolerance (``prefill_atol``).
+Prefill (prompt logprobs): pooled, not position by position. At each position the logprobs of
+the ids both sides report are centred (minus their mean: a softmax normaliser cancels); the rms
+of the centred differences over every position of the prompt (of every prompt of a check, with
+``assert_prompt_logprobs_close``) must stay below the dtype's
+``prompt_rms_max`` and no single point may exceed the gross bound ``free_running_atol`` (that of
+the free-running decode). Both are calibrated on null runs of correct engines (``bench/power.py``);
+the precise verdict on prompt logprobs is the paired one (``conformance.run_prompt_logprobs``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from lora_conformance.compare.errors import ConformanceAssertionError
 from lora_conformance.compare.tables import token_table
@@ -31,7 +38,8 @@ class Agreement:
     steps_compared: int
     tie_at: Optional[int] = None  # step of a tolerated divergence
     max_decode_diff: float = 0.0
-    max_prefill_diff: float = 0.0
+    max_prefill_diff: float = 0.0  # worst centred prompt-logprob difference (a point)
+    prefill_rms: float = 0.0  # rms of the centred prompt-logprob differences (pooled)
     notes: list[str] = field(default_factory=list)
 
 
@@ -91,25 +99,9 @@ def assert_logprobs_close(
     if missing:
         raise _fail(f"{prefix}{missing}", {**base_ev, "summary": "no decode logprobs"}, actual, reference, decode, None)
 
-    if check_prompt and actual.prompt_logprobs is not None and reference.prompt_logprobs is not None:
-        if len(actual.prompt_logprobs) != len(reference.prompt_logprobs):
-            raise _fail(
-                f"{prefix}prompt logprobs cover {len(actual.prompt_logprobs)} positions, reference "
-                f"{len(reference.prompt_logprobs)} (prompt tokenised differently?)",
-                {**base_ev, "summary": "prompt length mismatch"}, actual, reference, decode, None)
-        for pos, (a, r) in enumerate(zip(actual.prompt_logprobs, reference.prompt_logprobs)):
-            d, tid = _max_common_diff(a, r)
-            agreement.max_prefill_diff = max(agreement.max_prefill_diff, d)
-            if d > tol.prefill_atol:
-                raise _fail(
-                    f"{prefix}prompt logprob at position {pos + 1} (token id {tid}) differs by {d:.4g} "
-                    f"> prefill_atol {tol.prefill_atol:g} ({tol.dtype})",
-                    {**base_ev, "summary": f"prefill diff {d:.4g} > {tol.prefill_atol:g} at position {pos + 1}",
-                     "position": pos + 1, "diff": d}, actual, reference, decode, None)
-            if not (a.keys() & r.keys()):
-                raise _fail(f"{prefix}prompt position {pos + 1}: top-k sets are disjoint",
-                            {**base_ev, "summary": f"disjoint prefill top-k at position {pos + 1}"},
-                            actual, reference, decode, None)
+    if check_prompt:
+        agreement.prefill_rms, agreement.max_prefill_diff = assert_prompt_logprobs_close(
+            [actual], [reference], tol, labels=[label], decode=decode)
 
     n = min(len(actual.token_ids), len(reference.token_ids))
     for step in range(n):
@@ -154,6 +146,63 @@ def assert_logprobs_close(
         raise _fail(f"{prefix}only {agreement.steps_compared} steps compared (< {min_steps})",
                     {**base_ev, "summary": "too few steps compared"}, actual, reference, decode, None)
     return agreement
+
+
+def assert_prompt_logprobs_close(actuals: Sequence[GenerationResult], references: Sequence[GenerationResult],
+                                 dtype: "str | Tolerance" = "float32", *, labels: Sequence[str] = (),
+                                 decode: Decoder = None) -> tuple[float, float]:
+    """Prompt logprobs of several requests against their references, pooled (see the module doc):
+    the rms of the centred differences over every position of every request below
+    ``prompt_rms_max``, each point below ``free_running_atol``. Pairs without prompt logprobs on
+    either side are left out. Returns (rms, worst point)."""
+    tol = dtype if isinstance(dtype, Tolerance) else tolerance_for(dtype)
+    labels = list(labels) + [""] * (len(actuals) - len(labels))
+    base_ev = {"check": "logprobs_close", "dtype": tol.dtype, "tolerance": tol.as_dict()}
+    sq, points, positions, worst, where = 0.0, 0, 0, 0.0, None
+    for k, (actual, reference) in enumerate(zip(actuals, references)):
+        if actual.prompt_logprobs is None or reference.prompt_logprobs is None:
+            continue
+        prefix = f"{labels[k]}: " if labels[k] else ""
+        if len(actual.prompt_logprobs) != len(reference.prompt_logprobs):
+            raise _fail(
+                f"{prefix}prompt logprobs cover {len(actual.prompt_logprobs)} positions, reference "
+                f"{len(reference.prompt_logprobs)} (prompt tokenised differently?)",
+                {**base_ev, "label": labels[k], "summary": "prompt length mismatch"},
+                actual, reference, decode, None)
+        for pos, (a, r) in enumerate(zip(actual.prompt_logprobs, reference.prompt_logprobs)):
+            common = sorted(a.keys() & r.keys())
+            if not common:
+                raise _fail(f"{prefix}prompt position {pos + 1}: top-k sets are disjoint",
+                            {**base_ev, "label": labels[k], "summary": f"disjoint prefill top-k at position {pos + 1}"},
+                            actual, reference, decode, None)
+            positions += 1
+            if len(common) < 2:
+                continue  # one id: its centred value is 0 on both sides
+            ma, mr = sum(a[t] for t in common) / len(common), sum(r[t] for t in common) / len(common)
+            for t in common:
+                d = (a[t] - ma) - (r[t] - mr)
+                sq, points = sq + d * d, points + 1
+                if abs(d) > worst:
+                    worst, where = abs(d), (k, pos)
+    rms = math.sqrt(sq / points) if points else 0.0
+    if where is None:
+        return rms, worst
+    k, pos = where
+    prefix = f"{labels[k]}: " if labels[k] else ""
+    if worst > tol.free_running_atol:
+        raise _fail(
+            f"{prefix}prompt logprobs at position {pos + 1} differ (centred) by {worst:.4g} > gross bound "
+            f"{tol.free_running_atol:g} ({tol.dtype})",
+            {**base_ev, "label": labels[k], "summary": f"prefill diff {worst:.4g} > {tol.free_running_atol:g} at "
+             f"position {pos + 1}", "position": pos + 1, "diff": worst}, actuals[k], references[k], decode, None)
+    if rms > tol.prompt_rms_max:
+        raise _fail(
+            f"{prefix}prompt logprobs differ (centred, pooled over {points} points of {positions} positions in "
+            f"{len(actuals)} request(s)) by rms {rms:.4g} > prompt_rms_max {tol.prompt_rms_max:g} ({tol.dtype}; "
+            f"worst point {worst:.3g} at position {pos + 1} of this request)",
+            {**base_ev, "label": labels[k], "summary": f"prefill rms {rms:.4g} > {tol.prompt_rms_max:g}",
+             "rms": rms, "diff": worst}, actuals[k], references[k], decode, None)
+    return rms, worst
 
 
 def assert_tokens_equal(actual: GenerationResult, expected: GenerationResult, *, label: str = "",

@@ -11,9 +11,12 @@ Measured worst cases (all suites, default prompts, 16 new tokens):
 - bfloat16: built-in engine on an H200 (graphs on and off): decode 0.53 (MoE, step 15),
   prefill 0.26; on cpu below 0.25. Drift grows with the step: bf16 rounding compounds.
 - float16: decode within 0.046 (built-in and PEFT on cpu; the H200 runs stayed inside 0.08);
-  prefill up to 0.116 (PEFT on cpu, 0.089 built-in), so prefill gets its own, wider bound.
+  prefill up to 0.116 (PEFT on cpu, 0.089 built-in).
 `python bench/calibrate_tolerances.py` on cpu, worst over base + 4 default adapters x
 16 prompts: float32 prefill 5.0e-5 / decode 1.1e-4; bfloat16 0.26 / 0.31; float16 0.116 / 0.046.
+Prompt logprobs have no per-position bound: a correct bfloat16 engine with refactored LoRA factors
+moved one position by 0.47. They are judged pooled (``prompt_rms_max``, single points only against
+the gross ``free_running_atol``), and precisely by the paired prompt-logprob verdict.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ from dataclasses import asdict, dataclass
 @dataclass(frozen=True)
 class Tolerance:
     dtype: str
-    # max |logprob(actual) - logprob(reference)| over the top-k ids both sides report
-    prefill_atol: float
+    # Prompt logprobs against the reference (compare/logprobs.py): bound on the rms, pooled over a
+    # prompt's positions, of the centred differences on the ids both sides report (a gross check
+    # beside the paired verdict of conformance.run_prompt_logprobs; single points: effect_gross_atol).
+    prompt_rms_max: float
+    # max |logprob(actual) - logprob(reference)| over the top-k ids both sides report, per decode step
     decode_atol: float
     # A divergence is a tie (not a failure) only where the reference's logprob gap between
     # its own token and the engine's token is below this: the dtype's noise floor.
@@ -70,15 +76,28 @@ EFFECTS: dict[str, dict[str, float]] = {
     "bfloat16": dict(effect_noise=0.02, effect_noise_max=0.15, effect_slope_margin=0.03, effect_gross_atol=2.0,
                      embedding_effect_rel_max=0.15, free_running_atol=2.5),
     "float16": dict(effect_noise=0.005, effect_noise_max=0.015, effect_slope_margin=0.01, effect_gross_atol=0.3,
-                    embedding_effect_rel_max=0.03, free_running_atol=0.45),
+                    embedding_effect_rel_max=0.03, free_running_atol=0.8),
 }
 
+# Prompt logprobs and the free-running gross bounds, from bench/power.py's null runs with the benign
+# rewritings (rescale, scaling folded into A or B, SVD re-factorisation, rank permuted or padded with
+# zeros, pre-rounding, LoRA merged into the base weights, reversed / one-at-a-time batches, PEFT),
+# 200 runs per dtype on the H200 host's cpu, families accuracy / semantics / all-linear / mixed / MoE
+# (reports/2026-12-02-null-runs-rewritings-moe-power.md). Worst seen:
+#   prompt rms of one request (centred, pooled over its positions): bfloat16 0.224 (an all-linear adapter
+#     on a prompt of 3 positions; 0.145 in every other request), float16 0.033, float32 3.2e-5. The check
+#     pools every request of a comparison (compare.assert_prompt_logprobs_close), which stays below its
+#     worst request: prompt_rms_max bfloat16 0.3, float16 0.05, float32 1e-3.
+#   free-running decode, float16: 0.538 at step 0 on the MoE family (the default engine; 0.28 elsewhere)
+#     and a single prompt point 0.42 -> free_running_atol 0.8 (it also bounds single prompt points).
+# The paired checks (teacher-forced contexts and prompt logprobs) had 0 false alarms in 200 runs per
+# dtype at the bounds above (EFFECTS), the prompt check's worst residual 0.43 of its bound (float16).
 TOLERANCES: dict[str, Tolerance] = {
-    "float32": Tolerance("float32", prefill_atol=2e-3, decode_atol=2e-3, tie_margin=2e-3,
+    "float32": Tolerance("float32", prompt_rms_max=1e-3, decode_atol=2e-3, tie_margin=2e-3,
                          rouge_l_min=1.0, embedding_cos_min=0.999, **EFFECTS["float32"]),
-    "bfloat16": Tolerance("bfloat16", prefill_atol=0.4, decode_atol=0.75, tie_margin=0.75,
+    "bfloat16": Tolerance("bfloat16", prompt_rms_max=0.3, decode_atol=0.75, tie_margin=0.75,
                           rouge_l_min=0.9, embedding_cos_min=0.99, **EFFECTS["bfloat16"]),
-    "float16": Tolerance("float16", prefill_atol=0.2, decode_atol=0.08, tie_margin=0.08,
+    "float16": Tolerance("float16", prompt_rms_max=0.05, decode_atol=0.08, tie_margin=0.08,
                          rouge_l_min=0.9, embedding_cos_min=0.995, **EFFECTS["float16"]),
 }
 

@@ -25,6 +25,12 @@ FAULTS: dict[str, str] = {
     "graph_stale_indices": "[graphs] graph replay uses the adapter slot indices captured at capture time",
     "overlap_no_wait": "[streams] the compute stream does not wait on the overlap-load event",
     "moe_expert_mismatch": "MoE expert LoRA of expert e is applied to expert e+1 (mod E)",
+    "moe_lora_unweighted": "an MoE expert's down_proj LoRA output is added unweighted, not multiplied by the "
+                           "token's routing weight like the expert's base output",
+    "moe_lora_weight_of_next_expert": "an MoE expert's down_proj LoRA output is multiplied by the routing weight "
+                                      "of the token's next selected expert, not its own",
+    "moe_lora_first_expert_only": "MoE expert LoRA is applied only to the first (highest-weight) of a token's "
+                                  "selected experts",
     "delta_twice": "the LoRA delta is added twice",
     "delta_x1_1": "the LoRA delta is scaled by 1.1 (a 10% mis-scale)",
     "moe_down_proj_dropped": "the MoE experts' down_proj LoRA is silently dropped (gate_up_proj kept)",

@@ -3,10 +3,16 @@
 Expert LoRA follows PEFT ``target_parameters``: per expert e, delta W_e = s * B_e @ A_e.
 The pool is laid out expert-major, ``A[e, slot, r, in]`` / ``Bt[e, slot, r, out]``, so the
 per-expert masked shrink/expand reads one contiguous block per expert.
+
+Each selected expert's output, its LoRA delta included, is multiplied by the token's routing
+weight for that expert. The expert-level faults (``faults.py``: ``moe_*``) are decided once, at
+construction, into ``ExpertLoraFaults``: which expert's LoRA is read, which of a token's selected
+experts get LoRA at all, and which weight the down_proj LoRA output is given.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -16,6 +22,26 @@ from torch import nn
 from lora_conformance.engines.builtin.layers.linear import LoraContext, LoraLinear
 from lora_conformance.engines.builtin.models.config import ModelSpec
 from lora_conformance.engines.builtin.models.llama import ACTIVATIONS, DenseMLP
+
+
+@dataclass(frozen=True)
+class ExpertLoraFaults:
+    """How a faulty engine's fused MoE LoRA path departs from the correct one (defaults: correct).
+
+    ``shift``: expert e reads expert (e + shift) mod E's LoRA. ``first_only``: only a token's
+    first (highest-weight) selected expert gets LoRA. ``weighting``: the weight of an expert's
+    down_proj LoRA output: ``routed`` (the expert's routing weight, as its base output: correct),
+    ``unweighted`` (1), ``next_expert`` (the weight of the token's next selected expert)."""
+
+    shift: int = 0
+    first_only: bool = False
+    weighting: str = "routed"
+
+    @classmethod
+    def of(cls, faults) -> "ExpertLoraFaults":
+        weighting = ("unweighted" if faults.on("moe_lora_unweighted") else
+                     "next_expert" if faults.on("moe_lora_weight_of_next_expert") else "routed")
+        return cls(1 if faults.on("moe_expert_mismatch") else 0, faults.on("moe_lora_first_expert_only"), weighting)
 
 
 class ExpertParam(nn.Module):
@@ -35,26 +61,33 @@ class ExpertParam(nn.Module):
         self.lora_Bt = torch.zeros(E, num_slots, rank, out_f, **kw)
         self.slot_rank = [0] * num_slots
 
-    def apply(self, x: torch.Tensor, e: int, rows: torch.Tensor, ctx: LoraContext, shift: int) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, e: int, rows: torch.Tensor, ctx: LoraContext, shift: int = 0,
+              keep: Optional[torch.Tensor] = None, split: bool = False):
+        """Expert ``e``'s output for rows ``x`` (token indices ``rows``), its LoRA delta added, or
+        ``(base, delta)`` with ``split`` (delta None without LoRA). ``shift`` / ``keep`` (a 0/1 per
+        row) are set only by the expert-level faults."""
         y = F.linear(x, self.weight[e])
         batch = ctx.batch
         if self.lora_A is None or batch is None or not any(self.slot_rank):
-            return y
-        le = (e + shift) % self.weight.shape[0]  # shift != 0 only under fault moe_expert_mismatch
+            return (y, None) if split else y
+        le = (e + shift) % self.weight.shape[0]
         _, S, R, n_in = self.lora_A.shape
         a, bt = self.lora_A[le].reshape(S * R, n_in), self.lora_Bt[le].reshape(S * R, -1)
         xs = x
         if batch.delta_dtype is not None:
             xs, a, bt = x.to(batch.delta_dtype), a.to(batch.delta_dtype), bt.to(batch.delta_dtype)
-        h = (xs @ a.t()) * batch.mask(R)[rows].to(xs.dtype)
-        return y + (h @ bt).to(y.dtype) * batch.times
+        mask = batch.mask(R)[rows].to(xs.dtype)
+        if keep is not None:
+            mask = mask * keep[:, None].to(xs.dtype)
+        delta = ((xs @ a.t()) * mask @ bt).to(y.dtype) * batch.times
+        return (y, delta) if split else y + delta
 
 
 class FusedExperts(nn.Module):
-    def __init__(self, spec: ModelSpec, ctx: LoraContext, shift: int):
+    def __init__(self, spec: ModelSpec, ctx: LoraContext, faults: ExpertLoraFaults = ExpertLoraFaults()):
         super().__init__()
         E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-        self.num_experts, self.ctx, self.shift = E, ctx, shift
+        self.num_experts, self.ctx, self.faults = E, ctx, faults
         self.gate_up_proj = ExpertParam(E, 2 * inter, H)
         self.down_proj = ExpertParam(E, H, inter)
         self.act = ACTIVATIONS[spec.hidden_act]
@@ -63,11 +96,21 @@ class FusedExperts(nn.Module):
         out = torch.zeros_like(x)
         # One host sync per MoE layer to find the experts hit; MoE decode therefore runs eagerly.
         hit = torch.bincount(top_idx.flatten(), minlength=self.num_experts).nonzero().flatten().tolist()
+        f = self.faults
         for e in hit:
             rows, which = torch.where(top_idx == e)
-            gate, up = self.gate_up_proj.apply(x[rows], e, rows, self.ctx, self.shift).chunk(2, dim=-1)
-            h = self.down_proj.apply(self.act(gate) * up, e, rows, self.ctx, self.shift)
-            h = h * top_w[rows, which, None]
+            keep = (which == 0) if f.first_only else None
+            gate, up = self.gate_up_proj.apply(x[rows], e, rows, self.ctx, f.shift, keep).chunk(2, dim=-1)
+            if f.weighting == "routed":
+                h = self.down_proj.apply(self.act(gate) * up, e, rows, self.ctx, f.shift, keep)
+                h = h * top_w[rows, which, None]
+            else:
+                y, delta = self.down_proj.apply(self.act(gate) * up, e, rows, self.ctx, f.shift, keep, split=True)
+                h = y * top_w[rows, which, None]
+                if delta is not None:
+                    w = (top_w[rows, (which + 1) % top_w.shape[1], None] if f.weighting == "next_expert"
+                         else torch.ones_like(top_w[rows, which, None]))
+                    h = h + delta * w
             out.index_add_(0, rows, h.to(out.dtype))
         return out
 
@@ -91,7 +134,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, spec: ModelSpec, ctx: LoraContext, faults):
         super().__init__()
         self.gate = Router(spec)
-        self.experts = FusedExperts(spec, ctx, 1 if faults.on("moe_expert_mismatch") else 0)
+        self.experts = FusedExperts(spec, ctx, ExpertLoraFaults.of(faults))
         self.shared_expert = None
         if spec.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(spec.hidden_size, spec.shared_expert_intermediate_size, spec.hidden_act, ctx)
