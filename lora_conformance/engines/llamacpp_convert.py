@@ -18,6 +18,11 @@ Conversion is where LoRA semantics are most easily lost, so what each step does 
   ``alpha_pattern`` — the ratio is folded into that module's ``lora_b`` (float32).
 * **What GGUF LoRA cannot hold** is refused with the reason: DoRA magnitudes, LoRA biases,
   ``modules_to_save`` copies and ``target_parameters`` (fused MoE experts).
+* **Malformed adapters** never reach a GGUF file: llama.cpp only ever sees what this converter
+  writes, so the converter checks the PEFT directory with the shared validator first (names,
+  shapes against the base model, ranks, values finite in the engine's dtype, PEFT's target rules)
+  and refuses with the file and field; writing NaN or a truncated tensor into GGUF would be a
+  conversion bug of ours, not llama.cpp's behaviour.
 
 Files are cached by the sha256 of their inputs, written to a temporary name and renamed.
 """
@@ -34,7 +39,9 @@ from typing import Iterable, Mapping
 from lora_conformance import checkpoints
 from lora_conformance.engines.base import AdapterFormatError, UnsupportedFeatureError
 
-CONVERTER_VERSION = "1"
+# Converted files are keyed by their inputs and by this converter's own source: a change to how
+# anything is converted never reuses a file converted the old way.
+CONVERTER_VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 ARCHES = {"llama": "llama", "qwen2": "qwen2"}  # HF model_type -> GGUF architecture
 # HF module path (below ``model.layers.N.``) -> GGUF tensor name (below ``blk.N.``).
 LAYER_TENSORS = {
@@ -226,13 +233,18 @@ def module_scaling(cfg: Mapping, module: str) -> tuple[int, float]:
     return r, alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
 
 
-def convert_adapter(adapter_dir: Path, model_dir: Path, cache_dir: Path) -> Path:
-    """A PEFT LoRA adapter directory as a GGUF LoRA file for the GGUF of ``model_dir``."""
+def convert_adapter(adapter_dir: Path, model_dir: Path, cache_dir: Path, max_rank: int | None = None,
+                    dtype: str = "float32") -> Path:
+    """A PEFT LoRA adapter directory as a GGUF LoRA file for the GGUF of ``model_dir``, after the
+    shared validator accepted it for an engine computing in ``dtype``."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
 
+    from lora_conformance.adapters.validate import validate_adapter
+
     adapter_dir = Path(adapter_dir)
+    validate_adapter(adapter_dir, Path(model_dir), max_rank, dtype)
     info = checkpoints.adapter_info(adapter_dir)
     cfg = dict(info.raw)
     refused = [why for cond, why in (

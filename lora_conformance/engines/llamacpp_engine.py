@@ -229,17 +229,22 @@ class LlamaCppEngine(Engine):
     # ---- adapters ----------------------------------------------------------------------
 
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
+        from lora_conformance.adapters.validate import validate_name
+
+        validate_name(name)  # llama.cpp has no adapter names: the plugin keeps them, so it checks them
         info = read_adapter_info(path)
         if info.max_rank > self.max_rank:
-            raise AdapterIncompatibleError(f"adapter {name!r}: rank {info.max_rank} > max_rank {self.max_rank}")
-        gguf_file = self._convert.convert_adapter(Path(path), self.model_dir, self.cache_dir / "adapters")
+            raise AdapterIncompatibleError(f"adapter {name!r} ({path}): rank {info.max_rank} > max_rank {self.max_rank}")
+        gguf_file = self._convert.convert_adapter(Path(path), self.model_dir, self.cache_dir / "adapters",
+                                                  self.max_rank, self.dtype)
         ll = self._ll
         with self._lock:
             mark = _log_mark()
             ptr = ll.llama_adapter_lora_init(self._model, str(gguf_file).encode())
             if not ptr:
                 raise AdapterIncompatibleError(
-                    f"engine 'llamacpp': llama.cpp refused adapter {name!r} ({gguf_file.name}): {_log_since(mark)}")
+                    f"engine 'llamacpp': llama.cpp refused adapter {name!r} ({path}, converted to {gguf_file.name}): "
+                    f"{_log_since(mark)}")
             old = self._adapters.pop(name, None)
             self._adapters[name] = (gguf_file, ptr)
             if old is not None:
