@@ -221,6 +221,13 @@ class Engine(ABC):
         raise UnsupportedFeatureError(f"engine {self.name!r} does not serve requests concurrently (submit)")
 
     @classmethod
+    def declared_capabilities(cls, device: str, args: Mapping[str, str]) -> Optional[frozenset[Capability]]:
+        """The capabilities an engine started on ``device`` with ``args`` would declare, known
+        without starting it; None when only a live engine knows. The suites skip a test whose
+        requirements are missing here before any engine starts."""
+        return None
+
+    @classmethod
     def backends(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
         """The compute backends this engine can run on ``device_type``: engine-arg key -> the values
         it accepts (e.g. ``{"lora_backend": ("triton", "csgmv")}``). The backend suite runs each."""
