@@ -69,6 +69,7 @@ from lora_conformance.engines.base import (
     EngineError,
     EngineFailure,
     Limits,
+    RequestHandle,
     UnsupportedFeatureError,
     only,
     translate_standard_args,
@@ -78,27 +79,47 @@ from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 FLAVORS = ("vllm", "sglang")
 _CAPS = {
+    # vllm serve: prefix caching is on by default; adapters load and unload at run time while
+    # requests stream (in-flight lifecycle).
     "vllm": {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.RANK_PATTERN,
-             Capability.EMBED_TOKENS, Capability.LM_HEAD, Capability.PROMPT_LOGPROBS},
+             Capability.EMBED_TOKENS, Capability.LM_HEAD, Capability.PROMPT_LOGPROBS, Capability.PREFIX_CACHE,
+             Capability.INFLIGHT_LIFECYCLE},
     "sglang": {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.PINNING,
                Capability.MAX_LOADED},
 }
+# With a server it starts itself, the plugin can give vLLM a prefill chunk (--max-num-batched-tokens).
+_STARTED_CAPS = {"vllm": {Capability.CHUNKED_PREFILL}, "sglang": set()}
 
 
 class OpenAIEngine(Engine):
     name = "openai"
     KNOWN_ARGS = ("url", "server_cmd", "port", "lora_modules", "api_flavor", "adapter_model_format",
                   "served_model_name", "request_timeout", "startup_timeout", "tokens_as_ids", "max_loras",
-                  "max_loaded_loras", "max_rank", "capabilities", "concurrency", "validate_adapters")
+                  "max_loaded_loras", "max_rank", "capabilities", "concurrency", "validate_adapters",
+                  "chunked_prefill_size")
+
+    @classmethod
+    def declared_capabilities(cls, device: str, args: Mapping[str, str]) -> frozenset:
+        """The ``capabilities`` arg when given, else what the ``api_flavor`` server does (see _CAPS)."""
+        if args.get("capabilities"):
+            return frozenset(Capability.parse(c) for c in args["capabilities"].replace(",", " ").split())
+        flavor = args.get("api_flavor", "vllm")
+        caps = set(_CAPS.get(flavor, ()))
+        if args.get("server_cmd"):
+            caps |= _STARTED_CAPS.get(flavor, set())
+        return frozenset(caps)
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
+        vllm_flavor = self.args.get("api_flavor", "vllm") == "vllm"
         self.args = translate_standard_args(self.name, self.args, {
             "max_loras_per_batch": lambda v: {"max_loras": v},
             "eviction": only(self.name, "eviction", "lru"),
             "overlap_loading": only(self.name, "overlap_loading", "0"),
-            "prefix_cache": only(self.name, "prefix_cache", "0"),
+            # vllm serve caches prefixes unless started with --no-enable-prefix-caching
+            "prefix_cache": only(self.name, "prefix_cache", "1" if vllm_flavor else "0"),
             "graphs": only(self.name, "graphs", "0"),
+            "chunked_prefill_size": lambda v: {"chunked_prefill_size": v},
         })
         check_known_args(self.name, self.args, self.KNOWN_ARGS)
         a, n = self.args, self.name
@@ -109,12 +130,17 @@ class OpenAIEngine(Engine):
         self.model_format = a.get("adapter_model_format") or ("{base}:{adapter}" if self.flavor == "sglang" else "{adapter}")
         self.tokens_as_ids = arg_bool(n, a, "tokens_as_ids", self.flavor == "vllm")
         self.concurrency = arg_int(n, a, "concurrency", 16)
-        self.validate_adapters = arg_bool(n, a, "validate_adapters", True)
+        # On only to make the plugin refuse bad adapters and names itself; the server's own behaviour is certified.
+        self.validate_adapters = arg_bool(n, a, "validate_adapters", False)
+        self.chunk = arg_int(n, a, "chunked_prefill_size", None)
+        if self.chunk is not None and not (a.get("server_cmd") and self.flavor == "vllm"):
+            raise UnsupportedFeatureError("engine 'openai': chunked_prefill_size needs a vLLM server the engine "
+                                          "starts itself (server_cmd, api_flavor=vllm)")
         max_loras = arg_int(n, a, "max_loras", 8)
         self.limits = Limits(max_loras, arg_int(n, a, "max_loaded_loras", max(max_loras, 16)), arg_int(n, a, "max_rank", 64))
-        self.capabilities = frozenset(
-            Capability.parse(c) for c in a["capabilities"].replace(",", " ").split()
-        ) if a.get("capabilities") else frozenset(_CAPS[self.flavor])
+        self.capabilities = self.declared_capabilities(device, a)
+        self._running: dict[str, int] = {}  # adapter name -> our running (submitted) requests using it
+        self._running_cond = threading.Condition()
         self._proc: Optional[subprocess.Popen] = None
         self._log_path: Optional[Path] = None
         self._adapters: dict[str, str] = dict(_parse_lora_modules(a.get("lora_modules", "")))
@@ -161,6 +187,9 @@ class OpenAIEngine(Engine):
                 raise EngineError(f"engine 'openai': server_cmd placeholder {exc} is unknown; "
                                   f"known: {', '.join('{' + k + '}' for k in values)}") from None
             argv.extend(w.split() if w == modules and modules else [w])
+        if self.chunk is not None:
+            # vLLM's prefill chunk is its token budget per step, which may not be below max_num_seqs.
+            argv += ["--max-num-batched-tokens", str(self.chunk), "--max-num-seqs", str(self.chunk)]
         _check_binds_loopback(argv)
         env = dict(os.environ)
         if self.flavor == "vllm":
@@ -310,8 +339,8 @@ class OpenAIEngine(Engine):
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
         from lora_conformance.adapters.validate import validate_adapter, validate_name
 
-        validate_name(name)
         if self.validate_adapters:
+            validate_name(name)
             validate_adapter(Path(path), self.model_dir, self.limits.max_rank)
         old = self._adapters.get(name)
         if old is not None:
@@ -339,6 +368,8 @@ class OpenAIEngine(Engine):
         # vLLM's server knows its adapters by name: it answers an unknown one itself (404).
         if name not in self._adapters and self.flavor != "vllm":
             raise AdapterNotLoadedError(name, self.list_adapters())
+        with self._running_cond:  # the server's unload does not wait for running requests: we do
+            self._running_cond.wait_for(lambda: not self._running.get(name), timeout=self.timeout)
         route = "/v1/unload_lora_adapter" if self.flavor == "vllm" else "/unload_lora_adapter"
         try:
             self._http("POST", self.base_url + route, {"lora_name": name})
@@ -368,6 +399,100 @@ class OpenAIEngine(Engine):
             return []
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(requests)))) as pool:
             return list(pool.map(self._one, requests))
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> "RequestHandle":
+        """Each request streams (``stream: true``) on a thread of its own, so the handle knows when
+        its first token arrived; adapters load and unload meanwhile through the server's routes."""
+        if Capability.INFLIGHT_LIFECYCLE not in self.capabilities:
+            return super().submit(requests)
+        if self.flavor != "vllm":
+            self.require_loaded(requests)
+        names = [r.adapter for r in requests if r.adapter is not None]
+        with self._running_cond:
+            for name in names:
+                self._running[name] = self._running.get(name, 0) + 1
+        started = [threading.Event() for _ in requests]
+        pool = ThreadPoolExecutor(max_workers=max(1, len(requests)))
+        futures = [pool.submit(self._one_streamed, r, ev) for r, ev in zip(requests, started)]
+        pool.shutdown(wait=False)
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_fut):
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                with self._running_cond:
+                    for name in names:
+                        self._running[name] -= 1
+                        if not self._running[name]:
+                            del self._running[name]
+                    self._running_cond.notify_all()
+
+        for f in futures:
+            f.add_done_callback(one_done)
+        return _StreamHandle(futures, started, self.timeout)
+
+    def _one_streamed(self, req: GenerationRequest, started: threading.Event) -> GenerationResult:
+        if req.prompt_logprobs:  # echo is not streamed: the whole answer at once
+            try:
+                return self._one(req)
+            finally:
+                started.set()
+        body: dict[str, Any] = {
+            "model": self._model_for(req.adapter), "prompt": req.prompt, "max_tokens": req.max_new_tokens,
+            "temperature": 0, "logprobs": req.top_k, "ignore_eos": req.ignore_eos, "stream": True,
+        }
+        if self.tokens_as_ids:
+            body["return_tokens_as_token_ids"] = True
+        parts = urllib.parse.urlsplit(self.base_url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
+        deadline = time.monotonic() + self.timeout
+        tokens: list[str] = []
+        tops: list = []
+        text = ""
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status >= 400:
+                err = self._http_error(resp.status, resp.read(), self.base_url + "/v1/completions")
+                if getattr(err, "not_found", False) and req.adapter is not None:
+                    raise AdapterNotLoadedError(req.adapter, self.list_adapters()) from err
+                raise err
+            while True:
+                if time.monotonic() > deadline:
+                    raise EngineFailure(f"streamed completion did not finish within {self.timeout:g} s")
+                line = resp.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise EngineFailure(f"streamed completion failed: {json.dumps(chunk)[:500]}")
+                for choice in chunk.get("choices") or []:
+                    text += choice.get("text") or ""
+                    lp = choice.get("logprobs") or {}
+                    tokens += lp.get("tokens") or []
+                    tops += lp.get("top_logprobs") or []
+                if tokens:
+                    started.set()
+        except EngineError:
+            raise
+        except (http.client.HTTPException, OSError, ValueError) as exc:
+            raise EngineFailure(f"streamed completion: {type(exc).__name__}: {exc}") from None
+        finally:
+            started.set()
+            conn.close()
+        return GenerationResult(token_ids=[self._token_id(t) for t in tokens], text=text,
+                                logprobs=[{} if t is None else self._top(t, req.top_k) for t in tops],
+                                prompt_token_ids=self._prompt_ids(req.prompt))
 
     def _model_for(self, adapter: Optional[str]) -> str:
         if adapter is None:
@@ -456,6 +581,28 @@ class OpenAIEngine(Engine):
             return f"{self.flavor} server {v.get('version', v) if isinstance(v, dict) else v} at {self.base_url}"
         except EngineError:
             return f"{self.flavor} server at {self.base_url}"
+
+
+class _StreamHandle(RequestHandle):
+    def __init__(self, futures, started, timeout: float):
+        self._futures, self._started, self._timeout = futures, started, timeout
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait_started(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(ev.wait(max(0.0, deadline - time.monotonic())) for ev in self._started)
+
+    def result(self, timeout: float) -> list[GenerationResult]:
+        deadline = time.monotonic() + timeout
+        out = []
+        for f in self._futures:
+            try:
+                out.append(f.result(max(0.0, deadline - time.monotonic())))
+            except TimeoutError as exc:
+                raise EngineFailure(f"streamed requests did not finish within {timeout:g} s") from exc
+        return out
 
 
 def _parse_lora_modules(raw: str) -> list[tuple[str, str]]:

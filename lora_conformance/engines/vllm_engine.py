@@ -572,7 +572,9 @@ class VllmEngine(Engine):
             self._dead = msg
             return EngineFailure(msg + " (the engine core died; see its log above for the worker traceback)")
         text = str(exc).lower()
-        if "does not yet support dora" in text or "not support" in text and "modules_to_save" in text:
+        # vLLM's own refusals (vllm/lora/peft_helper.py: DoRA, lora_bias, bias, modules_to_save), typed.
+        if any(p in text for p in ("does not yet support", "does not support", "only supports",
+                                   "is not supported")):
             return UnsupportedFeatureError(msg)
         if "greater than max_lora_rank" in text or "lora" in text and ("rank" in text or "shape" in text):
             return AdapterIncompatibleError(msg)
