@@ -34,7 +34,7 @@ def _devices_or_not_certified(device: str) -> None:
 def _serve(lora, tp: int, reqs):
     """A fresh engine at this tensor-parallel size, closed before the next one starts (tp=1 and
     tp=2 would otherwise compete for the first device's memory)."""
-    engine = lora.engine_with(tensor_parallel=tp)
+    engine = lora.fresh_engine(tensor_parallel=tp)
     try:
         for name, spec in SPECS.items():
             lora.load(engine, name, spec)

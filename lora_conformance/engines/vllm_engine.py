@@ -94,14 +94,18 @@ _ALWAYS = frozenset({
     Capability.LM_HEAD, Capability.PROMPT_LOGPROBS, Capability.TENSOR_PARALLEL, Capability.CHUNKED_PREFILL,
     Capability.INFLIGHT_LIFECYCLE,
 })
+# Encoders (BERT family) run as vLLM pooling models: BertEmbeddingModel implements SupportsLoRA.
+_ENCODER = frozenset({Capability.EMBEDDINGS, Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING,
+                      Capability.MAX_LOADED, Capability.EVICTION_LRU, Capability.RSLORA, Capability.RANK_PATTERN})
+# Attention backends vLLM selects from on each device (AttentionConfig.backend); CPU has one
+# for non-MLA models (vllm/platforms/cpu.py get_attn_backend_cls).
+_BACKENDS = {"cpu": ("CPU_ATTN",), "cuda": ("FLASH_ATTN", "TRITON_ATTN"), "xpu": ("FLASH_ATTN",)}
 
 # Capabilities that stay undeclared, with the evidence (vLLM 0.32 source paths, or our own runs).
 NOT_DECLARED = {
-    Capability.EMBEDDINGS: "vLLM's BERT-family embedding models take no LoRA: vllm/model_executor/models/bert.py's "
-                           "BertEmbeddingModel does not implement SupportsLoRA, and create_engine refuses "
-                           "enable_lora for a model without it (vllm/lora/model_manager.py: supports_lora check)",
-    Capability.MOE: "vLLM's CPU build has no fused-MoE LoRA: vllm/lora/layers/fused_moe.py calls the Triton "
-                    "fused_moe_lora kernels (vllm/lora/ops/triton_ops), and punica_cpu.py has no MoE method",
+    Capability.MOE: "vLLM's CPU build has no fused-MoE LoRA: vllm/lora/punica_wrapper/punica_base.py's "
+                    "moe_lora_align_block_size and add_lora_fused_moe raise NotImplementedError ('TODO: implement "
+                    "it based on torch ops') and PunicaWrapperCPU (punica_cpu.py) does not override them",
     Capability.GRAPHS: "on CPU vLLM turns compilation off whenever LoRA is enabled (vllm/platforms/cpu.py: "
                        "'if vllm_config.lora_config is not None: compilation_config.mode = CompilationMode.NONE') "
                        "and has no CUDA graphs: there is no second runtime mode to compare",
@@ -181,13 +185,14 @@ class VllmEngine(Engine):
         "max_loras", "max_cpu_loras", "max_lora_rank", "prefix_cache", "enforce_eager",
         "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
         "kv_cache_space_gb", "seed", "tensor_parallel_size", "validate_adapters", "chunked_prefill_size",
+        "attention_backend", "pooling",
     )
 
     @classmethod
     def declared_capabilities(cls, device: str, args: Mapping[str, str]) -> frozenset:
         """What an engine started with ``args`` on ``device`` declares, known without starting it
         (prefix caching: vLLM's default is on unless prefix_cache=0)."""
-        caps = set(_ALWAYS)
+        caps = set(_ALWAYS) | {Capability.EMBEDDINGS}
         if str(args.get("prefix_cache", "1")).lower() not in ("0", "false", "no", "off"):
             caps.add(Capability.PREFIX_CACHE)
         if devices.device_type(device) != "cpu":
@@ -195,6 +200,10 @@ class VllmEngine(Engine):
             if str(args.get("graphs", "0")) == "1" or str(args.get("enforce_eager", "1")).lower() in ("0", "false"):
                 caps.add(Capability.GRAPHS)
         return frozenset(caps)
+
+    @classmethod
+    def backends(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
+        return {"attention_backend": _BACKENDS[device_type]} if device_type in _BACKENDS else {}
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
@@ -250,6 +259,18 @@ class VllmEngine(Engine):
             value = arg_int(n, a, key, None)
             if value is not None:
                 kwargs[key] = value
+        if a.get("attention_backend"):
+            kwargs["attention_backend"] = a["attention_backend"]
+        from lora_conformance.engines._hf_common import is_encoder_only
+
+        self.is_encoder = is_encoder_only(self.model_dir)
+        if self.is_encoder:
+            from vllm.config import PoolerConfig
+
+            # vLLM's BERT default is CLS pooling; the checkpoint's pooling (the suites' synthetic
+            # encoder and the reference: mean) is a setting of the model, given here.
+            kwargs["runner"] = "pooling"
+            kwargs["pooler_config"] = PoolerConfig(seq_pooling_type=a.get("pooling", "MEAN").upper())
         if kwargs.get("tensor_parallel_size", 1) < 1:
             raise EngineError(f"engine 'vllm': tensor_parallel_size={kwargs['tensor_parallel_size']}; expected >= 1")
         if "max_model_len" not in kwargs:
@@ -283,14 +304,14 @@ class VllmEngine(Engine):
         self._running_cond = threading.Condition()
 
         cfg = self.llm.vllm_config
-        caps = set(_ALWAYS)
+        caps = set(_ENCODER if self.is_encoder else _ALWAYS)
         if cfg.cache_config.enable_prefix_caching:
             caps.add(Capability.PREFIX_CACHE)
         if not cfg.scheduler_config.enable_chunked_prefill:
             caps.discard(Capability.CHUNKED_PREFILL)
         if not cfg.model_config.enforce_eager and self.dev_type != "cpu":
             caps.add(Capability.GRAPHS)
-        if self.dev_type != "cpu":
+        if self.dev_type != "cpu" and not self.is_encoder:
             caps.add(Capability.MOE)
         self.capabilities = frozenset(caps)
         self.limits = Limits(self.max_loras, self.max_cpu_loras, self.max_lora_rank)
@@ -311,6 +332,9 @@ class VllmEngine(Engine):
         "enable_prefix_caching": "asked by the engine args",
         "enforce_eager": "asked by the engine args (standard arg graphs)",
         "tensor_parallel_size": "asked by the engine args (standard arg tensor_parallel)",
+        "attention_backend": "asked by the engine args (the backend suite runs each declared backend)",
+        "runner": "an encoder checkpoint runs as a pooling model",
+        "pooler_config": "the checkpoint's pooling (mean, L2-normalised) instead of vLLM's BERT default (CLS)",
     }
 
     def settings(self) -> dict:
@@ -343,7 +367,8 @@ class VllmEngine(Engine):
         }
         defaults = {f.name: f.default for f in dataclasses.fields(AsyncEngineArgs)
                     if f.default is not dataclasses.MISSING}
-        differs = {k: {"ours": v, "vllm_default": defaults.get(k), "why": self.WHY.get(k, "")}
+        differs = {k: {"ours": str(v) if k == "pooler_config" else v, "vllm_default": defaults.get(k),
+                       "why": self.WHY.get(k, "")}
                    for k, v in self._kwargs.items() if k != "model" and defaults.get(k) != v}
         if self.dev_type == "cpu":
             differs["VLLM_CPU_KVCACHE_SPACE"] = {"ours": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
@@ -465,7 +490,7 @@ class VllmEngine(Engine):
                 self._running[name] = self._running.get(name, 0) + 1
         started = [threading.Event() for _ in requests]
         try:
-            queues = self._call(self._add_batch(requests, params, loras), "adding requests")
+            queues = self._call(self._add_batch([r.prompt for r in requests], params, loras), "adding requests")
         except BaseException:
             self._finished(names)
             raise
@@ -492,17 +517,52 @@ class VllmEngine(Engine):
                     del self._running[name]
             self._running_cond.notify_all()
 
-    async def _add_batch(self, requests, params, loras):
+    async def _add_batch(self, prompts, params, loras):
         """Add a batch while the scheduler is paused, then resume: one scheduling batch."""
         if self._batch_lock is None:
             self._batch_lock = asyncio.Lock()
         async with self._batch_lock:
             await self.llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                return [await self.llm.add_request(f"lc-{next(self._request_ids)}", r.prompt, p, lora_request=lr)
-                        for r, p, lr in zip(requests, params, loras)]
+                return [await self.llm.add_request(f"lc-{next(self._request_ids)}", prompt, p, lora_request=lr)
+                        for prompt, p, lr in zip(prompts, params, loras)]
             finally:
                 await self.llm.resume_generation()
+
+    # ---- embeddings (encoder checkpoints: vLLM's pooling runner) ------------------------
+
+    def embed(self, texts: Sequence[str], adapter=None) -> list[list[float]]:
+        """vLLM's ``embed`` pooling task (normalised by vLLM), one LoRA request per text; a list
+        of adapters (None: the base) is served as one batch."""
+        if not self.is_encoder:
+            raise UnsupportedFeatureError(f"engine 'vllm': {self.model_dir} is not an encoder; no embeddings")
+        self._alive()
+        from vllm import PoolingParams
+
+        adapters = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(texts)
+        if len(adapters) != len(texts):
+            raise EngineError(f"engine 'vllm': {len(adapters)} adapters for {len(texts)} texts")
+        for a in adapters:
+            if a is not None and a not in self._ids:
+                raise AdapterNotLoadedError(a, self.list_adapters())
+        loras = [None if a is None else self._request(a) for a in adapters]
+        params = [PoolingParams(task="embed") for _ in texts]
+        queues = self._call(self._add_batch(list(texts), params, loras), "adding embedding requests")
+
+        async def collect_all():
+            outs = []
+            for q in queues:
+                try:
+                    out = None
+                    while out is None or not out.finished:
+                        out = q.get_nowait() or await q.get()
+                    outs.append(out)
+                finally:
+                    q.close()
+            return outs
+
+        outs = self._call(collect_all(), "embed")
+        return [[float(x) for x in o.outputs.data.tolist()] for o in outs]
 
     @staticmethod
     async def _collect(queue, started: threading.Event):
