@@ -367,12 +367,12 @@ class VllmEngine(Engine):
         }
         defaults = {f.name: f.default for f in dataclasses.fields(AsyncEngineArgs)
                     if f.default is not dataclasses.MISSING}
-        differs = {k: {"ours": str(v) if k == "pooler_config" else v, "vllm_default": defaults.get(k),
+        differs = {k: {"ours": str(v) if k == "pooler_config" else v, "engine_default": defaults.get(k),
                        "why": self.WHY.get(k, "")}
                    for k, v in self._kwargs.items() if k != "model" and defaults.get(k) != v}
         if self.dev_type == "cpu":
             differs["VLLM_CPU_KVCACHE_SPACE"] = {"ours": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-                                                 "vllm_default": "0 (auto)",
+                                                 "engine_default": "0 (auto)",
                                                  "why": "a small KV cache: several engines share this machine"}
         return {"effective": effective, "differs_from_engine_default": differs,
                 "not_declared": {c.value: why for c, why in NOT_DECLARED.items() if c not in self.capabilities}}
