@@ -22,7 +22,7 @@ from lora_conformance.types import GenerationRequest, GenerationResult
 PROMPT_LOGPROBS_FEATURE = "accuracy/prefill_logprobs_with_adapter"
 # Engines kept alive at once (least recently used closed first): each settings combination a
 # suite asks for keeps its engine, so the next test with those settings starts none.
-MAX_LIVE_ENGINES = 4
+MAX_LIVE_ENGINES = 3
 MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder": "synthetic:encoder",
                # base-model variants (suites/test_base_models.py): always these synthetic models
                "llama-hd128": "synthetic:llama-hd128", "llama-hd256": "synthetic:llama-hd256",
