@@ -636,6 +636,10 @@ class VllmEngine(Engine):
         if any(p in text for p in ("does not yet support", "does not support", "only supports",
                                    "is not supported")):
             return UnsupportedFeatureError(msg)
+        if "call to add_lora method failed" in text:
+            # The worker refused the adapter (unreadable file, shapes, unknown module) and the engine
+            # is still up: vLLM's refusal, raised as a bare Exception by its utility-call path.
+            return AdapterIncompatibleError(msg)
         if "greater than max_lora_rank" in text or "lora" in text and ("rank" in text or "shape" in text):
             return AdapterIncompatibleError(msg)
         if isinstance(exc, (ValueError, TypeError)):
