@@ -112,7 +112,8 @@ def test_the_plugin_refuses_no_adapter_itself():
 def test_capabilities_are_known_before_start():
     caps = VllmEngine.declared_capabilities("cpu", {})
     assert {Capability.PREFIX_CACHE, Capability.CHUNKED_PREFILL, Capability.INFLIGHT_LIFECYCLE} <= caps
-    assert Capability.MOE not in caps and Capability.EMBEDDINGS not in caps and Capability.GRAPHS not in caps
+    assert Capability.MOE not in caps and Capability.GRAPHS not in caps and Capability.OVERLAP_LOADING not in caps
+    assert Capability.EMBEDDINGS in caps  # for encoder checkpoints (vLLM's pooling runner)
     assert Capability.PREFIX_CACHE not in VllmEngine.declared_capabilities("cpu", {"prefix_cache": "0"})
     assert Capability.MOE in VllmEngine.declared_capabilities("cuda", {})
 
