@@ -109,17 +109,23 @@ def test_the_plugin_refuses_no_adapter_itself():
     assert not hasattr(VllmEngine, "_check_adapter")
 
 
-def test_capabilities_are_known_before_start():
+def test_capabilities_are_known_before_start(tmp_path):
     def declared(device, args, model_dir=None):
         return VllmEngine.declared_capabilities(VllmEngine.parse_args(args), model_dir, device)
 
     caps = declared("cpu", {})
     assert {Capability.PREFIX_CACHE, Capability.CHUNKED_PREFILL, Capability.INFLIGHT_LIFECYCLE} <= caps
     assert Capability.MOE not in caps and Capability.GRAPHS not in caps and Capability.OVERLAP_LOADING not in caps
-    assert Capability.EMBEDDINGS in caps  # with no model named: for encoder checkpoints (vLLM's pooling runner)
+    assert Capability.EMBEDDINGS not in caps
     assert Capability.PREFIX_CACHE not in declared("cpu", {"prefix_cache": "0"})
     assert Capability.MOE in declared("cuda", {})
     assert Capability.GRAPHS not in declared("cuda", {"graphs": "0"})
+    # an encoder checkpoint runs as a vLLM pooling model: embeddings, no generation features
+    encoder = tmp_path / "encoder"
+    encoder.mkdir()
+    (encoder / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
+    enc = declared("cpu", {}, encoder)
+    assert Capability.EMBEDDINGS in enc and Capability.PROMPT_LOGPROBS not in enc
 
 
 def test_error_mapping():

@@ -235,16 +235,13 @@ class VllmEngine(Engine):
     def declared_capabilities(cls, cfg: VllmArgs, model_dir: Optional[Path], device: str) -> frozenset:
         """What an engine started with ``cfg`` on ``device`` declares, known without starting it
         (prefix caching: vLLM's default is on unless prefix_cache=0). An encoder checkpoint runs
-        as a pooling model (embeddings); without a model (``engines describe``) the decoder
-        capabilities and embeddings are both listed."""
+        as a pooling model (embeddings); ``model_dir`` None stands for a decoder."""
         from lora_conformance.engines._hf_common import is_encoder_only
 
         dev_type = devices.device_type(device)
         if model_dir is not None and is_encoder_only(Path(model_dir)):
             return _ENCODER
         caps = set(_ALWAYS)
-        if model_dir is None:
-            caps.add(Capability.EMBEDDINGS)
         if cfg.prefix_cache is not False:
             caps.add(Capability.PREFIX_CACHE)
         if dev_type != "cpu":
