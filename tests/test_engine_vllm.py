@@ -184,7 +184,10 @@ def test_real_vllm_matches_peft(ckpt, engines):
         reqs = [GenerationRequest(p, a, 6, 4) for p, a in zip(PROMPTS, adapters)]
         for v, p, r in zip(ve.generate(reqs), pe.generate(reqs), reqs):
             _assert_same(v, p, f"adapter {r.adapter}")
-            assert v.text == p.text
+            # The text is vLLM's own detokenization, passed on unchanged: its incremental
+            # detokenizer renders the continuation relative to the prompt, so with the synthetic
+            # word-level vocab it starts with the space that separates it from the prompt.
+            assert v.text == " " + p.text if p.text else v.text == p.text, (v.text, p.text)
     # prompt logprobs, one request per batch (see the observations in the final report)
     for a in ("a1", "emb"):
         req = [GenerationRequest(PROMPTS[0], a, 2, 3, prompt_logprobs=True)]
