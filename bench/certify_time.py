@@ -5,6 +5,11 @@
     python bench/certify_time.py --device cuda --workers 1,8,16 --warm-cache /tmp/lora-cache
     python bench/certify_time.py --unshared              # also each N > 1 with every worker at all cores' threads
     python bench/certify_time.py --workers 1,2 --skip-cold --repeat 5   # noisy (shared, virtual) machines
+    python bench/certify_time.py --engine builtin,vllm --python vllm=.venv-vllm/bin/python --workers 1 --skip-cold
+
+``--engine`` takes several engines (comma-separated): each worker count is timed for each engine in
+turn, side by side, so a slow spell of a shared machine hits them alike; ``--python ENGINE=PATH``
+runs that engine's certification with another interpreter (vLLM lives in its own virtual env).
 
 Warm: one untimed run fills a cache (or ``--warm-cache DIR`` names a filled one), then every worker
 count is timed against it. Cold: every worker count starts from an empty cache of its own (models,
@@ -65,8 +70,10 @@ def steal_seconds() -> float:
         return 0.0
 
 
-def certify(a, workers: int, cache: Path, report: Path, threads: str | None) -> dict:
-    cmd = [sys.executable, "-m", "lora_conformance.cli", "certify", "--device", a.device, "--engine", a.engine,
+def certify(a, workers: int, cache: Path, report: Path, threads: str | None, engine: str | None = None) -> dict:
+    engine = engine or a.engines[0]
+    python = a.pythons.get(engine, sys.executable)
+    cmd = [python, "-m", "lora_conformance.cli", "certify", "--device", a.device, "--engine", engine,
            "-n", str(workers), "--report", str(report)]
     cmd += [f"--engine-arg={e}" for e in a.engine_arg]
     if a.dtype:
@@ -77,11 +84,12 @@ def certify(a, workers: int, cache: Path, report: Path, threads: str | None) -> 
     cmd += a.pytest_args
     before_load, before_cpu, before_steal = load1(), children_cpu(), steal_seconds()
     start = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     wall = time.perf_counter() - start
     steal = steal_seconds() - before_steal
     tail = [ln for ln in out.stdout.splitlines() if " passed" in ln or " failed" in ln or "badge:" in ln]
-    return {"workers": workers, "threads": threads or "share", "wall_s": round(wall, 2),
+    return {"engine": engine, "workers": workers, "threads": threads or "share", "wall_s": round(wall, 2),
             "cpu_s": round(children_cpu() - before_cpu, 2), "load_before": round(before_load, 2),
             "load_after": round(load1(), 2), "steal_s": round(steal, 2), "exit": out.returncode, "summary": tail[-2:] if tail else
             [(out.stdout + out.stderr).strip().splitlines()[-1:] or ["(no output)"]][0]}
@@ -90,7 +98,9 @@ def certify(a, workers: int, cache: Path, report: Path, threads: str | None) -> 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--engine", default="builtin")
+    p.add_argument("--engine", default="builtin", help="engine(s) to time, comma-separated (side by side)")
+    p.add_argument("--python", action="append", default=[], metavar="ENGINE=PATH",
+                   help="the interpreter for an engine's certification (default: this one)")
     p.add_argument("--engine-arg", action="append", default=[])
     p.add_argument("--dtype", default=None)
     p.add_argument("--workers", default=None, help="comma-separated counts (default: 1, 2, 4, ... up to the cores)")
@@ -106,35 +116,41 @@ def main() -> int:
     p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: extra pytest arguments")
     a = p.parse_args()
     a.pytest_args = a.pytest_args[1:] if a.pytest_args[:1] == ["--"] else a.pytest_args
+    a.engines = [e for e in a.engine.split(",") if e]
+    a.pythons = dict(item.split("=", 1) for item in a.python)
     cores = parallel.cpu_cores()
     counts = [int(x) for x in a.workers.split(",")] if a.workers else default_worker_counts(cores)
     work = Path(tempfile.mkdtemp(prefix="certify-time-"))
-    print(f"certify_time: device={a.device} engine={a.engine} cores={cores} workers={counts} "
+    print(f"certify_time: device={a.device} engines={','.join(a.engines)} cores={cores} workers={counts} "
           f"load(1m)={load1():.2f} work={work}", flush=True)
     rows: list[dict] = []
 
     cold_counts = [int(x) for x in a.cold_workers.split(",")] if a.cold_workers else counts
 
     def timed(state: str, cache_for, counts: list[int], round_: int = 0) -> None:
-        serial = None
+        serial: dict[str, float] = {}
         for n in counts:
             variants = [None] + ([str(cores)] if a.unshared and n > 1 else [])
             for threads in variants:
-                row = certify(a, n, cache_for(n, threads), work / f"report-{state}-{n}-{threads}", threads)
-                row["cache"], row["round"] = state, round_
-                if n == 1 and threads is None:
-                    serial = row["wall_s"]
-                row["speedup"] = round(serial / row["wall_s"], 2) if serial else None  # None: no serial row
-                rows.append(row)
-                print(fmt(row), flush=True)
+                for engine in a.engines:
+                    row = certify(a, n, cache_for(n, threads), work / f"report-{engine}-{state}-{n}-{threads}",
+                                  threads, engine)
+                    row["cache"], row["round"] = state, round_
+                    if n == 1 and threads is None:
+                        serial[engine] = row["wall_s"]
+                    s = serial.get(engine)
+                    row["speedup"] = round(s / row["wall_s"], 2) if s else None  # None: no serial row
+                    rows.append(row)
+                    print(fmt(row), flush=True)
 
     print(header(), flush=True)
     if not a.skip_warm:
         warm = a.warm_cache
         if warm is None:
             warm = work / "warm-cache"
-            prime = certify(a, max(counts), warm, work / "report-prime", None)
-            print(f"(priming run: {prime['wall_s']} s, exit {prime['exit']})", flush=True)
+            for engine in a.engines:
+                prime = certify(a, max(counts), warm, work / f"report-prime-{engine}", None, engine)
+                print(f"(priming run, {engine}: {prime['wall_s']} s, exit {prime['exit']})", flush=True)
         for round_ in range(max(1, a.repeat)):
             timed("warm", lambda n, t: warm, counts, round_)
         if a.repeat > 1:
@@ -142,7 +158,8 @@ def main() -> int:
     if not a.skip_cold:
         timed("cold", lambda n, t: work / f"cold-cache-{n}-{t}", cold_counts)
     if a.json:
-        a.json.write_text(json.dumps({"cores": cores, "device": a.device, "rows": rows}, indent=2))
+        a.json.write_text(json.dumps({"cores": cores, "device": a.device, "engines": a.engines, "rows": rows},
+                                     indent=2))
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 
 
@@ -152,29 +169,30 @@ def summary(rows: list[dict]) -> str:
     from statistics import median
 
     lines = [f"warm, {len({r['round'] for r in rows})} rounds interleaved:",
-             f"{'workers':>7} {'threads':>8} {'median s':>9} {'min-max s':>13} {'median speed-up':>16} "
+             f"{'engine':>8} {'workers':>7} {'threads':>8} {'median s':>9} {'min-max s':>13} {'median speed-up':>16} "
              f"{'per-round speed-ups':>20}"]
-    keys = sorted({(r["workers"], r["threads"]) for r in rows}, key=lambda k: (k[0], str(k[1])))
-    for workers, threads in keys:
-        mine = [r for r in rows if (r["workers"], r["threads"]) == (workers, threads)]
+    keys = sorted({(r.get("engine", ""), r["workers"], r["threads"]) for r in rows},
+                  key=lambda k: (k[0], k[1], str(k[2])))
+    for engine, workers, threads in keys:
+        mine = [r for r in rows if (r.get("engine", ""), r["workers"], r["threads"]) == (engine, workers, threads)]
         walls = [r["wall_s"] for r in mine]
         ups = [r["speedup"] for r in mine if r["speedup"]]
         up = f"{median(ups):.2f}x" if ups and workers > 1 else "-"
         each = " ".join(f"{u:.2f}" for u in ups) if workers > 1 else ""
-        lines.append(f"{workers:>7} {threads:>8} {median(walls):>9.1f} {min(walls):>6.1f}-{max(walls):<6.1f} "
+        lines.append(f"{engine:>8} {workers:>7} {threads:>8} {median(walls):>9.1f} {min(walls):>6.1f}-{max(walls):<6.1f} "
                      f"{up:>16} {each:>20}")
     return "\n".join(lines)
 
 
 def header() -> str:
-    return (f"{'cache':6} {'workers':>7} {'threads':>8} {'wall s':>8} {'speed-up':>8} {'cpu s':>8} "
+    return (f"{'engine':8} {'cache':6} {'workers':>7} {'threads':>8} {'wall s':>8} {'speed-up':>8} {'cpu s':>8} "
             f"{'load 1m before/after':>21} {'steal s':>7}  exit  summary")
 
 
 def fmt(r: dict) -> str:
     speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
     load = f"{r['load_before']:.1f} / {r['load_after']:.1f}"
-    return (f"{r['cache']:6} {r['workers']:>7} {r['threads']:>8} {r['wall_s']:>8.1f} {speed:>8} {r['cpu_s']:>8.1f} "
+    return (f"{r.get('engine', ''):8} {r['cache']:6} {r['workers']:>7} {r['threads']:>8} {r['wall_s']:>8.1f} {speed:>8} {r['cpu_s']:>8.1f} "
             f"{load:>21} {r.get('steal_s', 0):>7.1f}  {r['exit']:>4}  {' | '.join(r['summary'])}")
 
 

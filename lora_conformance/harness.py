@@ -20,7 +20,8 @@ from lora_conformance.types import GenerationRequest, GenerationResult
 
 # The feature that certifies prompt logprobs; other tests use them only as an auxiliary feature.
 PROMPT_LOGPROBS_FEATURE = "accuracy/prefill_logprobs_with_adapter"
-# Engines kept alive at once; heavier engines (vLLM, servers) should use few.
+# Engines kept alive at once (least recently used closed first): each settings combination a
+# suite asks for keeps its engine, so the next test with those settings starts none.
 MAX_LIVE_ENGINES = 3
 MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder": "synthetic:encoder",
                # base-model variants (suites/test_base_models.py): always these synthetic models
@@ -134,6 +135,42 @@ class Harness:
                 "capabilities": sorted(c.value for c in engine.capabilities),
                 "limits": dataclasses.asdict(engine.limits),
             }
+            settings = getattr(engine, "settings", None)
+            if callable(settings):
+                # Every effective engine setting, and where ours differ from the engine's defaults.
+                self.environment["engine"]["settings"] = settings()
+
+    def reset_adapters(self, engine, note=None):
+        """Before a test uses a shared engine: unload every adapter, then ask the engine itself
+        (``engine_adapters``) that none is left, so that an adapter loaded by an earlier test can
+        never make this one pass. An engine that still reports adapters is replaced by a fresh one
+        (``note`` says so in the report); the unload suites judge that behaviour themselves.
+        Returns the engine the test must use."""
+        from lora_conformance.engines.base import EngineError
+
+        leftover: list[str] = []
+        try:
+            for name in list(engine.list_adapters()):
+                engine.unload_adapter(name)
+            leftover = list(engine.list_adapters()) + list(engine.engine_adapters() or [])
+        except EngineError as exc:
+            leftover = [f"(reset failed: {type(exc).__name__}: {exc})"]
+        if not leftover:
+            return engine
+        key = next((k for k, e in self._engines.items() if e is engine), None)
+        if key is None:
+            raise AssertionError(f"the engine still reports adapters {leftover} after unloading every adapter")
+        del self._engines[key]
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - it is dropped either way
+            pass
+        if note is not None:
+            note(f"the shared engine still reported adapters {leftover} after unloading every adapter; "
+                 "this test ran on a fresh engine")
+        fresh = self.create_engine(Path(key[0]), key[1], dict(key[2]))
+        self._engines[key] = fresh
+        return fresh
 
     def missing_capabilities(self, request: pytest.FixtureRequest, needed: Iterable[str]) -> list[str]:
         """The capabilities in ``needed`` the engine does not declare for this test's model and the user's
@@ -227,13 +264,15 @@ class TestContext:
         self.model_dir = harness.model_dir(harness.model_spec(_marker_kind(request.node)))
         self._loaded: list[tuple[Any, str]] = []
         self._own_engines: list[Any] = []
+        self._reset: set[int] = set()  # shared engines this test has reset already
 
     # ---- engines -----------------------------------------------------------------------
 
     @property
     def engine(self):
-        """The shared engine for this test's model and dtype, with the user's engine args."""
-        return self.harness.shared_engine(self.model_dir, self.dtype)
+        """The shared engine for this test's model and dtype, with the user's engine args; no
+        adapter is loaded in it when the test first gets it."""
+        return self.engine_with()
 
     def declares(self, capability: str) -> bool:
         """Whether the engine under test declares ``capability`` for this test's model: the engine
@@ -241,11 +280,18 @@ class TestContext:
         return not self.harness.missing_capabilities(self.request, [capability])
 
     def engine_with(self, **args):
-        """A shared engine with these engine args on top of the user's."""
-        return self.harness.shared_engine(self.model_dir, self.dtype, args)
+        """A shared engine with these engine args on top of the user's (started once per
+        process for a model, dtype and args); no adapter is loaded in it when the test first
+        gets it (Harness.reset_adapters)."""
+        engine = self.harness.shared_engine(self.model_dir, self.dtype, args)
+        if id(engine) not in self._reset:
+            engine = self.harness.reset_adapters(engine, self.note)
+            self._reset.add(id(engine))
+        return engine
 
     def fresh_engine(self, **args):
-        """A new engine for this test alone (closed at teardown): for lifecycle and cache state."""
+        """A new engine for this test alone (closed at teardown): for a test that needs an engine
+        that has never served anything (cold caches, a baseline untouched by adapters)."""
         engine = self.harness.create_engine(self.model_dir, self.dtype, args)
         self._own_engines.append(engine)
         return engine

@@ -43,7 +43,7 @@ def test_each_declared_backend_matches_reference(lora, device, dtype, backend):
     if backend is None:
         not_certified(CAPABILITY, "engine declares no LoRA / attention backends (Engine.backends)")
     key, value = backend
-    engine = lora.fresh_engine(**{key: value})
+    engine = lora.engine_with(**{key: value})
     for name in ("A", "B"):
         lora.load(engine, name)
     ps = lora.prompts

@@ -53,7 +53,7 @@ def check(lora, engine, reqs, label, spanning=None):
 @pytest.mark.parametrize("chunk", [16, 13])
 def test_long_prompts_match_reference(lora, device, dtype, chunk):
     """16: chunks on KV-block boundaries; 13: chunks that end inside a block."""
-    engine = lora.fresh_engine(chunked_prefill_size=chunk)
+    engine = lora.engine_with(chunked_prefill_size=chunk)
     pl = lora.auxiliary(engine, "prompt_logprobs", PROMPT_LOGPROBS_FEATURE)
     reqs = requests(long_prompts(lora), LABELS, pl)
     check(lora, engine, reqs, f"chunk {chunk}")
@@ -72,7 +72,7 @@ def test_adapter_changes_at_chunk_boundary(lora, device, dtype, first):
     prompts = [lora.prompts[5]] + long_prompts(lora, len(labels) - 1)
     probe = lora.reference(requests(prompts[:1], labels[:1], False))[0]
     chunk = len(probe.prompt_token_ids)
-    engine = lora.fresh_engine(chunked_prefill_size=chunk)
+    engine = lora.engine_with(chunked_prefill_size=chunk)
     pl = lora.auxiliary(engine, "prompt_logprobs", PROMPT_LOGPROBS_FEATURE)
     check(lora, engine, requests(prompts, labels, pl), f"chunk {chunk} (first = {first or 'base'})",
           spanning=range(1, len(labels)))

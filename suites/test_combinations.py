@@ -22,7 +22,7 @@ def test_prefix_cache_with_routing(lora, device, dtype):
     # test_prefix_cache.SPECS; the adapters' distance from A's output is asserted below)
     specs = {n: AdapterSpec(seed=seed, targets="all-linear", b_std=0.09)
              for n, seed in (("A", 421), ("B", 422), ("C", 423))}
-    engine = lora.fresh_engine(prefix_cache=1)
+    engine = lora.engine_with(prefix_cache=1)
     for name in ("A", "B", "C"):
         lora.load(engine, name, specs[name])
     prompt = " ".join(lora.prompts[2:] + lora.prompts[:2])[:600]  # several KV blocks: most of it cacheable
@@ -43,7 +43,7 @@ def test_prefix_cache_with_routing(lora, device, dtype):
 @pytest.mark.feature("combinations/overlap_loading_with_eviction",
                       "overlap loading while adapters are evicted and reloaded", requires=("overlap_loading", "max_loaded"))
 def test_overlap_loading_with_eviction(lora, device, dtype):
-    engine = lora.fresh_engine(overlap_loading=1, max_loras_per_batch=2, max_loaded_loras=2)
+    engine = lora.engine_with(overlap_loading=1, max_loras_per_batch=2, max_loaded_loras=2)
     specs = {f"O{i}": AdapterSpec(seed=600 + i) for i in range(4)}
     for name, spec in specs.items():
         lora.load(engine, name, spec)
@@ -62,7 +62,7 @@ def test_pinning_with_eviction(lora, device, dtype, tmp_path):
     """
     import shutil
 
-    engine = lora.fresh_engine(max_loras_per_batch=2, max_loaded_loras=3)
+    engine = lora.engine_with(max_loras_per_batch=2, max_loaded_loras=3)
     specs = {f"P{i}": AdapterSpec(seed=700 + i) for i in range(5)}
     pinned_dir = tmp_path / "P0"
     shutil.copytree(lora.adapter_path(specs["P0"]), pinned_dir)
@@ -89,7 +89,7 @@ STRONG = {name: AdapterSpec(seed=seed, targets="all-linear", b_std=0.09) for nam
 def test_dynamic_loading_with_prefix_cache(lora, device, dtype):
     """Unload and reload a name with other weights while its prompts' KV is cached: each load's effect
     must be the new weights', and nearer them than the old ones' ("served as" the previous weights)."""
-    engine = lora.fresh_engine(prefix_cache=1)
+    engine = lora.engine_with(prefix_cache=1)
     ps = lora.prompts
     prompts = [" ".join(ps[i:i + 4]) for i in (6, 9, 12, 2)]  # several KV blocks long: mostly cached
     previous = {"A": "B", "B": "A"}

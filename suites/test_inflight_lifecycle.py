@@ -58,7 +58,7 @@ def change_while_running(handle, change, what):
                      "unloading an adapter that running requests use waits for them or is refused; they keep its weights",
                      requires=("inflight_lifecycle",))
 def test_unload_while_requests_run(lora, device, dtype):
-    engine = lora.fresh_engine()
+    engine = lora.engine_with()
     lora.load(engine, "X", SPECS["A"])
     running_reqs = long_requests(lora, ["X", None, "X"])
     running = start(lora, engine, running_reqs)
@@ -78,7 +78,7 @@ def test_unload_while_requests_run(lora, device, dtype):
                      "reloading a name that running requests use never serves them the new weights",
                      requires=("inflight_lifecycle",))
 def test_reload_while_requests_run(lora, device, dtype):
-    engine = lora.fresh_engine()
+    engine = lora.engine_with()
     lora.load(engine, "X", SPECS["A"])
     old_reqs = long_requests(lora, ["X", None, "X"])
     refs_old = lora.reference(old_reqs, {"X": SPECS["A"]})
@@ -98,7 +98,7 @@ def test_reload_while_requests_run(lora, device, dtype):
                      "requests submitted from several threads, while another adapter loads, match the reference",
                      requires=("inflight_lifecycle",))
 def test_concurrent_submissions_match_reference(lora, device, dtype):
-    engine = lora.fresh_engine()
+    engine = lora.engine_with()
     lora.load(engine, "A", SPECS["A"])
     groups = [long_requests(lora, labels, offset=i) for i, labels in enumerate([["A", None], [None, "A"], ["A"]])]
     handles, errors = [None] * len(groups), []

@@ -40,7 +40,7 @@ def _run(lora, engine, name):
 
 @pytest.mark.feature("lifecycle/load_unload_reload", "load, unload and load again give the first load's outputs")
 def test_load_unload_reload(lora, device, dtype):
-    engine = lora.fresh_engine()
+    engine = lora.engine_with()
     lora.load(engine, "A")
     assert_listed(lora, engine, "A", True)
     reqs, first = _run(lora, engine, "A")
@@ -73,7 +73,7 @@ def test_unknown_adapter_gives_a_clear_error(lora, device, dtype):
                       "a name reloaded with other weights serves the new weights")
 @pytest.mark.parametrize("how", ["unload-then-load", "load-over"])
 def test_reloading_a_name_with_new_weights(lora, device, dtype, how):
-    engine = lora.fresh_engine()
+    engine = lora.engine_with()
     lora.load(engine, "X", "A")
     _run(lora, engine, "X")  # serve once with A's weights, so any cache is warm
     if how == "unload-then-load":
@@ -86,7 +86,7 @@ def test_reloading_a_name_with_new_weights(lora, device, dtype, how):
 @pytest.mark.feature("lifecycle/pinning_every_slot_is_refused",
                       "pinning every device slot is refused", requires=("pinning",))
 def test_pinning_every_slot_is_refused(lora, device, dtype):
-    engine = lora.fresh_engine(max_loras_per_batch=2, max_loaded_loras=4)
+    engine = lora.engine_with(max_loras_per_batch=2, max_loaded_loras=4)
     lora.load(engine, "A", pinned=True)
     with pytest.raises(CapacityError) as exc:
         lora.load(engine, "B", pinned=True)
@@ -125,7 +125,7 @@ def test_eviction_and_reload(lora, device, dtype, policy):
     cap = f"eviction_{policy}"
     if not lora.declares(cap):
         missing_capabilities([cap])
-    engine = lora.fresh_engine(max_loras_per_batch=1, max_loaded_loras=2, eviction=policy)
+    engine = lora.engine_with(max_loras_per_batch=1, max_loaded_loras=2, eviction=policy)
     specs = {f"E{i}": AdapterSpec(seed=200 + i) for i in range(4)}
     for name, spec in specs.items():
         lora.load(engine, name, spec)

@@ -53,8 +53,10 @@ def assert_no_hit(lora, outputs, label):
 
 
 def long_prompt(lora, i=0):
-    """Several KV blocks long, so block-granular caches really hold it."""
-    return " ".join(lora.prompts[i:] + lora.prompts[:i])[:600]
+    """Several KV blocks long, so block-granular caches really hold it: about 430 tokens of the
+    synthetic vocabulary, three blocks of 128 (vLLM's CPU default block size) and many of 16. A cache
+    stores whole blocks only, so a prompt shorter than one block can never be a hit."""
+    return " ".join((lora.prompts[i:] + lora.prompts[:i]) * 3)
 
 
 @pytest.mark.feature("prefix_cache/hit_equals_miss", "a prefix-cache hit gives the miss's outputs")

@@ -37,8 +37,8 @@ def test_overlap_loading_equals_synchronous(lora, device, dtype):
     """
     specs = {n: AdapterSpec(seed=300 + i, rank=64, alpha=64, targets="all-linear") for i, n in enumerate("ABC")}
     batches = [LABELS, LABELS[::-1], ["C", "B", "A"], ["A", "C"], ["B", None, "A"]]
-    sync = _serve(lora, lora.fresh_engine(overlap_loading=0, max_loras_per_batch=2, max_rank=256), specs, batches)
-    overlap = _serve(lora, lora.fresh_engine(overlap_loading=1, max_loras_per_batch=2, max_rank=256), specs, batches)
+    sync = _serve(lora, lora.engine_with(overlap_loading=0, max_loras_per_batch=2, max_rank=256), specs, batches)
+    overlap = _serve(lora, lora.engine_with(overlap_loading=1, max_loras_per_batch=2, max_rank=256), specs, batches)
     for b, (o_batch, s_batch) in enumerate(zip(overlap, sync)):
         for i, (o, s) in enumerate(zip(o_batch, s_batch)):
             assert_logprobs_close(o, s, lora.tolerance, label=f"batch {b} row {i}: overlap vs sync", decode=lora.decode)
@@ -67,7 +67,7 @@ def test_overlap_loading_is_stream_ordered(lora, device, dtype):
                     "(cpu runs every operation in order)")
     specs = {n: AdapterSpec(seed=300 + i, rank=16, targets="all-linear") for i, n in enumerate("ABC")}
     batches = [LABELS, ["C", "B", "A"], ["A", "C"], ["B", None, "A"]]
-    engine = lora.fresh_engine(overlap_loading=1, max_loras_per_batch=2)
+    engine = lora.engine_with(overlap_loading=1, max_loras_per_batch=2)
     with detector.watching():
         outputs = _serve(lora, engine, specs, batches)
     if detector.launches == 0:
@@ -85,8 +85,8 @@ def test_graphs_equal_eager(lora, device, dtype):
     specs = {n: AdapterSpec(seed=310 + i) for i, n in enumerate("ABC")}
     # Same-size batches with different adapter rows replay the same graph: stale indices show.
     batches = [LABELS, ["A"] * 4 + [None] * 4, ["C"] * 4 + ["B"] * 4, ["B", "B", None], ["C"], [None, "A"]]
-    eager = _serve(lora, lora.fresh_engine(graphs=0), specs, batches)
-    graphs = _serve(lora, lora.fresh_engine(graphs=1), specs, batches)
+    eager = _serve(lora, lora.engine_with(graphs=0), specs, batches)
+    graphs = _serve(lora, lora.engine_with(graphs=1), specs, batches)
     for b, (g_batch, e_batch) in enumerate(zip(graphs, eager)):
         for i, (g, e) in enumerate(zip(g_batch, e_batch)):
             assert_logprobs_close(g, e, lora.tolerance, label=f"batch {b} row {i}: graphs vs eager", decode=lora.decode)

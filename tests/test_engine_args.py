@@ -275,18 +275,45 @@ def test_openvino_class_declares_what_a_started_engine_reports(models, tmp_path)
 
 
 def _fake_vllm(monkeypatch):
-    class FakeLLM:
+    """vLLM's async engine as far as start-up goes: the engine args it is given, resolved with
+    vLLM's own defaults (prefix caching and chunked prefill on, CUDA graphs unless enforce_eager)."""
+    from types import SimpleNamespace as NS
+
+    class FakeEngineArgs:
         def __init__(self, **kwargs):
             self.kwargs = kwargs
 
-    fake = types.ModuleType("vllm")
-    fake.LLM = FakeLLM
-    monkeypatch.setitem(sys.modules, "vllm", fake)
+    class FakeAsyncLLM:
+        def __init__(self, kwargs):
+            self.kwargs = kwargs
+            get = kwargs.get
+            self.vllm_config = NS(
+                cache_config=NS(enable_prefix_caching=get("enable_prefix_caching", True)),
+                scheduler_config=NS(enable_chunked_prefill=True),
+                model_config=NS(enforce_eager=get("enforce_eager", False)),
+            )
+
+        @classmethod
+        def from_engine_args(cls, engine_args, usage_context=None):
+            return cls(engine_args.kwargs)
+
+        def shutdown(self):
+            pass
+
+    modules = {name: types.ModuleType(name) for name in (
+        "vllm", "vllm.engine", "vllm.engine.arg_utils", "vllm.usage", "vllm.usage.usage_lib", "vllm.v1",
+        "vllm.v1.engine", "vllm.v1.engine.async_llm")}
+    modules["vllm.engine.arg_utils"].AsyncEngineArgs = FakeEngineArgs
+    modules["vllm.usage.usage_lib"].UsageContext = NS(LLM_CLASS="LLM_CLASS")
+    modules["vllm.v1.engine.async_llm"].AsyncLLM = FakeAsyncLLM
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
 
 
 @pytest.mark.parametrize("on, args", [
     ("cpu", {}), ("cpu", {"prefix_cache": "1", "max_loaded_loras": "3", "max_loras_per_batch": "2"}),
-    ("cuda", {}), ("cuda", {"graphs": "1"}), ("cuda", {"enforce_eager": "0"}),
+    ("cpu", {"prefix_cache": "0", "chunked_prefill_size": "13"}),
+    ("cuda", {}), ("cuda", {"graphs": "1"}), ("cuda", {"graphs": "0"}), ("cuda", {"enforce_eager": "0"}),
 ])
 def test_vllm_class_declares_what_a_started_engine_reports(models, monkeypatch, on, args):
     from lora_conformance.engines.vllm_engine import VllmEngine
@@ -294,7 +321,7 @@ def test_vllm_class_declares_what_a_started_engine_reports(models, monkeypatch, 
     _fake_vllm(monkeypatch)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # the engine sets it where unset
     monkeypatch.setattr("lora_conformance.devices.set_start_method_for", lambda device: None)
-    _same(VllmEngine(models["llama"], on, "float32", args), on)
+    _same(VllmEngine(models["llama"], on, "float32", args), on).close()
 
 
 @pytest.mark.parametrize("version, kind, args", [

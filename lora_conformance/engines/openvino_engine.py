@@ -25,10 +25,16 @@ served with GenAI's own tokenizer. What GenAI offers, and so what this plugin de
   scores (length_penalty 0) are exactly the top_k logprobs of the first token. Prompt
   logprobs (``echo``) hold only each prompt token's own logprob, not the distribution's top-k:
   no ``prompt_logprobs`` capability.
-* Refused (typed errors, so the suites report *not certified*): DoRA (GenAI drops the magnitude
-  vector), ``modules_to_save``, LoRA biases, ``embed_tokens`` LoRA (GenAI's name patterns do not
-  know PEFT's ``lora_embedding_A/B`` keys and skip them silently), ``target_parameters`` (MoE
-  experts), MoE and encoder base models, and float16 on a CPU without FP16 support.
+* GenAI gets every adapter the plugin can express; what GenAI does with DoRA (it drops the
+  magnitude vector), ``modules_to_save``, LoRA biases and ``embed_tokens`` LoRA (its name
+  patterns do not know PEFT's ``lora_embedding_A/B`` keys and skip them silently) is what the
+  suites judge. What the plugin still refuses, and the GenAI behaviour each refusal stands for:
+  ``rank_pattern`` / ``alpha_pattern`` (GenAI ignores ``adapter_config.json``: one blend weight per
+  adapter cannot carry per-module scaling); ``target_parameters``, MoE and encoder base models
+  (the converter has no path for them); float16 on a CPU without FP16 support (OpenVINO reports
+  no FP16 in ``OPTIMIZATION_CAPABILITIES``); adapters the shared validator rejects (GenAI given a
+  truncated or non-finite file can crash the process instead of raising); and adapters for a
+  module without a MatMul in the converted model (no place to bind them).
 * ``prefix_cache=1`` turns on GenAI's prefix caching (``SchedulerConfig.enable_prefix_caching``, off by
   default as in GenAI); the capability is declared, and the suites ask for it.
 
@@ -100,20 +106,16 @@ def _one_step_top_k(request: GenerationRequest) -> bool:
 
 
 def adapter_refusals(info: AdapterInfo) -> list[str]:
-    """What in this adapter GenAI cannot serve (empty: servable)."""
+    """What in this adapter the plugin cannot pass on to GenAI (empty: GenAI gets it). Only what
+    the plugin's translation cannot express: GenAI itself decides on DoRA, modules_to_save, biases
+    and embed_tokens LoRA (it reads the safetensors file and skips tensors it does not know)."""
     refused = []
-    if info.use_dora:
-        refused.append("DoRA (use_dora)")
-    if info.modules_to_save:
-        refused.append(f"modules_to_save {list(info.modules_to_save)}")
-    if info.lora_bias or info.bias != "none":
-        refused.append("LoRA biases")
-    if info.targets_embeddings:
-        refused.append("embed_tokens LoRA")
     if info.target_parameters:
-        refused.append(f"target_parameters {list(info.target_parameters)}")
+        refused.append(f"target_parameters {list(info.target_parameters)} (MoE experts: MoE models are not "
+                       "converted)")
     if info.has_rank_pattern:
-        refused.append("rank_pattern / alpha_pattern (GenAI takes one scaling per adapter)")
+        refused.append("rank_pattern / alpha_pattern (GenAI ignores adapter_config.json and takes one blend "
+                       "weight per adapter, so per-module scaling cannot be passed on)")
     return refused
 
 
@@ -152,8 +154,10 @@ class OpenVINOEngine(Engine):
             except UnsupportedFeatureError:
                 return None
         # prefix_cache: GenAI has one (off unless asked for, as in its SchedulerConfig); the suites
-        # ask for it with prefix_cache=1.
-        return frozenset({Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD, Capability.PREFIX_CACHE})
+        # ask for it with prefix_cache=1. embed_tokens: GenAI accepts such adapters (it loads the
+        # file and applies what its name patterns know), so what it serves is judged.
+        return frozenset({Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD, Capability.PREFIX_CACHE,
+                          Capability.EMBED_TOKENS})
 
     @classmethod
     def declared_limits(cls, cfg: OpenVINOArgs, model_dir: Optional[Path], device: str) -> Limits:

@@ -21,6 +21,16 @@ and the prompt-logprob forward is given the same position ids, so a padded row s
 positions it would see alone. The remaining difference to an unpadded run is the shape of
 the matmuls (float32: ~1e-6 on logprobs; see tests/test_engine_peft.py).
 
+What the plugin does in PEFT's place, and the PEFT behaviour each stands for (kept because this
+engine is also the suites' second correct implementation: the suites are proven right when it,
+the reference and the built-in engine agree, which a NaN adapter or a KeyError would prevent):
+
+- The shared validator refuses bad names and malformed adapters first: PEFT itself loads
+  non-finite or integer weights and names any string.
+- An adapter whose file lacks weights its config names is refused: PEFT warns ("missing adapter
+  keys") and keeps the freshly initialised weights.
+- The two gaps above (modules_to_save KeyError, parameter wrappers kept) are closed exactly.
+
 Greedy decoding never stops early here (``eos_token_id=None``); ``ignore_eos=False`` is
 applied afterwards by cutting a row after its first EOS, which is exact for greedy
 decoding because later steps never influence earlier ones. Each step's chosen token is

@@ -22,6 +22,12 @@ disable_radix_cache (inverted), graphs -> disable_cuda_graph (inverted), lora_ba
 chunked_prefill_size, tensor_parallel -> tp_size. A configuration SGLang would refuse at
 start-up is refused here first (UnsupportedFeatureError, with SGLang's message).
 
+What the plugin does in SGLang's place (nothing else is refused or repaired; SGLang gets every
+adapter as it is): a start-up configuration SGLang refuses is refused first with SGLang's own
+message (its checks run in ``ServerArgs.__post_init__`` inside a subprocess, whose traceback would
+otherwise be the only trace); a name loaded again is unloaded first (SGLang answers "already
+loaded"); the first prompt-logprob entry (None) is dropped and top-k lists become dicts (format).
+
 Requests: one ``generate`` call per batch: ``prompt=[...]``, one sampling-params dict per
 request (``temperature=0``, ``max_new_tokens``, ``ignore_eos``), ``lora_path=[name or None]``,
 ``return_logprob=True``, ``top_logprobs_num=[k]``, ``logprob_start_len=[0 or -1]``;

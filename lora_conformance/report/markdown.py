@@ -54,9 +54,18 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
     ref = env.get("reference") or {}
     pk = env.get("packages") or {}
     args = ", ".join(f"{k}={v}" for k, v in sorted((engine.get("args") or {}).items())) or "-"
-    return [
+    settings = engine.get("settings") or {}
+    effective = ", ".join(f"{k}={v}" for k, v in (settings.get("effective") or {}).items()) or "-"
+    differs = "; ".join(f"{k}={d.get('ours')} (engine default {d.get('engine_default')}: "
+                        f"{d.get('why') or 'no reason given'})"
+                        for k, d in (settings.get("differs_from_engine_default") or {}).items()) or "-"
+    rows = [
         ("engine", f"{engine.get('name')} {engine.get('version') or ''}".strip()),
         ("engine args", args),
+    ]
+    if settings:  # the engine reports its effective settings (Engine.settings)
+        rows += [("engine settings (effective)", effective), ("ours, not the engine's default", differs)]
+    return rows + [
         ("device", " ".join(str(x) for x in (device.get("name"), device.get("device_name"),
                                              device.get("runtime") or device.get("driver")) if x)),
         ("dtype", str(env.get("dtype"))),

@@ -1,0 +1,128 @@
+"""Engines are started once per model, dtype and args and shared by the tests that ask for them;
+a test gets a shared engine with no adapter loaded (the harness unloads every adapter and asks the
+engine itself that none is left), and capabilities the engine class declares decide skips before
+anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lora_conformance.engines import AdapterNotLoadedError, Capability, Engine
+from lora_conformance.harness import Harness, TestContext
+from lora_conformance.settings import Settings
+
+STARTED: list["CountingEngine"] = []
+
+
+class CountingEngine(Engine):
+    """Keeps adapters in a dict; ``forgetful`` engines report an unloaded adapter as still loaded."""
+
+    name = "counting"
+    forgetful = False
+
+    @classmethod
+    def declared_capabilities(cls, cfg, model_dir, device):
+        return frozenset({Capability.DYNAMIC_LOADING})
+
+    def __init__(self, model_dir, device, dtype, args):
+        super().__init__(model_dir, device, dtype, args)
+        self.capabilities = frozenset({Capability.DYNAMIC_LOADING})
+        self.loaded: dict[str, Path] = {}
+        self.ghosts: list[str] = []
+        self.closed = False
+        STARTED.append(self)
+
+    def load_adapter(self, name, path, pinned=False):
+        self.loaded[name] = Path(path)
+
+    def unload_adapter(self, name):
+        if name not in self.loaded:
+            raise AdapterNotLoadedError(name, list(self.loaded))
+        del self.loaded[name]
+        if self.forgetful:
+            self.ghosts.append(name)
+
+    def list_adapters(self):
+        return sorted(self.loaded)
+
+    def engine_adapters(self):
+        return sorted(set(self.loaded) | set(self.ghosts))
+
+    def generate(self, requests):
+        return []
+
+    def close(self):
+        self.closed = True
+
+
+class ForgetfulEngine(CountingEngine):
+    forgetful = True
+
+
+def _harness(tmp_path: Path, engine: str = "CountingEngine") -> Harness:
+    return Harness(Settings(device="cpu", device_spec="cpu", engine=f"{__name__}:{engine}", engine_args={},
+                            base_model="synthetic:llama", dtype="float32", reference_device="cpu",
+                            reference_dtype="float32", cache_dir=tmp_path, refresh_references=False,
+                            report_dir=None, expectations=None))
+
+
+def _context(harness: Harness, tmp_path: Path) -> TestContext:
+    """A TestContext without pytest's request: the model dir is set directly."""
+    notes: list[str] = []
+    node = SimpleNamespace(callspec=None, user_properties=[], get_closest_marker=lambda name: None)
+    ctx = TestContext.__new__(TestContext)
+    ctx.harness, ctx.settings, ctx.request = harness, harness.settings, SimpleNamespace(node=node)
+    ctx.dtype, ctx.device, ctx.model_dir = "float32", "cpu", tmp_path
+    ctx._loaded, ctx._own_engines, ctx._reset = [], [], set()
+    ctx.note = notes.append
+    ctx.notes = notes
+    return ctx
+
+
+def test_tests_with_the_same_settings_share_one_engine_and_start_clean(tmp_path):
+    STARTED.clear()
+    harness = _harness(tmp_path)
+    first = _context(harness, tmp_path)
+    engine = first.engine_with(max_rank=8)
+    engine.load_adapter("left-over", tmp_path)  # a test that loads directly and never unloads
+    assert first.engine_with(max_rank=8) is engine and engine.list_adapters() == ["left-over"], \
+        "a second acquisition in the same test must not unload the test's own adapters"
+    second = _context(harness, tmp_path)
+    assert second.engine_with(max_rank=8) is engine and len(STARTED) == 1
+    assert engine.list_adapters() == [] and engine.engine_adapters() == [], "the next test saw a left-over adapter"
+    second.engine_with(max_rank=16)
+    assert len(STARTED) == 2, "other settings need an engine of their own"
+
+
+def test_an_engine_that_still_reports_adapters_is_replaced(tmp_path):
+    STARTED.clear()
+    harness = _harness(tmp_path, "ForgetfulEngine")
+    first = _context(harness, tmp_path)
+    engine = first.engine
+    engine.load_adapter("A", tmp_path)
+    second = _context(harness, tmp_path)
+    fresh = second.engine
+    assert fresh is not engine and engine.closed and len(STARTED) == 2
+    assert fresh.engine_adapters() == []
+    assert any("still reported adapters ['A']" in n for n in second.notes), second.notes
+
+
+def test_declared_capabilities_decide_before_any_engine_starts(tmp_path):
+    STARTED.clear()
+    harness = _harness(tmp_path)
+    request = SimpleNamespace(node=SimpleNamespace(callspec=None, get_closest_marker=lambda name: None))
+    assert harness.missing_capabilities(request, ["prefix_cache", "dynamic_loading"]) == ["prefix_cache"]
+    assert STARTED == [], "a capability the class does not declare must not start an engine"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "openai", "openvino", "builtin"])
+def test_declared_capabilities_need_no_engine(engine):
+    from lora_conformance.engines.registry import engine_class
+
+    cls = engine_class(engine)
+    cfg = cls.parse_args({"api_flavor": "vllm"} if engine == "openai" else {})
+    declared = cls.declared_capabilities(cfg, None, "cpu")
+    assert declared is None or all(isinstance(c, Capability) for c in declared)
