@@ -2,7 +2,8 @@
 # bench/power.py split over processes: null runs on cpu (one process per dtype and slice, one thread
 # each) and the MoE expert-fault power runs on an accelerator, side by side; then the merged tables.
 #
-#   bash bench/power_parallel.sh OUTDIR [NULL_RUNS_PER_DTYPE] [CPU_PROCS_PER_DTYPE] [POWER_RUNS] [LIMIT_S] [POWER_DEVICE]
+#   [SEED_BASE=N] bash bench/power_parallel.sh OUTDIR [NULL_RUNS_PER_DTYPE] [CPU_PROCS_PER_DTYPE] [POWER_RUNS] [LIMIT_S] [POWER_DEVICE]
+# (SEED_BASE, default 100: process k of a dtype draws from seed SEED_BASE + k; another base is a fresh-seed run)
 #
 # Every process writes its JSON after each run, so a process stopped at LIMIT_S still counts the
 # runs it finished. The tables: OUTDIR/null.txt (false alarms per family, check and dtype) and
@@ -32,7 +33,7 @@ for d in $DTYPES; do
   for k in $(seq 0 $((PROCS - 1))); do
     c=$(mktemp -d /tmp/lc-power-XXXX); cp -r "$BASE/models" "$c/models"
     timeout "$LIMIT" python bench/power.py --device cpu --dtypes "$d" --runs "$per" --start $((k * per)) \
-      --seed $((100 + k)) --power-runs 0 --faults "" --drops "" --scales "" --cache "$c" \
+      --seed $(( ${SEED_BASE:-100} + k )) --power-runs 0 --faults "" --drops "" --scales "" --cache "$c" \
       --json "$OUT/null-$d-$k.json" > "$OUT/null-$d-$k.log" 2>&1 &
     pids+=($!)
   done
