@@ -147,10 +147,8 @@ class LlamaCppEngine(Engine):
     def declared_capabilities(cls, cfg: LlamaCppArgs, model_dir: Optional[Path], device: str):
         """None for a model the plugin refuses (MoE, encoders, other architectures): its start says why."""
         if model_dir is not None:
+            from lora_conformance.checkpoints import model_kind, read_model_config
             from lora_conformance.engines.llamacpp_convert import ARCHES
-            from lora_conformance.models import model_kind
-
-            from lora_conformance.checkpoints import read_model_config
 
             try:
                 model_type = read_model_config(model_dir).get("model_type")
@@ -173,8 +171,8 @@ class LlamaCppEngine(Engine):
         except ImportError as exc:
             raise EngineFailure(f"engine 'llamacpp' needs llama-cpp-python ({exc}): "
                                 "pip install 'lora-conformance[llamacpp]'") from exc
+        from lora_conformance.checkpoints import model_kind
         from lora_conformance.engines import llamacpp_convert
-        from lora_conformance.models import model_kind
 
         self._ll, self._np = llama_cpp, numpy
         if dtype not in GGML_TYPES:
