@@ -15,9 +15,8 @@ SUBCOMMANDS = {
     "certify": ("lora_conformance.report.certify", "run the conformance suites and write a certification report"),
     "synth": ("lora_conformance.adapters.cli", "synthesize offline base models and known-weight adapters"),
     "ci": ("lora_conformance.ci.cli", "CI tooling: list registrations, print a GitHub Actions matrix"),
-    "report": ("lora_conformance.report.cli", "merge and re-render certification reports"),
-    "engines": ("lora_conformance.engines.cli", "list the engines and whether each can run here; describe one's "
-                "arguments and capabilities"),
+    "report": ("lora_conformance.report.cli", "verify, render, merge and sign certification reports"),
+    "engines": ("lora_conformance.engines.cli", "list the engines and whether each can run here; describe one"),
 }
 
 DESCRIPTION = "Certify LoRA inference engines on any accelerator against the HF transformers + PEFT reference."
@@ -38,7 +37,12 @@ EXAMPLES = {
     "report": """\
   lora-conformance report verify lora-report                 # re-verify a stored report's verdict
   lora-conformance report render lora-report -o lora-report
-  lora-conformance report merge cpu-report cuda-report -o merged""",
+  lora-conformance report merge cpu-report cuda-report -o merged
+  lora-conformance report sign lora-report/report.json --key vendor.key""",
+    "engines": """\
+  lora-conformance engines                                   # every engine, and whether it can run here
+  lora-conformance engines describe vllm                     # its arguments and capabilities
+  lora-conformance engines describe builtin --device cuda --engine-arg prefix_cache=0""",
 }
 
 

@@ -108,14 +108,17 @@ def test_host_cache_eviction(setup, policy, victim):
 
 def test_slot_eviction_order(setup):
     base, ads, _ = setup
-    for policy, expect in (("lru", ["a0", "a2"]), ("fifo", ["a2", "a1"])):
+    # a0 then a1 enter the slots in that order (one batch each: the order of slot assignment inside
+    # one batch is the scheduler's), a0 is used again, then a2 needs a slot.
+    for policy, expect in (("lru", {"a0", "a2"}), ("fifo", {"a1", "a2"})):
         with BuiltinEngine(base, "cpu", "float32", {"max_loras_per_batch": "2", "eviction": policy}) as eng:
             for n in ("a0", "a1", "a2"):
                 eng.load_adapter(n, ads[n])
-            eng.generate(reqs(["a0", "a1"], n=1))
+            eng.generate(reqs(["a0"], n=1))
+            eng.generate(reqs(["a1"], n=1))
             eng.generate(reqs(["a0"], n=1))
             eng.generate(reqs(["a2"], n=1))
-            assert eng.slot_adapters() == expect, policy
+            assert set(eng.slot_adapters()) == expect, (policy, eng.slot_adapters())
 
 
 def test_pinning(setup):

@@ -89,22 +89,21 @@ def test_builtin_is_not_certified_for_tensor_parallel(suite_runner, lora_setting
     assert "does not declare tensor_parallel" in result.stdout.str()
 
 
-def test_vllm_plugin_passes_tensor_parallel_size(monkeypatch, tmp_path):
-    seen = {}
+def test_vllm_plugin_passes_tensor_parallel_size(monkeypatch, llama):
+    from test_engine_args import _fake_vllm  # vLLM's async engine as far as start-up goes
 
-    class FakeLLM:
-        def __init__(self, **kwargs):
-            seen.update(kwargs)
-
-    fake = types.ModuleType("vllm")
-    fake.LLM = FakeLLM
-    monkeypatch.setitem(sys.modules, "vllm", fake)
     from lora_conformance.engines.base import Capability, EngineError
     from lora_conformance.engines.vllm_engine import VllmEngine
 
-    engine = VllmEngine(tmp_path, "cuda", "bfloat16", {"tensor_parallel": "2"})
-    assert seen["tensor_parallel_size"] == 2, seen
-    assert Capability.TENSOR_PARALLEL in engine.capabilities
+    _fake_vllm(monkeypatch)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setattr("lora_conformance.devices.set_start_method_for", lambda device: None)
+    engine = VllmEngine(llama, "cuda", "bfloat16", {"tensor_parallel": "2"})
+    try:
+        assert engine.llm.kwargs["tensor_parallel_size"] == 2, engine.llm.kwargs
+        assert Path(engine.llm.kwargs["model"]) == Path(llama)
+        assert Capability.TENSOR_PARALLEL in engine.capabilities
+    finally:
+        engine.close()
     with pytest.raises(EngineError, match="tensor_parallel=.0.: expected an integer >= 1"):
-        VllmEngine(tmp_path, "cuda", "bfloat16", {"tensor_parallel": "0"})
-    assert Path(seen["model"]) == tmp_path
+        VllmEngine(llama, "cuda", "bfloat16", {"tensor_parallel": "0"})

@@ -70,24 +70,23 @@ def test_bad_adapter_names_are_refused(loaded, adapters):
 # ---- builtin: an unloaded slot is zeroed ----------------------------------------------
 
 
-def test_builtin_unload_clears_the_slot(llama, adapters, tmp_path, monkeypatch):
-    """A NaN adapter that got in (validation bypassed) must not poison base rows after unload:
-    the masked decode reads every slot, so unload has to zero the slot's weights."""
-    from lora_conformance.adapters import validate
-
+def test_builtin_unload_clears_the_slot(llama, adapters, tmp_path):
+    """Unload zeroes the slot's weights: the masked decode reads every slot, so weights left in a
+    freed slot (NaN ones included, had any got past the validator and the pack check) would reach
+    base rows. With the only adapter unloaded, every slot holds zeros and base rows are unchanged."""
     engine = create_engine("builtin", llama, "cpu", "float32", {})
     base_reqs = probe_requests([None])
     clean = engine.generate(base_reqs)
-    monkeypatch.setattr(validate, "check_tensors", lambda *a, **k: None)
-    engine.load_adapter("N", make_malformed("nan_value", adapters["A"], tmp_path / "n", 64))
-    engine.generate(probe_requests(["N", None]))  # puts N's weights in a slot
-    engine.unload_adapter("N")
+    engine.load_adapter("A", adapters["A"])
+    engine.generate(probe_requests(["A", None]))  # puts A's weights in a slot
+    pools = [t for _, m in engine.runner.lora_modules.items() for t in (engine.runner._pool_of(m[1]) or ())]
+    assert pools and any(bool(t.abs().sum() > 0) for t in pools), "A's weights never reached a slot"
+    engine.unload_adapter("A")
     after = engine.generate(base_reqs)
     for a, b in zip(clean, after):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, (
-            f"base output after unloading a NaN adapter: expected {a.logprobs}, got {b.logprobs}")
-    pools = [t for _, m in engine.runner.lora_modules.items() for t in (engine.runner._pool_of(m[1]) or ())]
-    assert pools and all(not bool(t.isnan().any()) for t in pools), "a freed slot still holds NaN weights"
+            f"base output after unloading: expected {a.logprobs}, got {b.logprobs}")
+    assert all(not bool(t.abs().sum() > 0) for t in pools), "a freed slot still holds the adapter's weights"
 
 
 def test_nan_adapter_is_refused_naming_tensor(llama, adapters, tmp_path):

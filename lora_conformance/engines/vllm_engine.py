@@ -94,7 +94,7 @@ _ENCODER = frozenset({Capability.EMBEDDINGS, Capability.MIXED_BATCH, Capability.
                       Capability.MAX_LOADED, Capability.EVICTION_LRU, Capability.RSLORA, Capability.RANK_PATTERN})
 # Attention backends vLLM selects from on each device (AttentionConfig.backend); CPU has one
 # for non-MLA models (vllm/platforms/cpu.py get_attn_backend_cls).
-_BACKENDS = {"cpu": ("CPU_ATTN",), "cuda": ("FLASH_ATTN", "TRITON_ATTN"), "xpu": ("FLASH_ATTN",)}
+_BACKENDS = {devices.CPU: ("CPU_ATTN",), devices.CUDA: ("FLASH_ATTN", "TRITON_ATTN"), devices.XPU: ("FLASH_ATTN",)}
 
 # Capabilities that stay undeclared, with the evidence (vLLM 0.32 source paths, or our own runs).
 NOT_DECLARED = {
