@@ -61,7 +61,9 @@ def test_the_entry_point_is_the_inert_module():
 
 
 def test_a_foreign_project_runs_unchanged(foreign, tmp_path):
-    result = foreign.runpytest("--device=foreign-xpu", "-s", "-v")
+    # In a process of its own, as a foreign project runs: an in-process run would inherit what
+    # earlier tests of this worker loaded (our suites' Hypothesis profile among them).
+    result = foreign.runpytest_subprocess("--device=foreign-xpu", "-s", "-v")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*SEEN foreign-xpu foreign-dtype*"])
     # pytest's own "plugins: lora-conformance-0.1.0, ..." line names every installed plugin; ours adds none.
