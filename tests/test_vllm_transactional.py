@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +12,7 @@ import pytest
 
 from lora_conformance.adapters import AdapterSpec, synthesize_adapter
 from lora_conformance.adapters.malformed import MALFORMED, make_malformed
-from lora_conformance.engines.base import AdapterFormatError, EngineError
+from lora_conformance.engines.base import AdapterFormatError, AdaptersInUse, EngineError
 from lora_conformance.engines.vllm_engine import VllmEngine
 
 
@@ -39,7 +38,7 @@ def _engine(model_dir) -> VllmEngine:
     e = VllmEngine.__new__(VllmEngine)
     e.max_lora_rank, e.dev_type, e._dead, e.model_dir = 8, "cpu", None, Path(model_dir)
     e.validate_adapters, e.dtype = True, "float32"
-    e._running, e._running_cond = {}, threading.Condition()
+    e._in_use = AdaptersInUse()
     e._ids, e._infos, e._next_id = {}, {}, 1
     e.llm = RecordingLlmEngine()
     e._loop = SimpleNamespace(run=lambda coro, timeout=None: asyncio.run(coro))

@@ -9,6 +9,7 @@ engine does not declare. Everything else is the suite's job.
 from __future__ import annotations
 
 import enum
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,49 @@ class RequestHandle(ABC):
     @abstractmethod
     def result(self, timeout: float) -> list[GenerationResult]:
         """The results in request order; raises EngineFailure on timeout."""
+
+
+class AdaptersInUse:
+    """How many submitted requests use each adapter name. For plugins whose engine drops an adapter
+    at once (vLLM's ``remove_lora``, a server's unload route) while the interface promises that an
+    unload waits for the requests that use it: the plugin counts its own requests and waits."""
+
+    def __init__(self) -> None:
+        self._count: dict[str, int] = {}
+        self._cond = threading.Condition()
+
+    def started(self, names: Sequence[str]) -> None:
+        with self._cond:
+            for name in names:
+                self._count[name] = self._count.get(name, 0) + 1
+
+    def finished(self, names: Sequence[str]) -> None:
+        with self._cond:
+            for name in names:
+                self._count[name] -= 1
+                if not self._count[name]:
+                    del self._count[name]
+            self._cond.notify_all()
+
+    def finished_with(self, futures: Sequence[Any], names: Sequence[str]) -> None:
+        """``finished(names)`` once, when the last of ``futures`` is done."""
+        left, lock = [len(futures)], threading.Lock()
+
+        def one_done(_future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.finished(names)
+
+        if not futures:
+            self.finished(names)
+        for f in futures:
+            f.add_done_callback(one_done)
+
+    def wait_unused(self, name: str, timeout: Optional[float]) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._count.get(name), timeout=timeout)
 
 
 # ---- standard engine args -------------------------------------------------------------

@@ -82,6 +82,7 @@ from typing import Any, Mapping, Optional, Sequence
 from lora_conformance.engines.args import Rename, Via, arg, capability_list
 from lora_conformance.engines.base import (
     AdapterIncompatibleError,
+    AdaptersInUse,
     AdapterNotLoadedError,
     Capability,
     Engine,
@@ -196,8 +197,7 @@ class OpenAIEngine(Engine):
         self.chunk = a.chunked_prefill_size
         self.limits = self.declared_limits(a, self.model_dir, device)
         self.capabilities = self.declared_capabilities(a, self.model_dir, device)
-        self._running: dict[str, int] = {}  # adapter name -> our running (submitted) requests using it
-        self._running_cond = threading.Condition()
+        self._in_use = AdaptersInUse()  # adapter name -> our running (submitted) requests using it
         self._proc: Optional[subprocess.Popen] = None
         self._log_path: Optional[Path] = None
         self._keep_log = False  # a failure's message names the log: it stays for the reader
@@ -449,8 +449,7 @@ class OpenAIEngine(Engine):
         # vLLM's server knows its adapters by name: it answers an unknown one itself (404).
         if name not in self._adapters and self.flavor != "vllm":
             raise AdapterNotLoadedError(name, self.list_adapters())
-        with self._running_cond:  # the server's unload does not wait for running requests: we do
-            self._running_cond.wait_for(lambda: not self._running.get(name), timeout=self.timeout)
+        self._in_use.wait_unused(name, self.timeout)  # the server's unload does not wait for running requests: we do
         route = "/v1/unload_lora_adapter" if self.flavor == "vllm" else "/unload_lora_adapter"
         try:
             self._http("POST", self.base_url + route, {"lora_name": name})
@@ -489,30 +488,12 @@ class OpenAIEngine(Engine):
         if self.flavor != "vllm":
             self.require_loaded(requests)
         names = [r.adapter for r in requests if r.adapter is not None]
-        with self._running_cond:
-            for name in names:
-                self._running[name] = self._running.get(name, 0) + 1
+        self._in_use.started(names)
         started = [threading.Event() for _ in requests]
         pool = ThreadPoolExecutor(max_workers=max(1, len(requests)))
         futures = [pool.submit(self._one_streamed, r, ev) for r, ev in zip(requests, started)]
         pool.shutdown(wait=False)
-        left = [len(futures)]
-        lock = threading.Lock()
-
-        def one_done(_fut):
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                with self._running_cond:
-                    for name in names:
-                        self._running[name] -= 1
-                        if not self._running[name]:
-                            del self._running[name]
-                    self._running_cond.notify_all()
-
-        for f in futures:
-            f.add_done_callback(one_done)
+        self._in_use.finished_with(futures, names)
         return _StreamHandle(futures, started, self.timeout)
 
     def _one_streamed(self, req: GenerationRequest, started: threading.Event) -> GenerationResult:

@@ -66,6 +66,7 @@ from lora_conformance.engines._hf_common import AdapterInfo, read_adapter_info, 
 from lora_conformance.engines.args import Rename, Via, arg
 from lora_conformance.engines.base import (
     AdapterIncompatibleError,
+    AdaptersInUse,
     AdapterNotLoadedError,
     Capability,
     CapacityError,
@@ -336,8 +337,7 @@ class VllmEngine(Engine):
         self._dead: Optional[str] = None
         self._request_ids = itertools.count()
         self._batch_lock: Optional[asyncio.Lock] = None  # created on the loop
-        self._running: dict[str, int] = {}  # adapter name -> running requests of ours that use it
-        self._running_cond = threading.Condition()
+        self._in_use = AdaptersInUse()  # adapter name -> running requests of ours that use it
 
         cfg = self.llm.vllm_config
         caps = set(_ENCODER if self.is_encoder else _ALWAYS)
@@ -470,8 +470,7 @@ class VllmEngine(Engine):
         if name not in self._ids:
             raise AdapterNotLoadedError(name, self.list_adapters())
         self._alive()
-        with self._running_cond:  # see the module docstring: vLLM's remove_lora does not wait
-            self._running_cond.wait_for(lambda: not self._running.get(name), timeout=CALL_TIMEOUT)
+        self._in_use.wait_unused(name, CALL_TIMEOUT)  # see the module docstring: vLLM's remove_lora does not wait
         lora_id = self._ids.pop(name)
         self._infos.pop(name)
         self._call(self.llm.remove_lora(lora_id), f"unloading adapter {name!r}")
@@ -520,37 +519,16 @@ class VllmEngine(Engine):
             for r in requests
         ]
         names = [r.adapter for r in requests if r.adapter is not None]
-        with self._running_cond:
-            for name in names:
-                self._running[name] = self._running.get(name, 0) + 1
+        self._in_use.started(names)
         started = [threading.Event() for _ in requests]
         try:
             queues = self._call(self._add_batch([r.prompt for r in requests], params, loras), "adding requests")
         except BaseException:
-            self._finished(names)
+            self._in_use.finished(names)
             raise
         futures = [self._loop.spawn(self._collect(q, ev)) for q, ev in zip(queues, started)]
-        pending = [len(futures)]
-        lock = threading.Lock()
-
-        def one_done(_fut, name=None):
-            with lock:
-                pending[0] -= 1
-                last = pending[0] == 0
-            if last:
-                self._finished(names)
-
-        for f in futures:
-            f.add_done_callback(one_done)
+        self._in_use.finished_with(futures, names)
         return _Handle(self, requests, futures, started)
-
-    def _finished(self, names: list[str]) -> None:
-        with self._running_cond:
-            for name in names:
-                self._running[name] -= 1
-                if not self._running[name]:
-                    del self._running[name]
-            self._running_cond.notify_all()
 
     async def _add_batch(self, prompts, params, loras):
         """Add a batch while the scheduler is paused, then resume: one scheduling batch."""

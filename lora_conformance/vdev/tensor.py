@@ -96,8 +96,8 @@ class _Memory:
         self._allocated = 0
         self._peak = 0
 
-    def hold(self, wrapper: torch.Tensor, host: torch.Tensor) -> None:
-        self._settle()
+    def _count(self, host: torch.Tensor) -> int:
+        """One more holder of ``host``'s storage (its bytes counted on the first); its key."""
         storage = host.untyped_storage()
         key = storage.data_ptr()
         entry = self.holders.get(key)
@@ -107,7 +107,11 @@ class _Memory:
             self._peak = max(self._peak, self._allocated)
         else:
             entry[1] += 1
-        cell = [key]  # the storage this wrapper holds (``rehold`` changes it)
+        return key
+
+    def hold(self, wrapper: torch.Tensor, host: torch.Tensor) -> None:
+        self._settle()
+        cell = [self._count(host)]  # the storage this wrapper holds (``rehold`` changes it)
         wrapper._vdev_held = cell
         weakref.finalize(wrapper, self._queue_free, cell)
 
@@ -118,15 +122,7 @@ class _Memory:
         """``wrapper`` now holds ``host``'s storage instead of the one it held."""
         cell = wrapper._vdev_held
         self._settle()
-        storage = host.untyped_storage()
-        key = storage.data_ptr()
-        entry = self.holders.get(key)
-        if entry is None:
-            self.holders[key] = [storage.nbytes(), 1]
-            self._allocated += storage.nbytes()
-            self._peak = max(self._peak, self._allocated)
-        else:
-            entry[1] += 1
+        key = self._count(host)
         self.freed.append(cell[0])
         cell[0] = key
         self._settle()
