@@ -122,3 +122,27 @@ def build_adapter(base_dir: Path, out: Path, seed: int, r: int = 8, alpha: float
                 p.copy_(torch.randn_like(p) * scale)
     pm.save_pretrained(str(out))
     return Path(out)
+
+
+def greedy_oracle(base_dir: Path, adapter_dir, prompt: str, steps: int):
+    """An independent oracle for an engine's greedy decode: a plain single-adapter PeftModel (or the
+    bare base), one prompt, full forwards with no cache and no generate(). Returns (prompt ids,
+    generated ids, the float32 logprob row of every step)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    prompt_ids, new, rows = ids[0].tolist(), [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            row = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), -1)
+            t = int(row.argmax())
+            new.append(t)
+            rows.append(row)
+            ids = torch.cat([ids, torch.tensor([[t]])], 1)
+    return prompt_ids, new, rows

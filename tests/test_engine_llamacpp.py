@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 np = pytest.importorskip("numpy")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tiny_models import build_adapter, build_llama  # noqa: E402
+from _tiny_models import build_adapter, build_llama, greedy_oracle  # noqa: E402
 
 from lora_conformance.engines.base import UnsupportedFeatureError  # noqa: E402
 from lora_conformance.engines.llamacpp_convert import (  # noqa: E402
@@ -142,27 +142,6 @@ def test_model_conversion_is_cached_by_content(ckpt, tmp_path):
 # ---- llama.cpp itself ----------------------------------------------------------------------
 
 
-def oracle(base_dir: Path, adapter_dir, prompt: str, steps: int):
-    """(prompt ids, generated ids, per-step logprob rows): full forwards, no cache, no generate()."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(base_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
-    ids = tok(prompt, return_tensors="pt").input_ids
-    prompt_ids, new, rows = ids[0].tolist(), [], []
-    with torch.no_grad():
-        for _ in range(steps):
-            row = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), -1)
-            t = int(row.argmax())
-            new.append(t)
-            rows.append(row)
-            ids = torch.cat([ids, torch.tensor([[t]])], 1)
-    return prompt_ids, new, rows
-
-
 @pytest.fixture(scope="module")
 def engine(ckpt):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'lora-conformance[llamacpp]')")
@@ -180,7 +159,7 @@ def test_engine_matches_the_peft_oracle(engine, ckpt, adapter):
     steps = 6
     reqs = [GenerationRequest(p, adapter=adapter, max_new_tokens=steps, top_k=3, prompt_logprobs=True) for p in PROMPTS]
     for req, got in zip(reqs, engine.generate(reqs)):
-        prompt_ids, ids, rows = oracle(ckpt["base"], None if adapter is None else ckpt[adapter], req.prompt, steps)
+        prompt_ids, ids, rows = greedy_oracle(ckpt["base"], None if adapter is None else ckpt[adapter], req.prompt, steps)
         assert got.prompt_token_ids == prompt_ids
         assert got.token_ids == ids, (adapter, req.prompt)
         for step, (top, row) in enumerate(zip(got.logprobs, rows)):

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tiny_models import build_adapter, build_llama, build_moe  # noqa: E402
+from _tiny_models import build_adapter, build_llama, build_moe, greedy_oracle  # noqa: E402
 
 from lora_conformance.engines._hf_common import read_adapter_info  # noqa: E402
 from lora_conformance.engines.base import (  # noqa: E402
@@ -52,24 +52,9 @@ def ckpt(tmp_path_factory):
 
 
 def oracle(base_dir: Path, adapter_dir, prompt: str, steps: int):
-    """(prompt ids, generated ids, chosen-token logprobs): full forwards, no cache, no generate()."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(base_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
-    ids = tok(prompt, return_tensors="pt").input_ids
-    prompt_ids, new, lps = ids[0].tolist(), [], []
-    with torch.no_grad():
-        for _ in range(steps):
-            row = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), -1)
-            t = int(row.argmax())
-            new.append(t)
-            lps.append(float(row[t]))
-            ids = torch.cat([ids, torch.tensor([[t]])], 1)
-    return prompt_ids, new, lps
+    """(prompt ids, generated ids, chosen-token logprobs) from the PEFT oracle."""
+    prompt_ids, ids, rows = greedy_oracle(base_dir, adapter_dir, prompt, steps)
+    return prompt_ids, ids, [float(row[t]) for row, t in zip(rows, ids)]
 
 
 # ---- no OpenVINO needed ------------------------------------------------------------------
