@@ -39,6 +39,7 @@ class Harness:
         self._references: dict[Path, Any] = {}
         self._engines: "OrderedDict[tuple, Any]" = OrderedDict()
         self._engine_failures: dict[tuple, BaseException] = {}
+        self._engine_extra: dict[tuple, dict] = {}  # shared engine key -> the test's args it was started with
         self._declared: dict[Path, Any] = {}  # model dir -> the engine class's declared capabilities
         self.auxiliary_probes: dict[tuple, str] = {}  # (model, dtype, capability) -> '' or what broke
         from lora_conformance.adapters import validate
@@ -106,9 +107,26 @@ class Harness:
             not_certified(REFUSED, f"engine {self.settings.engine!r} refused to start ({model_dir.name}, {dtype}, "
                                    f"{shown}): {exc}")
 
+    def engine_key(self, model_dir: Path, dtype: str, extra: Mapping[str, Any]) -> tuple:
+        """What identifies a shared engine: the model, the dtype and the engine's *effective*
+        settings (``Engine.sharing_key`` of the parsed args), so that a test asking for a value
+        the engine has anyway (``prefix_cache=1`` where caching is the default) shares the engine
+        started without it. Args that do not parse keep their raw strings: create_engine then
+        reports the problem, once."""
+        from lora_conformance.engines import engine_class
+
+        args = self.engine_args(extra)
+        try:
+            cls = engine_class(self.settings.engine)
+            cfg = cls.parse_args(args, self.settings.sources.get("engine_arg", "command line"))
+            ident = cls.sharing_key(cfg, model_dir, self.settings.device)
+        except Exception:  # noqa: BLE001 - any parse problem is create_engine's to report
+            ident = tuple(sorted(args.items()))
+        return (str(model_dir), dtype, ident)
+
     def shared_engine(self, model_dir: Path, dtype: str, extra: Mapping[str, Any] = {}):
-        """An engine shared by the tests that ask for the same model, dtype and args."""
-        key = (str(model_dir), dtype, tuple(sorted(self.engine_args(extra).items())))
+        """An engine shared by the tests that ask for the same model, dtype and effective settings."""
+        key = self.engine_key(model_dir, dtype, extra)
         if key in self._engine_failures:
             raise self._engine_failures[key]
         if key in self._engines:
@@ -125,6 +143,7 @@ class Harness:
             self._engine_failures[key] = exc  # do not retry a failing start (or a refusal) for every test
             raise
         self._engines[key] = engine
+        self._engine_extra[key] = dict(extra)
         self._record(engine)
         return engine
 
@@ -168,7 +187,7 @@ class Harness:
         if note is not None:
             note(f"the shared engine still reported adapters {leftover} after unloading every adapter; "
                  "this test ran on a fresh engine")
-        fresh = self.create_engine(Path(key[0]), key[1], dict(key[2]))
+        fresh = self.create_engine(Path(key[0]), key[1], self._engine_extra[key])
         self._engines[key] = fresh
         return fresh
 
@@ -288,6 +307,15 @@ class TestContext:
             engine = self.harness.reset_adapters(engine, self.note)
             self._reset.add(id(engine))
         return engine
+
+    def cold_engine(self, **args):
+        """An engine with these args, no adapter loaded and an empty prefix cache: the shared one
+        when the engine can empty its cache itself (``Engine.reset_prefix_cache``), else a fresh
+        one for this test alone."""
+        engine = self.engine_with(**args)
+        if engine.reset_prefix_cache():
+            return engine
+        return self.fresh_engine(**args)
 
     def fresh_engine(self, **args):
         """A new engine for this test alone (closed at teardown): for a test that needs an engine

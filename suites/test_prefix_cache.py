@@ -61,7 +61,7 @@ def long_prompt(lora, i=0):
 
 @pytest.mark.feature("prefix_cache/hit_equals_miss", "a prefix-cache hit gives the miss's outputs")
 def test_hit_equals_miss(lora, device, dtype):
-    engine = lora.fresh_engine(prefix_cache=1)
+    engine = lora.cold_engine(prefix_cache=1)
     lora.load(engine, "A", SPECS["A"])
     reqs = [GenerationRequest(prompt=long_prompt(lora), adapter=a, max_new_tokens=12) for a in ("A", None)]
     miss = engine.generate(reqs)
@@ -77,7 +77,7 @@ def test_hit_equals_miss(lora, device, dtype):
 @pytest.mark.parametrize("order", [("A", "B", None), (None, "A", "B")])
 def test_adapters_never_share_cached_entries(lora, device, dtype, order):
     """Serve one prompt under each adapter in turn: every later request must see its own adapter's KV."""
-    engine = lora.fresh_engine(prefix_cache=1)
+    engine = lora.cold_engine(prefix_cache=1)
     for name in ("A", "B"):
         lora.load(engine, name, SPECS[name])
     prompt = long_prompt(lora, 3)

@@ -126,3 +126,52 @@ def test_declared_capabilities_need_no_engine(engine):
     cfg = cls.parse_args({"api_flavor": "vllm"} if engine == "openai" else {})
     declared = cls.declared_capabilities(cfg, None, "cpu")
     assert declared is None or all(isinstance(c, Capability) for c in declared)
+
+
+def _decoder_dir(tmp_path: Path) -> Path:
+    import json
+
+    d = tmp_path / "llama"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    return d
+
+
+@pytest.mark.parametrize("engine, same, other", [
+    # the built-in engine caches prefixes by default
+    ("builtin", {"prefix_cache": "1"}, {"prefix_cache": "0"}),
+    # vLLM: prefix caching unset is vLLM's default, on for decoders; cpu has one attention backend
+    ("vllm", {"prefix_cache": "1"}, {"prefix_cache": "0"}),
+    ("vllm", {"attention_backend": "CPU_ATTN"}, {"max_loras": "2"}),
+])
+def test_a_value_the_engine_has_by_default_shares_the_default_engine(tmp_path, engine, same, other):
+    harness = _harness(tmp_path)
+    harness.settings.engine = engine
+    model = _decoder_dir(tmp_path)
+    default = harness.engine_key(model, "float32", {})
+    assert harness.engine_key(model, "float32", same) == default
+    assert harness.engine_key(model, "float32", other) != default
+    assert harness.engine_key(model, "bfloat16", same) != default
+
+
+class ResettableEngine(CountingEngine):
+    """Empties its prefix cache when asked (``resets``: how often)."""
+
+    resets = 0
+
+    def reset_prefix_cache(self):
+        type(self).resets += 1
+        return True
+
+
+@pytest.mark.parametrize("engine, shared", [("ResettableEngine", True), ("CountingEngine", False)])
+def test_a_cold_engine_is_the_shared_one_only_where_the_engine_empties_its_cache(tmp_path, engine, shared):
+    STARTED.clear()
+    ResettableEngine.resets = 0
+    harness = _harness(tmp_path, engine)
+    warm = _context(harness, tmp_path).engine
+    warm.load_adapter("A", tmp_path)
+    cold = _context(harness, tmp_path).cold_engine()
+    assert (cold is warm) == shared and cold.list_adapters() == []
+    assert len(STARTED) == (1 if shared else 2)
+    assert ResettableEngine.resets == (1 if shared else 0)

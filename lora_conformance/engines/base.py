@@ -13,7 +13,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Hashable, Mapping, Optional, Sequence
 
 from lora_conformance.types import GenerationRequest, GenerationResult
 
@@ -233,6 +233,14 @@ class Engine(ABC):
         return None
 
     @classmethod
+    def sharing_key(cls, cfg: Any, model_dir: Optional[Path], device: str) -> Hashable:
+        """Equal keys mean engines of this class started with these parsed args behave alike, so the
+        suites share one (harness.Harness.engine_key). The default: the args themselves, every
+        field with its default filled in. A plugin whose "unset" stands for an engine default it
+        knows resolves it here (vLLM: prefix caching on for decoders)."""
+        return repr(cfg) if cls.Args is not None else tuple(sorted(dict(cfg).items()))
+
+    @classmethod
     def declared_limits(cls, cfg: Any, model_dir: Optional[Path], device: str) -> Optional[Limits]:
         """The ``limits`` such an engine would have, or None when only a started engine can tell."""
         return None
@@ -261,6 +269,12 @@ class Engine(ABC):
         lifecycle suites check ``list_adapters`` against it, and where it is None they say in the
         report that their list checks test the plugin's bookkeeping only."""
         return None
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the engine's prefix cache now (no request running); True when the engine did.
+        The default (False: the engine has no such call) makes a test that needs a cold cache
+        start a fresh engine instead (``TestContext.cold_engine``)."""
+        return False
 
     def resident_adapters(self) -> Optional[list[str]]:
         """Names whose weights the engine holds now, within ``max_loaded_loras`` (what an eviction

@@ -53,6 +53,7 @@ here to use it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import threading
@@ -252,6 +253,21 @@ class VllmEngine(Engine):
         return frozenset(caps)
 
     @classmethod
+    def sharing_key(cls, cfg: VllmArgs, model_dir: Optional[Path], device: str):
+        """Unset args that stand for vLLM defaults known here, resolved: prefix caching is on for
+        decoders (what ``settings()`` reads back from the started engine), and a device with one
+        attention backend uses it; an engine asked for either value explicitly is the same engine."""
+        from lora_conformance.engines._hf_common import is_encoder_only
+
+        encoder = model_dir is not None and is_encoder_only(Path(model_dir))
+        if cfg.prefix_cache is None and not encoder:
+            cfg = dataclasses.replace(cfg, prefix_cache=True)
+        only_backend = _BACKENDS.get(devices.device_type(device), ())
+        if cfg.attention_backend is None and len(only_backend) == 1:
+            cfg = dataclasses.replace(cfg, attention_backend=only_backend[0])
+        return repr(cfg)
+
+    @classmethod
     def declared_limits(cls, cfg: VllmArgs, model_dir: Optional[Path], device: str) -> Limits:
         return Limits(cfg.max_loras, cfg.max_cpu_loras or max(16, cfg.max_loras), cfg.max_lora_rank)
 
@@ -375,8 +391,6 @@ class VllmEngine(Engine):
     def settings(self) -> dict:
         """Every effective engine setting (read back from vLLM's config) and each of ours that
         differs from vLLM's default, with the reason."""
-        import dataclasses
-
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         cfg = self.llm.vllm_config
@@ -622,6 +636,11 @@ class VllmEngine(Engine):
         )
 
     # ---- errors and lifetime --------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's own call (``AsyncLLM.reset_prefix_cache``); it answers False while requests run."""
+        self._alive()
+        return bool(self._call(self.llm.reset_prefix_cache(), "resetting the prefix cache"))
 
     def _call(self, coro, what: str):
         """Run a coroutine on the engine's loop; any error becomes a typed EngineError."""
