@@ -43,6 +43,23 @@ def cpu_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def worker_cpus(environ: Mapping[str, str] = os.environ, cpus: Optional[list[int]] = None) -> list[int]:
+    """The CPU ids that are this process's share when pytest-xdist spreads a run over the machine:
+    worker ``gwK`` of ``N`` gets the K-th of N equal slices of the CPUs it may run on (all of them
+    outside xdist; a worker beyond the CPU count shares one). For engines that pin their own
+    threads to CPUs (vLLM on cpu), so that two workers' engines do not pin onto the same core."""
+    if cpus is None:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    worker, count = environ.get("PYTEST_XDIST_WORKER", ""), environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()) or int(count) <= 1:
+        return list(cpus)
+    k, n = int(worker[2:]), int(count)
+    if n >= len(cpus):
+        return [cpus[k % len(cpus)]]
+    size = len(cpus) // n
+    return list(cpus[k * size: len(cpus) if k == n - 1 else (k + 1) * size])
+
+
 def available_memory() -> Optional[int]:
     """Bytes of memory available for new work (Linux MemAvailable), or None where unknown."""
     try:

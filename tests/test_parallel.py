@@ -227,3 +227,35 @@ def test_certify_reads_the_recorded_durations_of_its_own_settings(tmp_path, monk
     assert certify.choose_workers(parse("--device", "cpu", "--engine", "peft"), xdist_installed=True).workers == 16
     (tmp_path / "durations" / "builtin-cpu-float32.json").write_text("{broken")
     assert certify.choose_workers(parse("--device", "cpu"), xdist_installed=True).workers == 16
+
+
+@pytest.mark.parametrize("env, cpus, expected", [
+    ({}, [0, 1], [0, 1]),                                                          # no xdist: every CPU
+    ({"PYTEST_XDIST_WORKER": "gw0", "PYTEST_XDIST_WORKER_COUNT": "2"}, [0, 1], [0]),
+    ({"PYTEST_XDIST_WORKER": "gw1", "PYTEST_XDIST_WORKER_COUNT": "2"}, [0, 1], [1]),
+    ({"PYTEST_XDIST_WORKER": "gw1", "PYTEST_XDIST_WORKER_COUNT": "2"}, [0, 1, 2, 3, 4], [2, 3, 4]),
+    ({"PYTEST_XDIST_WORKER": "gw2", "PYTEST_XDIST_WORKER_COUNT": "3"}, [4, 5], [4]),  # more workers than CPUs
+    ({"PYTEST_XDIST_WORKER": "gw0", "PYTEST_XDIST_WORKER_COUNT": "1"}, [0, 1], [0, 1]),
+])
+def test_worker_cpus_are_disjoint_slices(env, cpus, expected):
+    from lora_conformance.parallel import worker_cpus
+
+    assert worker_cpus(env, cpus) == expected
+
+
+@pytest.mark.parametrize("worker, ranks, expected", [("gw0", 1, "0"), ("gw1", 1, "1"), ("gw0", 2, "0|0")])
+def test_vllm_engines_of_two_workers_are_pinned_to_their_own_cpus(monkeypatch, worker, ranks, expected):
+    """vLLM's auto binding pins rank 0 of every engine to the first core: two workers' engines would
+    share it. The plugin gives each worker's engines that worker's CPUs, unless the user set them."""
+    from lora_conformance.engines.vllm_engine import VllmEngine
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    engine = VllmEngine.__new__(VllmEngine)
+    engine._bind_threads(ranks)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == expected
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # the user's
+    engine._bind_threads(ranks)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"

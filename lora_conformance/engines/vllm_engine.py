@@ -293,6 +293,7 @@ class VllmEngine(Engine):
             )
         if self.dev_type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(a.kv_cache_space_gb))
+            self._bind_threads(a.tensor_parallel_size or 1)
         devices.set_start_method_for(device)
 
         kwargs: dict[str, Any] = dict(
@@ -367,6 +368,29 @@ class VllmEngine(Engine):
             caps.add(Capability.MOE)
         self.capabilities = frozenset(caps)
 
+    _BIND = "VLLM_CPU_OMP_THREADS_BIND"
+    _bound_by_us: set[str] = set()  # values this plugin set (any other value is the user's)
+
+    def _bind_threads(self, ranks: int) -> None:
+        """vLLM on cpu pins each rank's OpenMP threads to CPUs; its ``auto`` binding reserves a core
+        for the scheduler and pins rank 0 to the first core whatever else runs, so the engines of
+        two pytest-xdist workers would share one core. Unless the user set the variable, each
+        worker's engines get that worker's CPUs (``parallel.worker_cpus``), split over the ranks."""
+        from lora_conformance import parallel
+
+        current = os.environ.get(self._BIND)
+        if current is not None and current not in self._bound_by_us:
+            return
+        cpus = parallel.worker_cpus()
+        if ranks > len(cpus):
+            lists = [[cpus[r % len(cpus)]] for r in range(ranks)]
+        else:
+            size = len(cpus) // ranks
+            lists = [cpus[r * size: len(cpus) if r == ranks - 1 else (r + 1) * size] for r in range(ranks)]
+        value = "|".join(",".join(str(c) for c in part) for part in lists)
+        type(self)._bound_by_us.add(value)
+        os.environ[self._BIND] = value
+
     # ---- settings ---------------------------------------------------------------------
 
     WHY = {
@@ -412,6 +436,7 @@ class VllmEngine(Engine):
             "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
             "seed": cfg.model_config.seed,
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(self._BIND, "auto"),
             "validate_adapters (plugin)": self.validate_adapters,
         }
         defaults = {f.name: f.default for f in dataclasses.fields(AsyncEngineArgs)
@@ -423,6 +448,11 @@ class VllmEngine(Engine):
             differs["VLLM_CPU_KVCACHE_SPACE"] = {"ours": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
                                                  "engine_default": "0 (auto)",
                                                  "why": "a small KV cache: several engines share this machine"}
+            bind = os.environ.get(self._BIND)
+            if bind in self._bound_by_us:
+                differs[self._BIND] = {"ours": bind, "engine_default": "auto (rank 0 pinned to the first cores, "
+                                                                        "one core reserved)",
+                                       "why": "each pytest-xdist worker's engines on that worker's own CPUs"}
         return {"effective": effective, "differs_from_engine_default": differs,
                 "not_declared": {c.value: why for c, why in NOT_DECLARED.items() if c not in self.capabilities}}
 
