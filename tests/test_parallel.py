@@ -259,3 +259,16 @@ def test_vllm_engines_of_two_workers_are_pinned_to_their_own_cpus(monkeypatch, w
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # the user's
     engine._bind_threads(ranks)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+
+
+@pytest.mark.parametrize("engine, extra, dist", [
+    ("builtin", [], None),                                  # cheap starts: xdist's load balancing
+    ("vllm", [], ["--dist", "loadfile"]),                   # slow starts: a suite file's engines start once
+    ("vllm", ["--", "--dist=load"], None),                  # the user's choice wins
+])
+def test_certify_keeps_suite_files_together_for_engines_that_start_slowly(tmp_path, engine, extra, dist):
+    cmd = certify.pytest_command(parse("--device", "cpu", "--engine", engine, "--report", str(tmp_path), *extra),
+                                 workers=2)
+    assert cmd[cmd.index("-n"):cmd.index("-n") + 2] == ["-n", "2"]
+    got = cmd[cmd.index("--dist"):cmd.index("--dist") + 2] if "--dist" in cmd else None
+    assert got == dist, cmd

@@ -212,6 +212,10 @@ class Engine(ABC):
     standard_args: ClassVar[Mapping[str, Callable[[str], dict[str, str]]]] = {}
     requires: ClassVar[tuple[str, ...]] = ()
     extra: ClassVar[Optional[str]] = None
+    # Starting one takes long (processes, a server, tens of seconds): certify then keeps each suite
+    # file on one pytest-xdist worker (--dist loadfile), so an engine with a file's settings starts
+    # once, not once per worker.
+    slow_start: ClassVar[bool] = False
 
     @classmethod
     def parse_args(cls, raw: Mapping[str, str], source: "str | Mapping[str, str]" = "the engine's arguments") -> Any:

@@ -160,6 +160,7 @@ class OpenAIArgs:
 class OpenAIEngine(Engine):
     name = "openai"
     Args = OpenAIArgs
+    slow_start = True  # a server process and its warm-up
     standard_args = {
         "max_loras_per_batch": Rename("max_loras"),
         "eviction": only(name, "eviction", "lru"),

@@ -144,6 +144,7 @@ class SGLangEngine(Engine):
     Args = SGLangArgs
     requires = ("sglang",)
     extra = "sglang"
+    slow_start = True  # a server process and its warm-up
     standard_args = {
         "max_loras_per_batch": Via(_batch_with_base, "as max_loras_per_batch + 1"),
         "max_rank": Rename("max_lora_rank"),

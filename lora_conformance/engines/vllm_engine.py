@@ -219,6 +219,7 @@ class VllmEngine(Engine):
     name = "vllm"
     Args = VllmArgs
     requires = ("vllm",)
+    slow_start = True  # an engine-core process (and workers) and their warm-up
     extra = "vllm"
     standard_args = {
         "max_loras_per_batch": Rename("max_loras"),

@@ -178,6 +178,17 @@ def _autoload_env(args) -> Optional[dict]:
     return dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
 
 
+def _slow_start(engine: str) -> bool:
+    """The engine class says its start is slow (``Engine.slow_start``); an engine that cannot be
+    found is left to the run to report."""
+    from lora_conformance.engines import engine_class
+
+    try:
+        return bool(getattr(engine_class(engine), "slow_start", False))
+    except Exception:  # noqa: BLE001 - a bad engine name is reported by the run itself, in one line
+        return False
+
+
 def pytest_command(args, workers: Optional[int] = None) -> list[str]:
     from lora_conformance.settings import suites_dir
 
@@ -201,6 +212,8 @@ def pytest_command(args, workers: Optional[int] = None) -> list[str]:
         cmd.append(f"--base-model={args.base_model}")
     if workers is not None and workers > 1:
         cmd += ["-n", str(workers)]
+        if _slow_start(args.engine) and not any(a == "--dist" or a.startswith("--dist=") for a in _extra_args(args)):
+            cmd += ["--dist", "loadfile"]
     cmd.append(f"--lora-report={Path(args.report).resolve()}")
     return cmd + _extra_args(args)
 
