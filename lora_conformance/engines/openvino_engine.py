@@ -33,8 +33,8 @@ served with GenAI's own tokenizer. What GenAI offers, and so what this plugin de
   adapter cannot carry per-module scaling); ``target_parameters``, MoE and encoder base models
   (the converter has no path for them); float16 on a CPU without FP16 support (OpenVINO reports
   no FP16 in ``OPTIMIZATION_CAPABILITIES``); an ``adapter_config.json`` that cannot be read (the
-  blend weight is computed from it); ranks above the ``max_rank`` arg (a deployment's setting); and
-  adapters for a module without a MatMul in the converted model (no place to bind them). Malformed
+  blend weight is computed from it, so ``r`` must be positive); and ranks above the ``max_rank`` arg
+  (a deployment's setting). Malformed
   weights files reach GenAI (engine arg ``validate_adapters=1`` runs the shared validator first, a
   configuration, not GenAI's behaviour): what GenAI accepts, refuses or crashes on is what the
   bad-input suite records.
@@ -56,6 +56,7 @@ from lora_conformance import devices
 from lora_conformance.engines._hf_common import AdapterInfo, read_adapter_info
 from lora_conformance.engines.args import Ignore, Rename, arg
 from lora_conformance.engines.base import (
+    AdapterFormatError,
     AdapterIncompatibleError,
     AdapterNotLoadedError,
     Capability,
@@ -88,6 +89,10 @@ def openvino_device(device: str) -> str:
 
 
 def adapter_scaling(info: AdapterInfo) -> float:
+    """PEFT's scaling, which GenAI takes as the adapter's blend weight (GenAI never reads the config)."""
+    if info.rank <= 0:
+        raise AdapterFormatError(info.path / "adapter_config.json", "r",
+                                 f"{info.rank}: the blend weight passed to GenAI is lora_alpha / r, which needs r > 0")
     alpha = float(info.raw.get("lora_alpha", info.rank))
     return alpha / (math.sqrt(info.rank) if info.use_rslora else info.rank)
 
@@ -228,7 +233,7 @@ class OpenVINOEngine(Engine):
         self._pipe = None  # release the old one first
         try:
             self._pipe = g.ContinuousBatchingPipeline(str(self.ir_dir), sched, self.ov_device, props)
-        except RuntimeError as exc:
+        except Exception as exc:  # noqa: BLE001 - GenAI raises RuntimeError and its own types
             raise EngineFailure(f"engine 'openvino': cannot create the pipeline for {self.ir_dir}: {exc}") from exc
         self._tokenizer = self._pipe.get_tokenizer()
         self._bound = set().union(*(adapter_modules(info.path) for info, _, _ in self._adapters.values()))
@@ -246,21 +251,21 @@ class OpenVINOEngine(Engine):
             validate_adapter(Path(path), self.model_dir, self.max_rank, self.dtype)
         info = read_adapter_info(Path(path))  # the blend weight needs the config (AdapterFormatError if unreadable)
         self._check_servable(name, info)
+        scaling = adapter_scaling(info)
         try:  # GenAI reads the weights file first: what it refuses, it refuses itself
             adapter = self._genai.Adapter(str(info.path / "adapter_model.safetensors"))
-        except RuntimeError as exc:
+        except Exception as exc:  # noqa: BLE001 - GenAI raises RuntimeError and its own types
             raise AdapterIncompatibleError(f"adapter {name!r} from {path}: OpenVINO GenAI cannot read it: {exc}") from exc
         try:
             modules = adapter_modules(info.path)
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
             raise AdapterIncompatibleError(f"adapter {name!r} from {path}: GenAI read the weights file, but its "
                                            f"tensor names (to bind them to MatMuls) cannot be read: {exc}") from exc
-        unbound = sorted(m for m in modules if not any(m in mm for mm in self._matmuls))
-        if unbound:
-            raise AdapterIncompatibleError(
-                f"adapter {name!r} from {path}: no MatMul in the converted model for {', '.join(unbound[:4])}")
+        # Tensors for a module the converted model has no MatMul for are GenAI's to skip or refuse
+        # (it matches names to MatMuls itself); only bindable modules decide on a new pipeline.
+        modules = {m for m in modules if any(m in mm for mm in self._matmuls)}
         old = self._adapters.pop(name, None)
-        self._adapters[name] = (info, adapter, adapter_scaling(info))
+        self._adapters[name] = (info, adapter, scaling)
         if not modules <= self._bound:
             try:
                 self._build_pipeline()
@@ -333,8 +338,8 @@ class OpenVINOEngine(Engine):
             while pipe.has_non_finished_requests():
                 pipe.step()
             traced = {k: h.read_all()[0] for k, h in handles.items()}
-        except RuntimeError as exc:
-            raise EngineFailure(f"engine 'openvino': generation failed: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - GenAI raises RuntimeError and its own types (ParameterMismatch, ...)
+            raise EngineFailure(f"engine 'openvino': generation failed: {type(exc).__name__}: {exc}") from exc
         out = []
         for k, (req, s) in enumerate(zip(requests, served)):
             if k in traced:
