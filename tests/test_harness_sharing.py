@@ -175,3 +175,12 @@ def test_a_cold_engine_is_the_shared_one_only_where_the_engine_empties_its_cache
     assert (cold is warm) == shared and cold.list_adapters() == []
     assert len(STARTED) == (1 if shared else 2)
     assert ResettableEngine.resets == (1 if shared else 0)
+
+
+def test_a_served_vllm_caches_prefixes_unless_told_so_the_key_says_so():
+    from lora_conformance.engines.openai_engine import OpenAIEngine
+
+    base = {"api_flavor": "vllm", "url": "http://127.0.0.1:1"}
+    key = lambda **extra: OpenAIEngine.sharing_key(OpenAIEngine.parse_args({**base, **extra}), None, "cpu")
+    assert key() == key(prefix_cache="1")
+    assert key() != key(concurrency="4")

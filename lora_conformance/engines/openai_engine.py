@@ -63,6 +63,7 @@ the server is on loopback), and every HTTP request has one deadline for the whol
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -172,6 +173,13 @@ class OpenAIEngine(Engine):
     }
 
     @classmethod
+    def sharing_key(cls, cfg: "OpenAIArgs", model_dir: Optional[Path], device: str):
+        """prefix_cache unset is the server's own behaviour: vllm serve caches prefixes (only 1)."""
+        if cfg.prefix_cache is None and cfg.api_flavor == "vllm":
+            cfg = dataclasses.replace(cfg, prefix_cache=True)
+        return repr(cfg)
+
+    @classmethod
     def declared_capabilities(cls, cfg: OpenAIArgs, model_dir: Optional[Path], device: str) -> frozenset:
         """The ``capabilities`` arg when given, else what the ``api_flavor`` server does (see _CAPS)."""
         if cfg.capabilities:
@@ -253,6 +261,13 @@ class OpenAIEngine(Engine):
         env = dict(os.environ)
         if self.flavor == "vllm":
             env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+            if "VLLM_CPU_OMP_THREADS_BIND" not in env:
+                # vLLM's auto binding pins rank 0 of every server to the first core: the servers of
+                # two pytest-xdist workers would share it. Each gets its worker's CPUs (a vLLM on an
+                # accelerator ignores the variable).
+                from lora_conformance import parallel
+
+                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in parallel.worker_cpus())
         log = tempfile.NamedTemporaryFile("wb", prefix="lora-conformance-server-", suffix=".log", delete=False)
         self._log_path = Path(log.name)
         try:
