@@ -280,9 +280,11 @@ class OpenVINOEngine(Engine):
     def _check_servable(self, name: str, info: AdapterInfo) -> None:
         refused = adapter_refusals(info)
         if refused:
-            raise UnsupportedFeatureError(f"engine 'openvino' cannot serve adapter {name!r}: {'; '.join(refused)}")
+            raise UnsupportedFeatureError(f"engine 'openvino' cannot serve adapter {name!r} from {info.path}: "
+                                          f"{'; '.join(refused)}")
         if info.max_rank > self.max_rank:
-            raise AdapterIncompatibleError(f"adapter {name!r}: rank {info.max_rank} exceeds max_rank {self.max_rank}")
+            raise AdapterIncompatibleError(f"adapter {name!r} from {info.path}: rank {info.max_rank} exceeds "
+                                           f"max_rank {self.max_rank}")
 
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
