@@ -204,6 +204,21 @@ class Harness:
             declared = self.shared_engine(model_dir, _item_dtype(request, self.settings)).capabilities
         return [c for c in needed if Capability.parse(c) not in declared]
 
+    def not_declared_reasons(self, request: pytest.FixtureRequest) -> dict[str, str]:
+        """capability name -> why the engine does not declare it for this test's model
+        (``Engine.not_declared_reasons``)."""
+        from lora_conformance.engines import engine_class
+
+        model_dir = self.model_dir(self.model_spec(_marker_kind(request.node)))
+
+        try:
+            cls = engine_class(self.settings.engine)
+            cfg = cls.parse_args(self.settings.engine_args, self.settings.sources.get("engine_arg", "command line"))
+            reasons = cls.not_declared_reasons(cfg, model_dir, self.settings.device)
+        except Exception:  # noqa: BLE001 - the reasons only explain; the verdict stands without them
+            return {}
+        return {getattr(c, "value", str(c)): why for c, why in reasons.items()}
+
     def declared_capabilities(self, model_dir: Path):
         """The engine class's own answer (``Engine.declared_capabilities``) for the user's engine args,
         or None where only a started engine can tell."""

@@ -15,7 +15,7 @@ cause was recorded.
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Mapping, NoReturn
 
 import pytest
 
@@ -41,8 +41,12 @@ def not_certified(cause: str, detail: str) -> NoReturn:
     raise NotCertified(cause, detail)
 
 
-def missing_capabilities(caps: "list[str] | tuple[str, ...]") -> NoReturn:
-    not_certified(CAPABILITY, f"engine does not declare {', '.join(caps)}")
+def missing_capabilities(caps: "list[str] | tuple[str, ...]", reasons: "Mapping[str, str] | None" = None) -> NoReturn:
+    """Not certified: the engine does not declare ``caps``; ``reasons`` (capability -> the evidence the
+    engine's plugin gives for not declaring it) are shown with them."""
+    reasons = reasons or {}
+    shown = [f"{c} ({reasons[c]})" if reasons.get(c) else c for c in caps]
+    not_certified(CAPABILITY, f"engine does not declare {'; '.join(shown)}")
 
 
 def limit_too_small(what: str, needed: int, allowed: int) -> NoReturn:

@@ -331,7 +331,7 @@ def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
     harness = _harness(request.config)
     missing = harness.missing_capabilities(request, needed)
     if missing:
-        missing_capabilities(missing)
+        missing_capabilities(missing, harness.not_declared_reasons(request))
 
 
 # ---- environment facts from pytest-xdist workers ------------------------------------------

@@ -184,3 +184,15 @@ def test_a_served_vllm_caches_prefixes_unless_told_so_the_key_says_so():
     key = lambda **extra: OpenAIEngine.sharing_key(OpenAIEngine.parse_args({**base, **extra}), None, "cpu")
     assert key() == key(prefix_cache="1")
     assert key() != key(concurrency="4")
+
+
+def test_a_capability_not_declared_is_shown_with_the_plugins_evidence():
+    from lora_conformance.engines.vllm_engine import VllmEngine
+    from lora_conformance.outcomes import NotCertified, missing_capabilities
+
+    reasons = VllmEngine.not_declared_reasons(VllmEngine.parse_args({}), None, "cpu")
+    assert {c.value for c in reasons} == {"moe", "graphs", "overlap_loading", "eviction_fifo"}
+    assert all("vLLM" in why or "vllm/" in why for why in reasons.values())
+    with pytest.raises(NotCertified) as info:
+        missing_capabilities(["moe", "pinning"], {"moe": "no fused-MoE LoRA on CPU"})
+    assert "moe (no fused-MoE LoRA on CPU); pinning" in str(info.value)

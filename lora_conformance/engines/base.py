@@ -237,6 +237,13 @@ class Engine(ABC):
         return None
 
     @classmethod
+    def not_declared_reasons(cls, cfg: Any, model_dir: Optional[Path], device: str) -> Mapping[Capability, str]:
+        """Why an engine started with ``cfg`` does not declare a capability, with the evidence (the
+        engine's source, its documentation, or our test of it), for those the plugin knows; the
+        *not certified* rows of a report show it beside the capability."""
+        return {}
+
+    @classmethod
     def sharing_key(cls, cfg: Any, model_dir: Optional[Path], device: str) -> Hashable:
         """Equal keys mean engines of this class started with these parsed args behave alike, so the
         suites share one (harness.Harness.engine_key). The default: the args themselves, every

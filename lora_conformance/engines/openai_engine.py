@@ -173,6 +173,16 @@ class OpenAIEngine(Engine):
     }
 
     @classmethod
+    def not_declared_reasons(cls, cfg: "OpenAIArgs", model_dir: Optional[Path], device: str):
+        """A vllm-flavour server is vLLM: what it lacks, it lacks for the reasons the vllm plugin gives."""
+        if cfg.api_flavor != "vllm" or cfg.capabilities:
+            return {}
+        from lora_conformance.engines.vllm_engine import NOT_DECLARED
+
+        declared = cls.declared_capabilities(cfg, model_dir, device) or frozenset()
+        return {c: why for c, why in NOT_DECLARED.items() if c not in declared}
+
+    @classmethod
     def sharing_key(cls, cfg: "OpenAIArgs", model_dir: Optional[Path], device: str):
         """prefix_cache unset is the server's own behaviour: vllm serve caches prefixes (only 1)."""
         if cfg.prefix_cache is None and cfg.api_flavor == "vllm":

@@ -178,7 +178,19 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
+        """Cancel what still runs on the loop (vLLM's output handlers) and wait for it, then stop: a
+        task left pending when the loop goes away is reported by asyncio as destroyed."""
         if self.loop.is_running():
+            async def drain():
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            try:
+                self.run(drain(), timeout=10)
+            except Exception:  # noqa: BLE001 - stopping anyway
+                pass
             self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
@@ -252,6 +264,11 @@ class VllmEngine(Engine):
             if cfg.enforce_eager is not True:
                 caps.add(Capability.GRAPHS)
         return frozenset(caps)
+
+    @classmethod
+    def not_declared_reasons(cls, cfg: VllmArgs, model_dir: Optional[Path], device: str):
+        declared = cls.declared_capabilities(cfg, model_dir, device)
+        return {c: why for c, why in NOT_DECLARED.items() if c not in declared}
 
     @classmethod
     def sharing_key(cls, cfg: VllmArgs, model_dir: Optional[Path], device: str):
@@ -720,8 +737,14 @@ class VllmEngine(Engine):
         self.llm = None
         loop = getattr(self, "_loop", None)
         if llm is not None:
-            try:
+            async def shutdown():  # on the loop's thread: shutdown cancels tasks of that loop
                 llm.shutdown()
+
+            try:
+                if loop is not None and loop.loop.is_running():
+                    loop.run(shutdown(), timeout=60)
+                else:
+                    llm.shutdown()
             except Exception:
                 pass  # a dead core has nothing left to stop
         if loop is not None:
