@@ -52,7 +52,8 @@ def table(reports_dir: Path = ROOT / "reports") -> str:
         device = env["device"].get("type", "?")
         if device != "cpu" and env["device"].get("device_name"):
             device += f" ({env['device']['device_name']})"
-        name = env["engine"]["name"] + "".join(f", {k}={v}" for k, v in sorted((env["engine"].get("args") or {}).items()))
+        name = env["engine"]["name"] + "".join(f", {k}={shown_arg(k, v)}"
+                                               for k, v in sorted((env["engine"].get("args") or {}).items()))
         rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         lines.append(f"| {name} @ {device} / {env.get('dtype')} | {column['score'].replace('/', ' / ')} "
                      f"| {by_status.get('xfail', 0)} | {by_status.get('failed', 0) + by_status.get('error', 0)} "
@@ -60,6 +61,17 @@ def table(reports_dir: Path = ROOT / "reports") -> str:
                      f"| {str(env.get('git_commit') or '?')[:9]} "
                      f"| [{rel}]({rel}){'' if checked else ' (no records digest)'} |")
     return "\n".join(lines)
+
+
+def shown_arg(key: str, value) -> str:
+    """An engine arg as the table shows it: a server command by what it runs (``-m MODULE`` or the
+    program's name), not its whole line."""
+    if key != "server_cmd":
+        return str(value)
+    words = str(value).split()
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1]
+    return Path(words[0]).name if words else ""
 
 
 FAMILY = "inflight_lifecycle/"  # the family with a column of its own: adapters changed while requests run
