@@ -10,7 +10,6 @@ from lora_conformance import devices
 from lora_conformance.checkpoints import DTYPE_NAMES, torch_dtype
 from lora_conformance.engines.base import Capability, Engine, Limits, UnsupportedFeatureError
 from lora_conformance.engines.builtin.args import EngineArgs
-from lora_conformance.engines.builtin.faults import Faults
 from lora_conformance.engines.builtin.models.config import load_spec
 from lora_conformance.types import GenerationRequest, GenerationResult
 
@@ -45,9 +44,9 @@ class BuiltinEngine(Engine):
         from lora_conformance.engines.builtin.engine.inflight import InflightServer
         from lora_conformance.engines.builtin.engine.llm_engine import LLMEngine
         from lora_conformance.engines.builtin.engine.model_runner import ModelRunner
+        from lora_conformance.engines.builtin.engine.plan import EnginePlan
         from lora_conformance.engines.builtin.models.loader import build_model
 
-        self.faults = Faults(self.cfg.fault)
         self.device = devices.resolve_device(device or "auto")
         if dtype in (None, "", "auto"):
             dtype = devices.default_dtype_for(self.device)
@@ -58,9 +57,11 @@ class BuiltinEngine(Engine):
             raise UnsupportedFeatureError(
                 f"engine arg graphs=1: graph capture is not supported on {self.device}; use graphs=0"
             )
+        self.plan = plan = EnginePlan.decide(self.cfg, self.device, self.torch_dtype)  # fault, variant, LoRA path
         self.spec = load_spec(self.model_dir)
         max_len = max(self.cfg.max_model_len, 16)
-        self.model = build_model(self.model_dir, self.spec, self.faults, max_len, self.device, self.torch_dtype)
+        self.model = build_model(self.model_dir, self.spec, max_len, self.device, self.torch_dtype,
+                                 plan.rope_exponent_dim)
         from lora_conformance.engines.builtin.layers import kernels
 
         self.fused_kernels = kernels.select(self.device, self.cfg.kernels)
@@ -73,18 +74,18 @@ class BuiltinEngine(Engine):
         self._modules = model_lora_modules(self.model)
         pin = devices.pin_memory_supported(self.device)
         self.pool = AdapterPool(
-            self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction, self.faults,
-            lambda n, p, pinned: load_adapter_dir(n, p, self._modules, self.cfg.max_rank, self.faults,
-                                                  self.torch_dtype, pin, self.model_dir, self.cfg.variant),
+            self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction,
+            lambda n, p, pinned: load_adapter_dir(n, p, self._modules, self.cfg.max_rank, plan.adapters,
+                                                  self.torch_dtype, pin, self.model_dir),
+            plan.reload_reads_weights, plan.evict_pinned,
         )
-        self.runner = ModelRunner(self.model, self.spec, self.cfg, self.faults, self.device, self.torch_dtype,
-                                  num_blocks)
-        self.blocks = BlockManager(num_blocks, bs, self.cfg.prefix_cache, self.faults)
+        self.runner = ModelRunner(self.model, self.spec, self.cfg, plan, self.device, self.torch_dtype, num_blocks)
+        self.blocks = BlockManager(num_blocks, bs, self.cfg.prefix_cache, plan.prefix_salt)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.llm = LLMEngine(self.runner, self.pool, self.blocks, self.tokenizer, self.cfg, eos)
-        self.server = InflightServer(self.llm, self.faults)  # one step, admission or adapter change at a time
+        self.llm = LLMEngine(self.runner, self.pool, self.blocks, self.tokenizer, self.cfg, eos, plan)
+        self.server = InflightServer(self.llm, plan.drain_before_change)  # one step, admission or adapter change at a time
         self.capabilities = self._capabilities(self.cfg, self.spec.kind)
         self.limits = self.declared_limits(self.cfg, self.model_dir, self.device)
 
@@ -163,7 +164,7 @@ class BuiltinEngine(Engine):
         if self.spec.kind == "encoder":
             raise UnsupportedFeatureError(f"{self.model_dir} is an encoder: use embed(), not generate()")
         requests = list(requests)
-        if self.cfg.variant.on("one_at_a_time"):
+        if self.plan.one_at_a_time:
             return [out for r in requests for out in self.server.generate([r])]
         return self.server.generate(requests)
 
@@ -187,7 +188,7 @@ class BuiltinEngine(Engine):
             if n is not None:
                 self.pool.check(n)  # AdapterNotLoadedError before any work
         order = list(range(len(texts)))
-        if self.cfg.variant.on("reverse"):
+        if self.plan.reverse_order:
             order.reverse()
         with self.server._locked():  # slots are not reassigned under a running step
             return self._embed_locked(texts, names, order)
@@ -199,7 +200,7 @@ class BuiltinEngine(Engine):
         slots: list[int] = []
         for i in order:
             n = names[i]
-            full = batch and (self.cfg.variant.on("one_at_a_time") or len(batch) >= self.cfg.max_batch_size
+            full = batch and (self.plan.one_at_a_time or len(batch) >= self.cfg.max_batch_size
                               or (n is not None and not self.pool.can_assign(n, locked)))
             if full:  # this text's adapter needs a slot a text of the batch holds: run the batch first
                 self._embed_batch(texts, batch, slots, out)

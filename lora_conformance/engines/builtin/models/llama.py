@@ -107,7 +107,7 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, index: int, ctx: LoraContext, faults):
+    def __init__(self, spec: ModelSpec, index: int, ctx: LoraContext):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.self_attn = Attention(spec, ctx)
@@ -115,7 +115,7 @@ class DecoderLayer(nn.Module):
         if spec.is_moe_layer(index):
             from lora_conformance.engines.builtin.models.moe import SparseMoeBlock
 
-            self.mlp = SparseMoeBlock(spec, ctx, faults)
+            self.mlp = SparseMoeBlock(spec, ctx)
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act, ctx)
 
@@ -129,24 +129,24 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, spec: ModelSpec, ctx: LoraContext, faults):
+    def __init__(self, spec: ModelSpec, ctx: LoraContext):
         super().__init__()
         self.embed_tokens = LoraEmbedding(spec.vocab_size, spec.hidden_size, ctx)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, ctx, faults) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, ctx) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
 
 
 class CausalLM(nn.Module):
     """``forward`` runs the stack over the new tokens; ``logits`` projects chosen rows."""
 
-    def __init__(self, spec: ModelSpec, faults, max_len: int, device, dtype):
+    def __init__(self, spec: ModelSpec, max_len: int, device, dtype, rope_exponent_dim: int = 0):
         super().__init__()
         self.spec = spec
         self.lora_ctx = LoraContext()
-        self.model = DecoderBody(spec, self.lora_ctx, faults)
+        self.model = DecoderBody(spec, self.lora_ctx)
         self.lm_head = LoraLinear(spec.hidden_size, spec.vocab_size, False, self.lora_ctx)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, device, dtype,
-                                      faults)
+                                      rope_exponent_dim)
         self.kv_caches: list[torch.Tensor] = []  # per layer (num_blocks, block_size, 2, KVH, D)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, lora: Optional[LoraBatch],

@@ -101,7 +101,9 @@ def pooling_mode(model_dir: Path) -> str:
     return "mean"
 
 
-def build_model(model_dir: Path, spec: ModelSpec, faults, max_len: int, device: str, dtype):
+def build_model(model_dir: Path, spec: ModelSpec, max_len: int, device: str, dtype, rope_exponent_dim: int = 0):
+    """rope_exponent_dim: the dimension in rotary theta's exponent (0: the head dim; another only
+    under fault rotary_assumes_head_dim_64, decided in engine/plan.py)."""
     raw = read_safetensors(model_dir)
     if spec.kind == "encoder":
         from lora_conformance.engines.builtin.models.bert import Encoder
@@ -111,7 +113,7 @@ def build_model(model_dir: Path, spec: ModelSpec, faults, max_len: int, device: 
     else:
         from lora_conformance.engines.builtin.models.llama import CausalLM
 
-        model = CausalLM(spec, faults, max_len, device, dtype)
+        model = CausalLM(spec, max_len, device, dtype, rope_exponent_dim)
         tensors = normalise_decoder_names(raw)
     model.to(device)
     load_weights(model, tensors, spec, dtype)
