@@ -42,6 +42,12 @@ FAULTS: dict[str, str] = {
     "inflight_no_drain": "load / unload / reload of an adapter that running requests use neither waits nor refuses",
     "rotary_assumes_head_dim_64": "rotary frequencies are computed for head_dim 64 whatever the model's head_dim",
     "masked_prefill_padded_rows": "masked prefill routes packed token t by padded row t // longest (unequal prompts take a neighbour's adapter)",
+    # [tp] sharding faults: only a tensor-parallel engine (tensor_parallel_size > 1) has these code paths
+    "tp_scaling_per_shard": "[tp] row-parallel layers keep the scaled LoRA B on every rank: the delta, scaling "
+                            "included, is added per shard before the all-reduce (tp times over)",
+    "tp_packed_slice_as_one_block": "[tp] packed q/k/v and gate/up LoRA B is sharded as one block over the packed "
+                                    "output, not per slice",
+    "tp_b_shard_wrong_rank": "[tp] column-parallel LoRA B shards are taken from the next rank's slice",
 }
 
 # One fault per linear target module, its LoRA silently dropped (the module is still targeted in

@@ -174,13 +174,17 @@ def _pack(kind, module, A, B, r, E, scale, R, dtype, path, target) -> PackedLora
     def bad(what):
         return AdapterIncompatibleError(f"adapter {path}: {target} {what} does not fit the base model's shape")
 
+    from lora_conformance.engines.builtin.layers.parallel import full_features
+
     if kind == "linear":
-        if A.shape[1] != module.in_features or B.shape != (module.out_features, r):
+        n_in, n_out = full_features(module)  # the checkpoint module's, where this rank holds a shard
+        if A.shape[1] != n_in or B.shape != (n_out, r):
             raise bad(f"lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)}")
         Ap = torch.zeros(R, A.shape[1]); Ap[:r] = A  # noqa: E702
         Bp = torch.zeros(R, B.shape[0]); Bp[:r] = (B * scale).t()  # noqa: E702
     elif kind == "embedding":  # lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)
-        if A.shape[1] != module.num_embeddings or B.shape != (module.embedding_dim, r):
+        vocab, hidden = full_features(module)
+        if A.shape[1] != vocab or B.shape != (hidden, r):
             raise bad(f"lora_embedding_A {tuple(A.shape)} / lora_embedding_B {tuple(B.shape)}")
         Ap = torch.zeros(A.shape[1], R); Ap[:, :r] = A.t()  # noqa: E702
         Bp = torch.zeros(R, B.shape[0]); Bp[:r] = (B * scale).t()  # noqa: E702

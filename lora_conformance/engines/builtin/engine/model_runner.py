@@ -14,6 +14,7 @@ import torch
 from lora_conformance import devices
 from lora_conformance.engines.builtin.engine.adapter import HostAdapter, model_lora_modules
 from lora_conformance.engines.builtin.engine.sequence import Sequence
+from lora_conformance.engines.builtin.engine.sharding import Sharder
 from lora_conformance.engines.builtin.layers.attention import AttentionMetadata, additive_mask, build_mask, decode_mask
 from lora_conformance.engines.builtin.layers.lora import LoraBatch, column_slots, segments_of
 from lora_conformance.engines.builtin.layers.sampler import greedy_with_topk
@@ -29,6 +30,7 @@ class ModelRunner:
         self.block_size = args.kv_block_size
         self.delta_dtype = plan.delta_dtype  # the LoRA delta's dtype where it is not the model's
         self.lora_modules = model_lora_modules(model)
+        self.sharder = Sharder(self.lora_modules, plan.shards)  # each rank's cut of an adapter (one device: none)
         # The widest pool layout is q/k/v's three parts; every LoRA mask is a prefix of its columns.
         self.col_slots = column_slots(self.num_slots, self.rank, 3, device)
         self.layout_version = 0  # bumped when a module's pool is allocated: graphs must be recaptured
@@ -36,7 +38,7 @@ class ModelRunner:
         self.load_stream = devices.new_stream(device) if args.overlap_loading else None
         self._inflight: list = []  # host tensors of copies that may still be running
         if spec.kind != "encoder":
-            shape = (num_blocks, self.block_size, 2, spec.num_kv_heads, spec.head_dim)
+            shape = (num_blocks, self.block_size, 2, model.kv_heads, spec.head_dim)  # this rank's KV heads
             model.kv_caches = [devices.zeros(shape, dtype, device) for _ in range(spec.num_layers)]
         self.segmented_prefill = plan.segmented_prefill  # how prefill routes LoRA rows (engine/plan.py)
         self.graphs = None
@@ -75,12 +77,13 @@ class ModelRunner:
                         mod.slot_rank[slot] = 0
                         continue
                     nb = p.A.is_pinned()
+                    pa, pb = self.sharder.cut(name, p, ad)
                     if A.dim() == 4:  # experts: (E, S, R, in)
-                        A[:, slot].copy_(p.A, non_blocking=nb)
-                        Bt[:, slot].copy_(p.Bt, non_blocking=nb)
+                        A[:, slot].copy_(pa, non_blocking=nb)
+                        Bt[:, slot].copy_(pb, non_blocking=nb)
                     else:
-                        A[slot].copy_(p.A, non_blocking=nb)
-                        Bt[slot].copy_(p.Bt, non_blocking=nb)
+                        A[slot].copy_(pa, non_blocking=nb)
+                        Bt[slot].copy_(pb, non_blocking=nb)
                     mod.slot_rank[slot] = p.rank
                 self._inflight.append(ad)
         # Which modules have any LoRA at all is host state the forward branches on: graphs key on it.
@@ -254,3 +257,24 @@ class _null:
 
     def __exit__(self, *a):
         return False
+
+
+def build_rank(model_dir, device: str, dtype: str, cfg, tp=None):
+    """One rank's share of an engine: (plan, spec, fused kernels on?, KV blocks, model runner). The
+    runner holds the model (``runner.model``); with ``tp`` (layers/parallel.py), this rank's shards."""
+    from lora_conformance.checkpoints import torch_dtype
+    from lora_conformance.engines.builtin.engine.plan import EnginePlan
+    from lora_conformance.engines.builtin.layers import kernels
+    from lora_conformance.engines.builtin.models.config import load_spec
+    from lora_conformance.engines.builtin.models.loader import build_model
+
+    tdt = torch_dtype(dtype)
+    plan = EnginePlan.decide(cfg, device, tdt)  # fault, variant, LoRA path: decided once
+    spec = load_spec(model_dir)
+    max_len = max(cfg.max_model_len, 16)
+    model = build_model(model_dir, spec, max_len, device, tdt, plan.rope_exponent_dim, tp)
+    fused = kernels.select(device, cfg.kernels)
+    kernels.attach(model, fused)
+    bs = cfg.kv_block_size
+    num_blocks = cfg.num_kv_blocks or 1 + cfg.max_batch_size * ((min(max_len, 1024) + bs - 1) // bs)
+    return plan, spec, fused, num_blocks, ModelRunner(model, spec, cfg, plan, device, tdt, num_blocks)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from lora_conformance import devices
 from lora_conformance.engines.builtin.faults import DROPPABLE_LINEAR_MODULES, Faults
+from lora_conformance.engines.builtin.engine.sharding import ShardRules
 from lora_conformance.engines.builtin.layers.lora import ExpertLora
 from lora_conformance.engines.builtin.variants import Variant
 
@@ -96,6 +97,7 @@ class EnginePlan:
     drain_before_change: bool = True  # adapter changes wait for the requests that use the name
     graphs_refresh_slots: bool = True  # graph replay writes the rows' slots every step
     wait_for_loads: bool = True  # the compute stream waits for the overlap-load event
+    shards: ShardRules = ShardRules()  # how each tensor-parallel rank cuts an adapter (engine/sharding.py)
 
     @classmethod
     def decide(cls, cfg, device: str, dtype) -> "EnginePlan":
@@ -141,4 +143,7 @@ class EnginePlan:
             drain_before_change=not f.on("inflight_no_drain"),
             graphs_refresh_slots=not f.on("graph_stale_indices"),
             wait_for_loads=not f.on("overlap_no_wait"),
+            shards=ShardRules(b_rank_offset=1 if f.on("tp_b_shard_wrong_rank") else 0,
+                              packed_as_one_block=f.on("tp_packed_slice_as_one_block"),
+                              row_b_on_every_rank=f.on("tp_scaling_per_shard")),
         )

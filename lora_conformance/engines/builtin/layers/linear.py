@@ -62,6 +62,7 @@ class LoraLinear(nn.Module):
         self.lora_A: Optional[torch.Tensor] = None  # (S, R, in)
         self.lora_Bt: Optional[torch.Tensor] = None  # (S, R, out), scaling folded in
         self.slot_rank: list[int] = []  # host copy: rank of each slot here (0 = not targeted)
+        self.shard = None  # the slice of the checkpoint module this rank holds (layers/parallel.py); None: whole
         self.group = LinearGroup([self])
 
     def alloc_pool(self, num_slots: int, rank: int) -> None:
