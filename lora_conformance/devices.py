@@ -450,5 +450,28 @@ def set_start_method_for(device: str) -> None:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
+# ---- collectives (tensor parallelism) -------------------------------------------------
+
+_COLLECTIVE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "hpu": "hccl"}
+
+
+def collective_backend(device: str) -> str:
+    """The torch.distributed backend whose collectives run on ``device``'s tensors: gloo on cpu
+    (ranks are processes), the vendor's library on accelerators (NCCL on CUDA). Raises
+    DeviceError for a type without one."""
+    kind = device_type(device)
+    if kind not in _COLLECTIVE_BACKENDS:
+        raise DeviceError(f"no torch.distributed collective backend is known for device type {kind!r}")
+    return _COLLECTIVE_BACKENDS[kind]
+
+
+def parallel_ranks(device_type_: str) -> int:
+    """How many tensor-parallel ranks one host runs on this device type: one per device on
+    accelerators; on cpu ranks are processes (gloo), one per core."""
+    if device_type_ == "cpu":
+        return os.cpu_count() or 1
+    return device_count(device_type_)
+
+
 def default_dtype_for(device: str) -> str:
     return "float32" if device_type(device) == "cpu" else "bfloat16"

@@ -62,6 +62,10 @@ CATCHERS: dict[str, list[str]] = {
     "inflight_no_drain": ["test_inflight_lifecycle.py::test_unload_while_requests_run",
                           "test_inflight_lifecycle.py::test_reload_while_requests_run"],
     "rotary_assumes_head_dim_64": ["test_base_models.py::test_head_dim_variants"],
+    # sharding faults: the tensor-parallel suite's tp=2 engine has them (its tp=1 engine cannot)
+    "tp_scaling_per_shard": ["test_tensor_parallel.py::test_tensor_parallel_matches_single"],
+    "tp_packed_slice_as_one_block": ["test_tensor_parallel.py::test_tensor_parallel_matches_single"],
+    "tp_b_shard_wrong_rank": ["test_tensor_parallel.py::test_tensor_parallel_matches_single"],
 }
 
 
@@ -72,7 +76,10 @@ EXTRA_ARGS: dict[str, list[str]] = {"graph_stale_indices": ["--engine-arg", "gra
 
 # Known gaps in detection power, measured, with the reason: (fault, dtype) -> why. The test runs
 # the catchers anyway, xfails while they miss, and fails once they catch it (then remove the entry).
-UNCAUGHT: dict[tuple[str, str], str] = {}
+UNCAUGHT: dict[tuple[str, str], str] = {
+    ("tp_scaling_per_shard", "bfloat16"): "the tensor-parallel suite passed under it on cpu in bfloat16 (caught in "
+                                          "float32); why is not traced yet",
+}
 
 # Faults shown on cpu only (docs/faults.md's "shown on" says so until an accelerator run shows them),
 # and the dtypes the accelerator run showed the others in (an H200,
@@ -82,7 +89,8 @@ UNCAUGHT: dict[tuple[str, str], str] = {}
 # not run on an accelerator yet; the MoE expert-weighting faults were caught on the H200 by
 # bench/power.py (20/20 per dtype) but not yet through this test.
 NOT_YET_SHOWN_ON_GPU: set = {"delta_x1_1", "moe_lora_unweighted", "moe_lora_weight_of_next_expert",
-                             "moe_lora_first_expert_only"}
+                             "moe_lora_first_expert_only", "tp_scaling_per_shard", "tp_packed_slice_as_one_block",
+                             "tp_b_shard_wrong_rank"}
 SHOWN_ON_GPU_IN = ("float32", "bfloat16", "float16")
 # The dtypes docs/faults.md's table states for cpu: the default run's (float16 runs with LORA_DETECTION_DTYPES).
 SHOWN_ON_CPU_IN = ("float32", "bfloat16")

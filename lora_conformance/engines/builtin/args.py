@@ -33,6 +33,9 @@ class EngineArgs:
                                     minimum=0)
     lora_backend: str = arg("auto", "prefill LoRA path: segmented, masked; auto: segmented on cpu, masked elsewhere",
                             choices=("auto",) + LORA_BACKENDS)
+    tensor_parallel_size: int = arg(1, "ranks the model and its LoRA are sharded over (standard arg tensor_parallel, "
+                                       "which wins where both are given); cpu: gloo processes, accelerators: one "
+                                       "device each", minimum=1)
     # The engine's own.
     kv_block_size: int = arg(16, "tokens per KV-cache block", minimum=1)
     num_kv_blocks: Optional[int] = arg(None, "KV-cache blocks (default: sized from max_batch_size x max_model_len)",

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
 from lora_conformance import devices
 from lora_conformance.checkpoints import DTYPE_NAMES, torch_dtype
-from lora_conformance.engines.base import Capability, Engine, Limits, UnsupportedFeatureError
+from lora_conformance.engines.args import Rename
+from lora_conformance.engines.base import Capability, Engine, EngineFailure, Limits, UnsupportedFeatureError
 from lora_conformance.engines.builtin.args import EngineArgs
-from lora_conformance.engines.builtin.faults import Faults
 from lora_conformance.engines.builtin.models.config import load_spec
 from lora_conformance.types import GenerationRequest, GenerationResult
 
@@ -32,7 +33,18 @@ def _inference_mode(fn):
 class BuiltinEngine(Engine):
     name = "builtin"
     Args = EngineArgs
+    standard_args = {"tensor_parallel": Rename("tensor_parallel_size")}
     requires = ("torch",)
+
+    @classmethod
+    def parse_args(cls, raw, source="the engine's arguments"):
+        """A test that asks for standard ``tensor_parallel`` (the tensor-parallel suite's tp=1 and
+        tp=2 engines) gets it even where the run's args set ``tensor_parallel_size`` for every engine."""
+        if "tensor_parallel" in raw and "tensor_parallel_size" in raw:
+            raw = {k: v for k, v in raw.items() if k != "tensor_parallel_size"}
+            if not isinstance(source, str):
+                source = {k: v for k, v in source.items() if k != "tensor_parallel_size"}
+        return super().parse_args(raw, source)
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
@@ -44,10 +56,8 @@ class BuiltinEngine(Engine):
         from lora_conformance.engines.builtin.engine.block_manager import BlockManager
         from lora_conformance.engines.builtin.engine.inflight import InflightServer
         from lora_conformance.engines.builtin.engine.llm_engine import LLMEngine
-        from lora_conformance.engines.builtin.engine.model_runner import ModelRunner
-        from lora_conformance.engines.builtin.models.loader import build_model
+        from lora_conformance.engines.builtin.engine.model_runner import build_rank
 
-        self.faults = Faults(self.cfg.fault)
         self.device = devices.resolve_device(device or "auto")
         if dtype in (None, "", "auto"):
             dtype = devices.default_dtype_for(self.device)
@@ -58,41 +68,80 @@ class BuiltinEngine(Engine):
             raise UnsupportedFeatureError(
                 f"engine arg graphs=1: graph capture is not supported on {self.device}; use graphs=0"
             )
-        self.spec = load_spec(self.model_dir)
-        max_len = max(self.cfg.max_model_len, 16)
-        self.model = build_model(self.model_dir, self.spec, self.faults, max_len, self.device, self.torch_dtype)
-        from lora_conformance.engines.builtin.layers import kernels
-
-        self.fused_kernels = kernels.select(self.device, self.cfg.kernels)
-        kernels.attach(self.model, self.fused_kernels)
+        if self.cfg.graphs and self.cfg.tensor_parallel_size > 1:
+            raise UnsupportedFeatureError("engine arg graphs=1 with tensor_parallel_size > 1: the builtin engine "
+                                          "captures graphs on one device only; use graphs=0")
+        self.workers = None
+        if self.cfg.tensor_parallel_size > 1:
+            plan, self.spec, self.fused_kernels, num_blocks, runner = self._start_ranks()
+        else:
+            plan, self.spec, self.fused_kernels, num_blocks, runner = build_rank(self.model_dir, self.device, dtype,
+                                                                                self.cfg)
+        self.plan, self.model = plan, runner.model
         from lora_conformance.models.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.model_dir)
         bs = self.cfg.kv_block_size
-        num_blocks = self.cfg.num_kv_blocks or 1 + self.cfg.max_batch_size * ((min(max_len, 1024) + bs - 1) // bs)
         self._modules = model_lora_modules(self.model)
         pin = devices.pin_memory_supported(self.device)
         self.pool = AdapterPool(
-            self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction, self.faults,
-            lambda n, p, pinned: load_adapter_dir(n, p, self._modules, self.cfg.max_rank, self.faults,
-                                                  self.torch_dtype, pin, self.model_dir, self.cfg.variant),
+            self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction,
+            lambda n, p, pinned: load_adapter_dir(n, p, self._modules, self.cfg.max_rank, plan.adapters,
+                                                  self.torch_dtype, pin, self.model_dir),
+            plan.reload_reads_weights, plan.evict_pinned,
         )
-        self.runner = ModelRunner(self.model, self.spec, self.cfg, self.faults, self.device, self.torch_dtype,
-                                  num_blocks)
-        self.blocks = BlockManager(num_blocks, bs, self.cfg.prefix_cache, self.faults)
+        self.runner = runner
+        self.blocks = BlockManager(num_blocks, bs, self.cfg.prefix_cache, plan.prefix_salt)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.llm = LLMEngine(self.runner, self.pool, self.blocks, self.tokenizer, self.cfg, eos)
-        self.server = InflightServer(self.llm, self.faults)  # one step, admission or adapter change at a time
+        self.llm = LLMEngine(self.runner, self.pool, self.blocks, self.tokenizer, self.cfg, eos, plan)
+        self.server = InflightServer(self.llm, plan.drain_before_change)  # one step, admission or adapter change at a time
         self.capabilities = self._capabilities(self.cfg, self.spec.kind)
         self.limits = self.declared_limits(self.cfg, self.model_dir, self.device)
+
+    def _start_ranks(self):
+        """Spawn ranks 1.., meet them, build rank 0's shard here; a worker that fails to start fails this."""
+        from lora_conformance.engines.builtin.engine.model_runner import build_rank
+        from lora_conformance.engines.builtin.engine.workers import STARTUP_TIMEOUT_S, RankZeroRunner, Workers, connect
+        from lora_conformance.engines.builtin.layers.parallel import check_shardable
+
+        size = self.cfg.tensor_parallel_size
+        check_shardable(load_spec(self.model_dir), size)
+        kind = devices.device_type(self.device)
+        if kind != "cpu":
+            index = int(self.device.partition(":")[2] or 0)
+            if index + size > devices.device_count(kind):
+                raise UnsupportedFeatureError(f"tensor_parallel_size={size} from {self.device} needs {index + size} "
+                                              f"{kind} devices, this machine has {devices.device_count(kind)}")
+        self.workers = Workers(size)
+        self._stop_workers = weakref.finalize(self, self.workers.stop)  # never an orphan, closed or not
+        self.workers.start(self.model_dir, self.device, self.dtype, self.cfg)
+        try:
+            tp, control = connect(self.workers.store_path, 0, size, self.device, STARTUP_TIMEOUT_S)
+            self.workers.control = control
+        except BaseException:
+            self._stop_workers()
+            raise
+        try:
+            built = build_rank(self.model_dir, self.device, self.dtype, self.cfg, tp)
+        except BaseException:
+            control.all_ready(False)
+            self._stop_workers()
+            raise
+        if not control.all_ready(True):
+            self._stop_workers()
+            raise EngineFailure(f"a tensor-parallel worker of {size} ranks failed to start (its traceback is on stderr)")
+        *head, runner = built
+        return (*head, RankZeroRunner(runner, control))
 
     @classmethod
     def declared_capabilities(cls, cfg: EngineArgs, model_dir: Optional[Path], device: str):
         """None where the engine would refuse to start (an unknown architecture, graphs on a device
         without them): the started engine says why."""
         if cfg.graphs and not devices.graphs_supported(devices.resolve_device(device or "auto")):
+            return None
+        if cfg.graphs and cfg.tensor_parallel_size > 1:
             return None
         try:
             kind = "decoder" if model_dir is None else load_spec(Path(model_dir)).kind
@@ -114,7 +163,7 @@ class BuiltinEngine(Engine):
         if kind == "encoder":
             return frozenset(caps | {C.EMBEDDINGS, C.MIXED_BATCH})  # embed() takes one adapter per text
         caps |= {C.MIXED_BATCH, C.EMBED_TOKENS, C.LM_HEAD, C.PROMPT_LOGPROBS, C.CHUNKED_PREFILL,
-                 C.INFLIGHT_LIFECYCLE}
+                 C.INFLIGHT_LIFECYCLE, C.TENSOR_PARALLEL}
         if cfg.prefix_cache:
             caps.add(C.PREFIX_CACHE)
         if kind == "moe":
@@ -163,7 +212,7 @@ class BuiltinEngine(Engine):
         if self.spec.kind == "encoder":
             raise UnsupportedFeatureError(f"{self.model_dir} is an encoder: use embed(), not generate()")
         requests = list(requests)
-        if self.cfg.variant.on("one_at_a_time"):
+        if self.plan.one_at_a_time:
             return [out for r in requests for out in self.server.generate([r])]
         return self.server.generate(requests)
 
@@ -187,7 +236,7 @@ class BuiltinEngine(Engine):
             if n is not None:
                 self.pool.check(n)  # AdapterNotLoadedError before any work
         order = list(range(len(texts)))
-        if self.cfg.variant.on("reverse"):
+        if self.plan.reverse_order:
             order.reverse()
         with self.server._locked():  # slots are not reassigned under a running step
             return self._embed_locked(texts, names, order)
@@ -199,7 +248,7 @@ class BuiltinEngine(Engine):
         slots: list[int] = []
         for i in order:
             n = names[i]
-            full = batch and (self.cfg.variant.on("one_at_a_time") or len(batch) >= self.cfg.max_batch_size
+            full = batch and (self.plan.one_at_a_time or len(batch) >= self.cfg.max_batch_size
                               or (n is not None and not self.pool.can_assign(n, locked)))
             if full:  # this text's adapter needs a slot a text of the batch holds: run the batch first
                 self._embed_batch(texts, batch, slots, out)
@@ -236,8 +285,24 @@ class BuiltinEngine(Engine):
             v = "0+unknown"
         return f"lora-conformance builtin {v} (kernels: {'triton' if self.fused_kernels else 'torch'})"
 
+    def settings(self) -> dict:
+        """The effective settings that are not plain engine args (those are in the report already)."""
+        tp = self.cfg.tensor_parallel_size
+        return {"effective": {
+            "tensor_parallel_size": tp,
+            "collective_backend": devices.collective_backend(self.device) if tp > 1 else None,
+            "ranks": "rank 0 in the engine's process, ranks 1.. spawned workers" if tp > 1 else "one process",
+            "prefill_lora_path": "segmented" if self.plan.segmented_prefill else "masked",
+            "kernels": "triton" if self.fused_kernels else "torch",
+            "dtype": self.dtype,
+            "fault": self.plan.fault,
+            "variant": str(self.plan.variant),
+        }}
+
     def close(self) -> None:
         if getattr(self, "server", None) is not None:
             self.server.close()
+        if getattr(self, "workers", None) is not None:
+            self._stop_workers()
         self.model = None
         self.runner = None

@@ -1,6 +1,8 @@
 """Deliberate bugs for self-validation: ``--engine-arg fault=NAME`` switches exactly one on.
 
-Each fault alters the code path its name says, so a conformance suite that is worth its
+The engine reads the name once, when it loads (engine/plan.py turns it into the plain decisions
+its parts take); no layer or part of the engine asks about a fault by name. Each fault alters
+the code path its name says, so a conformance suite that is worth its
 salt must fail against it. None is ever active without the engine arg. Faults marked
 [streams] or [graphs] only change behaviour on a device with asynchronous streams or
 graph capture; on cpu those code paths do not exist and the fault is inert.
@@ -40,6 +42,12 @@ FAULTS: dict[str, str] = {
     "inflight_no_drain": "load / unload / reload of an adapter that running requests use neither waits nor refuses",
     "rotary_assumes_head_dim_64": "rotary frequencies are computed for head_dim 64 whatever the model's head_dim",
     "masked_prefill_padded_rows": "masked prefill routes packed token t by padded row t // longest (unequal prompts take a neighbour's adapter)",
+    # [tp] sharding faults: only a tensor-parallel engine (tensor_parallel_size > 1) has these code paths
+    "tp_scaling_per_shard": "[tp] row-parallel layers keep the scaled LoRA B on every rank: the delta, scaling "
+                            "included, is added per shard before the all-reduce (tp times over)",
+    "tp_packed_slice_as_one_block": "[tp] packed q/k/v and gate/up LoRA B is sharded as one block over the packed "
+                                    "output, not per slice",
+    "tp_b_shard_wrong_rank": "[tp] column-parallel LoRA B shards are taken from the next rank's slice",
 }
 
 # One fault per linear target module, its LoRA silently dropped (the module is still targeted in
@@ -57,7 +65,8 @@ DTYPE_ONLY_FAULTS: dict[str, tuple[tuple[str, ...], str]] = {
 
 
 class Faults:
-    """The one active fault (or none); ``faults.on("name")`` guards each deliberate bug."""
+    """The one active fault (or none), checked against the catalogue; ``on("name")`` is asked by
+    engine/plan.py alone."""
 
     def __init__(self, name: Optional[str] = None):
         if name in ("", "none"):
@@ -70,18 +79,6 @@ class Faults:
     def on(self, name: str) -> bool:
         assert name in FAULTS, name  # a typo here would make a fault silently inert
         return self.name == name
-
-    def drops(self, target: str, kind: str) -> bool:
-        """Whether the active fault silently drops the LoRA of module ``target`` (of kind
-        'linear' | 'embedding' | 'expert', as the adapter loader names them)."""
-        if self.name is None:
-            return False
-        leaf = target.rsplit(".", 1)[-1]
-        if kind == "linear":
-            return self.name == f"drop_{leaf}" or (self.name == "lm_head_dropped" and leaf == "lm_head")
-        if kind == "embedding":
-            return self.name == "embed_tokens_dropped"
-        return kind == "expert" and self.name == "moe_down_proj_dropped" and leaf == "down_proj"
 
     def __repr__(self) -> str:
         return f"Faults({self.name!r})"

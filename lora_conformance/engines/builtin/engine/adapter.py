@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -17,6 +16,7 @@ import torch
 
 from lora_conformance.checkpoints import pattern_value, split_lora_key
 from lora_conformance.engines.base import AdapterIncompatibleError, UnsupportedFeatureError
+from lora_conformance.engines.builtin.engine.plan import AdapterRules
 from lora_conformance.engines.builtin.variants import Variant
 
 
@@ -59,10 +59,10 @@ def _check_config(cfg: dict, path: Path) -> None:
         raise UnsupportedFeatureError(f"trainable_token_indices in {where} is not supported by the builtin engine")
 
 
-def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, faults, dtype,
-                     pin: bool, model_dir: Path, variant: Variant = Variant()) -> HostAdapter:
-    """model_modules: our module name -> ('linear'|'embedding'|'expert', module); variant: how
-    the factors are stored (variants.py: rescale, preround).
+def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, rules: AdapterRules, dtype,
+                     pin: bool, model_dir: Path) -> HostAdapter:
+    """model_modules: our module name -> ('linear'|'embedding'|'expert', module); rules: how the
+    scaling is computed, which modules are packed and how the factors are stored (engine/plan.py).
 
     The shared validator (adapters/validate.py) runs first: malformed files, shapes of another
     model, non-finite values, config/tensor rank mismatches and ranks over max_rank are refused
@@ -107,7 +107,7 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
                 f"adapter {path}: target_modules/target_parameters names module {mod!r}, which this model lacks"
             )
         kind_m, module = model_modules[target]
-        if faults.drops(target, kind_m):  # drop_<module>, lm_head / embed_tokens / moe_down_proj dropped
+        if rules.drops(target, kind_m):  # only under a drop fault
             continue
         A, B = (ts.get("embA"), ts.get("embB")) if kind_m == "embedding" else (ts.get("A"), ts.get("B"))
         if A is None or B is None:
@@ -122,13 +122,8 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
         key_for_patterns = mod if kind_m == "expert" else target
         rm, am = checked.module_params.get(key_for_patterns) or (
             int(pattern_value(rank_pat, key_for_patterns, r0)), float(pattern_value(alpha_pat, key_for_patterns, alpha0)))
-        if faults.on("patterns_ignored"):
-            rm, am = r0, alpha0
-        use_rs = rs and not faults.on("rslora_ignored")
-        scale = am if faults.on("scaling_alpha_not_over_r") else am / (math.sqrt(rm) if use_rs else rm)
-        if faults.on("delta_x1_1"):
-            scale *= 1.1
-        A, B = _stored_factors(A.float(), B.float(), variant, dtype)
+        scale = rules.scaling.of(r0, alpha0, rm, am, rs)
+        A, B = _stored_factors(A.float(), B.float(), rules.variant, dtype)
         packed = _pack(kind_m, module, A, B, r, E, scale, max_rank, dtype, path, target)
         for what, t in (("lora_A", packed.A), ("lora_B x scaling", packed.Bt)):
             if not bool(torch.isfinite(t).all()):
@@ -179,13 +174,17 @@ def _pack(kind, module, A, B, r, E, scale, R, dtype, path, target) -> PackedLora
     def bad(what):
         return AdapterIncompatibleError(f"adapter {path}: {target} {what} does not fit the base model's shape")
 
+    from lora_conformance.engines.builtin.layers.parallel import full_features
+
     if kind == "linear":
-        if A.shape[1] != module.in_features or B.shape != (module.out_features, r):
+        n_in, n_out = full_features(module)  # the checkpoint module's, where this rank holds a shard
+        if A.shape[1] != n_in or B.shape != (n_out, r):
             raise bad(f"lora_A {tuple(A.shape)} / lora_B {tuple(B.shape)}")
         Ap = torch.zeros(R, A.shape[1]); Ap[:r] = A  # noqa: E702
         Bp = torch.zeros(R, B.shape[0]); Bp[:r] = (B * scale).t()  # noqa: E702
     elif kind == "embedding":  # lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)
-        if A.shape[1] != module.num_embeddings or B.shape != (module.embedding_dim, r):
+        vocab, hidden = full_features(module)
+        if A.shape[1] != vocab or B.shape != (hidden, r):
             raise bad(f"lora_embedding_A {tuple(A.shape)} / lora_embedding_B {tuple(B.shape)}")
         Ap = torch.zeros(A.shape[1], R); Ap[:, :r] = A.t()  # noqa: E702
         Bp = torch.zeros(R, B.shape[0]); Bp[:r] = (B * scale).t()  # noqa: E702

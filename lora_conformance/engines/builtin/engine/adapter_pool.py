@@ -38,9 +38,12 @@ class Slot:
 
 
 class AdapterPool:
-    def __init__(self, num_slots: int, max_loaded: int, policy: str, faults,
-                 read: Callable[[str, Path, bool], HostAdapter]):
-        self.num_slots, self.max_loaded, self.policy, self.faults = num_slots, max_loaded, policy, faults
+    def __init__(self, num_slots: int, max_loaded: int, policy: str,
+                 read: Callable[[str, Path, bool], HostAdapter], reload_reads_weights: bool = True,
+                 evict_pinned: bool = False):
+        self.num_slots, self.max_loaded, self.policy = num_slots, max_loaded, policy
+        # False / True only under the faults stale_reload / evict_pinned (engine/plan.py)
+        self.reload_reads_weights, self.evict_pinned = reload_reads_weights, evict_pinned
         self._read = read  # (name, path, pinned) -> HostAdapter; validates
         self.registry: dict[str, Registered] = {}
         self.host: "OrderedDict[str, HostAdapter]" = OrderedDict()
@@ -62,7 +65,7 @@ class AdapterPool:
                 )
             if pinned_now + 1 > self.max_loaded - 1:
                 raise CapacityError(f"pinning {name!r} would fill the host cache (max_loaded_loras={self.max_loaded})")
-        if old is not None and self.faults.on("stale_reload"):
+        if old is not None and not self.reload_reads_weights:
             old.pinned = old.pinned or pinned
             return  # the bug: the new weights are never read
         adapter = self._read(name, Path(path), pinned)
@@ -99,7 +102,7 @@ class AdapterPool:
     # ---- host cache ------------------------------------------------------------------
     def _evictable(self, name: str) -> bool:
         reg = self.registry.get(name)
-        return reg is None or not reg.pinned or self.faults.on("evict_pinned")
+        return reg is None or not reg.pinned or self.evict_pinned
 
     def _put_host(self, name: str, adapter: HostAdapter) -> None:
         self.host[name] = adapter

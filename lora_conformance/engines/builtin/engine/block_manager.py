@@ -16,8 +16,9 @@ from lora_conformance.engines.builtin.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool, faults):
-        self.block_size, self.prefix_cache, self.faults = block_size, prefix_cache, faults
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool, salt: str = "identity"):
+        # salt: what keys a block's adapter: its identity (correct), its name or nothing (faults)
+        self.block_size, self.prefix_cache, self.salt = block_size, prefix_cache, salt
         self.free: deque[int] = deque(range(1, num_blocks))
         self.ref = [0] * num_blocks
         self.hash_of: dict[int, str] = {}
@@ -25,9 +26,9 @@ class BlockManager:
         self.hits = 0  # blocks served from the cache (for tests and the report)
 
     def _hash(self, prev: str, seq: Sequence, i: int) -> str:
-        if self.faults.on("prefix_cache_ignores_adapter"):
+        if self.salt == "none":
             salt = ""
-        elif self.faults.on("prefix_cache_keyed_by_name"):  # the name outlives the weights it named
+        elif self.salt == "name":  # the name outlives the weights it named
             salt = f"name:{seq.adapter}" if seq.adapter is not None else "base"
         else:
             salt = seq.identity

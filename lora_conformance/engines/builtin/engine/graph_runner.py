@@ -86,7 +86,7 @@ class DecodeGraphs:
             entry = self.graphs[key] = {"bufs": self._buffers(B, W), "graph": None}
         pad = B - n
         slot_row = slots + [-1] * pad
-        if r.faults.on("graph_stale_indices") and entry["graph"] is not None:
+        if not r.plan.graphs_refresh_slots and entry["graph"] is not None:
             slot_row = entry["captured_slots"]  # the bug: indices frozen at capture time
         zeros = [0] * pad
         host = ids + zeros

@@ -28,8 +28,8 @@ from lora_conformance.types import GenerationRequest, GenerationResult
 
 
 class InflightServer:
-    def __init__(self, llm: LLMEngine, faults):
-        self.llm, self.faults = llm, faults
+    def __init__(self, llm: LLMEngine, drain: bool = True):
+        self.llm, self.drain = llm, drain  # drain False only under fault inflight_no_drain
         self.cond = threading.Condition()
         self._turn = threading.Lock()  # the turnstile (module docstring)
         self._draining: set[str] = set()
@@ -121,7 +121,7 @@ class InflightServer:
     def change_adapter(self, name: str, change: Callable[[], None]) -> None:
         """Run ``change`` (register / unregister ``name``) once no request uses the name."""
         with self._locked():
-            if self.faults.on("inflight_no_drain"):
+            if not self.drain:
                 change()
                 return
             self.cond.wait_for(lambda: name not in self._draining)

@@ -13,12 +13,12 @@ from lora_conformance.types import GenerationRequest, GenerationResult
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, pool: AdapterPool, blocks: BlockManager, tokenizer, args, eos_ids):
+    def __init__(self, runner: ModelRunner, pool: AdapterPool, blocks: BlockManager, tokenizer, args, eos_ids, plan):
         self.runner, self.pool, self.blocks, self.tokenizer = runner, pool, blocks, tokenizer
         self.scheduler = Scheduler(blocks, pool, args.max_batch_size, max(args.max_model_len, 8192),
                                    args.chunked_prefill_size)
         self.eos_ids = set(eos_ids)
-        self.reverse = args.variant.on("reverse")
+        self.reverse = plan.reverse_order
         self.steps = {"prefill": 0, "decode": 0}
 
     def make_sequences(self, requests: Seq[GenerationRequest]) -> list[Sequence]:

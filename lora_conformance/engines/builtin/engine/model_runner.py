@@ -14,6 +14,7 @@ import torch
 from lora_conformance import devices
 from lora_conformance.engines.builtin.engine.adapter import HostAdapter, model_lora_modules
 from lora_conformance.engines.builtin.engine.sequence import Sequence
+from lora_conformance.engines.builtin.engine.sharding import Sharder
 from lora_conformance.engines.builtin.layers.attention import AttentionMetadata, additive_mask, build_mask, decode_mask
 from lora_conformance.engines.builtin.layers.lora import LoraBatch, column_slots, segments_of
 from lora_conformance.engines.builtin.layers.sampler import greedy_with_topk
@@ -22,15 +23,14 @@ StepOutput = tuple[int, list[tuple[int, float]], Optional[list[list[tuple[int, f
 
 
 class ModelRunner:
-    def __init__(self, model, spec, args, faults, device: str, dtype, num_blocks: int):
-        self.model, self.spec, self.args, self.faults = model, spec, args, faults
+    def __init__(self, model, spec, args, plan, device: str, dtype, num_blocks: int):
+        self.model, self.spec, self.args, self.plan = model, spec, args, plan
         self.device, self.dtype = device, dtype
         self.num_slots, self.rank = args.max_loras_per_batch, args.max_rank
         self.block_size = args.kv_block_size
-        # The dtype of the LoRA delta when it is not the model's: fault lora_fp16, variant fp32_delta.
-        delta = torch.float16 if faults.on("lora_fp16") else torch.float32 if args.variant.on("fp32_delta") else None
-        self.delta_dtype = None if delta == dtype else delta
+        self.delta_dtype = plan.delta_dtype  # the LoRA delta's dtype where it is not the model's
         self.lora_modules = model_lora_modules(model)
+        self.sharder = Sharder(self.lora_modules, plan.shards)  # each rank's cut of an adapter (one device: none)
         # The widest pool layout is q/k/v's three parts; every LoRA mask is a prefix of its columns.
         self.col_slots = column_slots(self.num_slots, self.rank, 3, device)
         self.layout_version = 0  # bumped when a module's pool is allocated: graphs must be recaptured
@@ -38,14 +38,9 @@ class ModelRunner:
         self.load_stream = devices.new_stream(device) if args.overlap_loading else None
         self._inflight: list = []  # host tensors of copies that may still be running
         if spec.kind != "encoder":
-            shape = (num_blocks, self.block_size, 2, spec.num_kv_heads, spec.head_dim)
+            shape = (num_blocks, self.block_size, 2, model.kv_heads, spec.head_dim)  # this rank's KV heads
             model.kv_caches = [devices.zeros(shape, dtype, device) for _ in range(spec.num_layers)]
-        # How prefill routes LoRA rows. On cpu, FLOPs dominate and launches are cheap: one
-        # shrink/expand per adapter segment. On accelerators, launches dominate: every slot at
-        # once, masked (a few wasted FLOPs, no per-segment host loop). Decode is always masked.
-        # The engine arg lora_backend picks one of the two explicitly.
-        backend = getattr(args, "lora_backend", "auto")
-        self.segmented_prefill = backend == "segmented" or backend == "auto" and devices.device_type(device) == "cpu"
+        self.segmented_prefill = plan.segmented_prefill  # how prefill routes LoRA rows (engine/plan.py)
         self.graphs = None
         if args.graphs and spec.kind == "decoder":
             from lora_conformance.engines.builtin.engine.graph_runner import DecodeGraphs
@@ -82,12 +77,13 @@ class ModelRunner:
                         mod.slot_rank[slot] = 0
                         continue
                     nb = p.A.is_pinned()
+                    pa, pb = self.sharder.cut(name, p, ad)
                     if A.dim() == 4:  # experts: (E, S, R, in)
-                        A[:, slot].copy_(p.A, non_blocking=nb)
-                        Bt[:, slot].copy_(p.Bt, non_blocking=nb)
+                        A[:, slot].copy_(pa, non_blocking=nb)
+                        Bt[:, slot].copy_(pb, non_blocking=nb)
                     else:
-                        A[slot].copy_(p.A, non_blocking=nb)
-                        Bt[slot].copy_(p.Bt, non_blocking=nb)
+                        A[slot].copy_(pa, non_blocking=nb)
+                        Bt[slot].copy_(pb, non_blocking=nb)
                     mod.slot_rank[slot] = p.rank
                 self._inflight.append(ad)
         # Which modules have any LoRA at all is host state the forward branches on: graphs key on it.
@@ -95,7 +91,7 @@ class ModelRunner:
         if side is not None:
             event = devices.new_event(self.device)
             event.record(side)
-            if not self.faults.on("overlap_no_wait"):
+            if self.plan.wait_for_loads:
                 devices.wait_event(self.device, event, compute)
         self._inflight = self._inflight[-2 * self.num_slots:]
 
@@ -123,25 +119,17 @@ class ModelRunner:
 
     def route(self, slots: list[int]) -> list[int]:
         """Each row's adapter slot as the LoRA layers read it (-1: base), from the rows' own slots."""
-        if self.faults.on("adapter_index_off_by_one"):
-            slots = [x + 1 if x >= 0 else x for x in slots]
-        if self.faults.on("base_gets_last_adapter"):
-            used = [x for x in slots if x >= 0]
-            if used:
-                slots = [x if x >= 0 else max(used) for x in slots]
-        return slots
+        return self.plan.routing.route(slots)
 
     def embed_row_slots(self, slots: list[int]) -> list[int]:
         """route() for an embedding batch, one slot per text."""
-        rows = self.route(slots)
-        if self.faults.on("embedding_adapter_misrouted") and rows:
-            rows = rows[1:] + rows[:1]  # each text gets the next text's adapter
-        return rows
+        return self.plan.routing.embed_route(slots)
 
     def lora_batch(self, token_slots: torch.Tensor, segments) -> LoraBatch:
+        """The batch description every LoRA layer of the forward reads (routing and the plan's delta rules)."""
         return LoraBatch.build(token_slots, self.num_slots, self.dtype, segments,
-                               delta_dtype=self.delta_dtype, times=2 if self.faults.on("delta_twice") else 1,
-                               col_slots=self.col_slots, col_rank=self.rank)
+                               delta_dtype=self.delta_dtype, times=self.plan.delta_times,
+                               col_slots=self.col_slots, col_rank=self.rank, experts=self.plan.experts)
 
     def _t(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -149,7 +137,7 @@ class ModelRunner:
     # ---- prefill -----------------------------------------------------------------------
     def prefill_slots(self, seqs: list[Sequence]) -> list[int]:
         slots = self.row_slots(seqs)
-        if self.faults.on("chunk_continuation_drops_adapter"):  # a chunk after the prompt's first: base
+        if self.plan.routing.chunk_continuation_base:  # a chunk after the prompt's first: base
             slots = [-1 if s.num_computed > s.num_cached else x for s, x in zip(seqs, slots)]
         return slots
 
@@ -158,7 +146,7 @@ class ModelRunner:
         """Compute each sequence's tokens [num_computed, chunk_end). The chunk that ends the
         sequence samples its next token; prompt-logprob rows come from every chunk."""
         # contiguous per-adapter segments (SGMV); variant reverse: in the opposite order
-        seqs = sorted(seqs, key=lambda s: s.slot, reverse=self.args.variant.on("reverse"))
+        seqs = sorted(seqs, key=lambda s: s.slot, reverse=self.plan.reverse_order)
         bs = self.block_size
         ids, pos, smap, tok_slots, q_lens, ctx_lens, logit_rows = [], [], [], [], [], [], []
         q_index, out_index = [], []
@@ -188,7 +176,7 @@ class ModelRunner:
         meta = AttentionMetadata(self._t(smap), self._t(tables), self._t(q_index), self._t(out_index),
                                  additive_mask(build_mask(ctx_t, q_t, Lq, W * bs), self.dtype))
         seg = self.segmented_prefill
-        if not seg and self.faults.on("masked_prefill_padded_rows"):  # packed row t read as padded row t // Lq
+        if not seg and self.plan.routing.masked_by_padded_row:  # packed row t read as padded row t // Lq
             tok_slots = [slots[min(t // Lq, len(seqs) - 1)] for t in range(T)]
         slots_t = self._t(tok_slots)
         rows_t = self._t(logit_rows)
@@ -269,3 +257,24 @@ class _null:
 
     def __exit__(self, *a):
         return False
+
+
+def build_rank(model_dir, device: str, dtype: str, cfg, tp=None):
+    """One rank's share of an engine: (plan, spec, fused kernels on?, KV blocks, model runner). The
+    runner holds the model (``runner.model``); with ``tp`` (layers/parallel.py), this rank's shards."""
+    from lora_conformance.checkpoints import torch_dtype
+    from lora_conformance.engines.builtin.engine.plan import EnginePlan
+    from lora_conformance.engines.builtin.layers import kernels
+    from lora_conformance.engines.builtin.models.config import load_spec
+    from lora_conformance.engines.builtin.models.loader import build_model
+
+    tdt = torch_dtype(dtype)
+    plan = EnginePlan.decide(cfg, device, tdt)  # fault, variant, LoRA path: decided once
+    spec = load_spec(model_dir)
+    max_len = max(cfg.max_model_len, 16)
+    model = build_model(model_dir, spec, max_len, device, tdt, plan.rope_exponent_dim, tp)
+    fused = kernels.select(device, cfg.kernels)
+    kernels.attach(model, fused)
+    bs = cfg.kv_block_size
+    num_blocks = cfg.num_kv_blocks or 1 + cfg.max_batch_size * ((min(max_len, 1024) + bs - 1) // bs)
+    return plan, spec, fused, num_blocks, ModelRunner(model, spec, cfg, plan, device, tdt, num_blocks)

@@ -20,6 +20,7 @@ class LoraEmbedding(nn.Module):
         self.lora_At: Optional[torch.Tensor] = None  # (S, vocab, R): row lookup by token id
         self.lora_Bt: Optional[torch.Tensor] = None  # (S, R, hidden), scaling folded in
         self.slot_rank: list[int] = []
+        self.shard = None  # the vocabulary slice this rank holds (layers/parallel.py); None: whole
 
     def alloc_pool(self, num_slots: int, rank: int) -> None:
         w = self.weight
@@ -28,16 +29,22 @@ class LoraEmbedding(nn.Module):
         self.slot_rank = [0] * num_slots
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        e = F.embedding(ids, self.weight)
+        e = self._rows(ids)
         batch = self.ctx.batch
         if self.lora_At is None or batch is None or not any(self.slot_rank):
             return e
         S, _, R = self.lora_At.shape
         slots = batch.token_slots.clamp(0, S - 1)
-        h = self.lora_At[slots, ids]  # (T, R); rows of base tokens are zeroed by the one-hot below
+        h = self._lora_rows(slots, ids)  # (T, R); rows of base tokens are zeroed by the one-hot below
         bt = self.lora_Bt.reshape(S * R, -1)
         if batch.delta_dtype is not None:
             h, bt = h.to(batch.delta_dtype), bt.to(batch.delta_dtype)
         h = (batch.onehot.to(h.dtype).unsqueeze(2) * h.unsqueeze(1)).reshape(h.shape[0], S * R)
         d = (h @ bt).to(e.dtype)
         return e + d * batch.times
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def _lora_rows(self, slots: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.lora_At[slots, ids]

@@ -16,6 +16,10 @@ per-slot segments, through one shrink/expand per segment (segmented path: no was
 The masked expand is one GEMM over the whole block-diagonal ``Bt`` on accelerators (fewer
 launches) and one GEMM per diagonal block on cpu (fewer bytes read).
 
+Which of these a group computes is decided once, not per call: ``paths()`` maps each kind of
+batch (``LoraBatch.path``: segmented, masked, or masked in a cast dtype) to this group's
+compute, chosen from its layout, its fused parts and the kernel choice when those are fixed.
+
 A single-part group whose input's producer can write into a buffer (``cat_input``: o_proj,
 down_proj) stores, on accelerators, ``Bt`` as extra K rows under its base weight:
 ``wt`` = [W^T ; Bt] (in + S*R, out). The producer writes the input into the first ``in``
@@ -58,6 +62,7 @@ class LoraLinear(nn.Module):
         self.lora_A: Optional[torch.Tensor] = None  # (S, R, in)
         self.lora_Bt: Optional[torch.Tensor] = None  # (S, R, out), scaling folded in
         self.slot_rank: list[int] = []  # host copy: rank of each slot here (0 = not targeted)
+        self.shard = None  # the slice of the checkpoint module this rank holds (layers/parallel.py); None: whole
         self.group = LinearGroup([self])
 
     def alloc_pool(self, num_slots: int, rank: int) -> None:
@@ -98,12 +103,14 @@ class LinearGroup:
         self.S = self.R = 0
         self.blocks: list[tuple[slice, slice]] = []  # per part: (its rows of A/Bt, its output columns)
         self.part_starts = (0, 0)  # first output column of parts 2 and 3 (N where absent), for the expand kernel
-        self.use_kernels = False  # decode LoRA through the fused kernels (layers/kernels.py)
+        self._use_kernels = False  # decode LoRA through the fused kernels (layers/kernels.py)
+        self._paths: Optional[dict] = None  # paths(): decided once per layout and kernel choice
 
     # ---- layout --------------------------------------------------------------------
     def fuse(self, transposed: bool) -> None:
         """Once the checkpoint is loaded: one weight for the group; the parts' become views of it."""
         self.transposed = transposed
+        self._paths = None
         if self.fused or transposed:
             self._store(torch.cat([p.weight.data for p in self.parts]), self._cat_bias(0))
 
@@ -182,32 +189,47 @@ class LinearGroup:
             return None
         return batch
 
+    # ---- the compute path, decided once ----------------------------------------------
+    @property
+    def use_kernels(self) -> bool:
+        return self._use_kernels
+
+    @use_kernels.setter
+    def use_kernels(self, on: bool) -> None:
+        self._use_kernels = on
+        self._paths = None  # decided again on the next forward
+
+    def paths(self) -> dict:
+        """What this group computes for each kind of batch (``LoraBatch.path``), decided from what
+        is fixed once the checkpoint is fused and the kernels are chosen: the layout (cpu stores
+        (in, out)), fused parts, fused kernels. A forward only looks its batch's kind up here."""
+        if self._paths is None:
+            accel = not self.transposed
+            if self.fused:
+                masked_forward = self._fused_masked_accel if accel else self._fused_masked_cpu
+            else:
+                masked_forward = None  # the base GEMM, then the masked delta
+            if self.use_kernels and not self.fused:
+                masked = self._delta_kernels
+            else:
+                masked = self._delta_masked if accel else self._delta_masked_cpu
+            self._paths = {"masked": (masked_forward, masked),
+                           "cast": (None, self._delta_masked),
+                           "segmented": (None, self._delta_segmented)}
+        return self._paths
+
     # ---- compute -------------------------------------------------------------------
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.N)
         batch = self._batch()
-        if batch is not None and self.fused and batch.segments is None and batch.delta_dtype is None:
-            out = _mm(x, self.wt, self.b_all)  # [base | shrink against every slot]
-            y = out[:, : self.N]
-            if not self.transposed:  # accelerators: one GEMM for the whole expand
-                if self.use_kernels and x.shape[0] <= FULL_MASK_MAX_ROWS and len(self.parts) <= 3 and y.stride(1) == 1:
-                    # one kernel: the own-slot mask made in registers from the slots, then the expand
-                    self._expand(y, out[:, self.N:], batch, batch.times)
-                    return y
-                if x.shape[0] <= FULL_MASK_MAX_ROWS:
-                    # Launch-bound (decode): mask all of out, base columns times 1 (exact), in one
-                    # contiguous, vectorised multiply instead of a strided one over the shrink columns.
-                    out.mul_(batch.mask(self.R, len(self.parts), lead=self.N))
-                else:  # many rows (prefill): bytes matter, touch the shrink columns only
-                    out[:, self.N:].mul_(batch.mask(self.R, len(self.parts)))
-                y.addmm_(out[:, self.N:], self.Bt, alpha=batch.times)
-                return y
-            self._add_delta(y, x, batch, h=out[:, self.N:])
-            return y
+        if batch is None:
+            return _mm(x, *self._base())
+        forward, delta = self.paths()[batch.path]
+        if forward is not None:
+            return forward(x, batch)
         y = _mm(x, *self._base())
-        if batch is not None:
-            self._add_delta(y, x, batch)
+        delta(y, x, batch)
         return y
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -219,8 +241,33 @@ class LinearGroup:
             out2.add_(b)
         batch = self._batch()
         if batch is not None:
-            self._add_delta(out2, x2, batch)
+            self.paths()[batch.path][1](out2, x2, batch)
         return out
+
+    def _fused_masked_accel(self, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        """Fused group, accelerator layout: one GEMM for base and every slot's shrink, one for the expand."""
+        out = _mm(x, self.wt, self.b_all)  # [base | shrink against every slot]
+        y = out[:, : self.N]
+        if self.use_kernels and x.shape[0] <= FULL_MASK_MAX_ROWS and len(self.parts) <= 3 and y.stride(1) == 1:
+            # one kernel: the own-slot mask made in registers from the slots, then the expand
+            self._expand(y, out[:, self.N:], batch, batch.times)
+            return y
+        if x.shape[0] <= FULL_MASK_MAX_ROWS:
+            # Launch-bound (decode): mask all of out, base columns times 1 (exact), in one
+            # contiguous, vectorised multiply instead of a strided one over the shrink columns.
+            out.mul_(batch.mask(self.R, len(self.parts), lead=self.N))
+        else:  # many rows (prefill): bytes matter, touch the shrink columns only
+            out[:, self.N:].mul_(batch.mask(self.R, len(self.parts)))
+        y.addmm_(out[:, self.N:], self.Bt, alpha=batch.times)
+        return y
+
+    def _fused_masked_cpu(self, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        """Fused group, cpu layout: base and shrink in one GEMM, the expand per part."""
+        out = _mm(x, self.wt, self.b_all)
+        y = out[:, : self.N]
+        self._delta_masked_cpu(y, x, batch, h=out[:, self.N:])
+        return y
+
 
     def _expand(self, y: torch.Tensor, h: torch.Tensor, batch: LoraBatch, alpha) -> None:
         """y += alpha * (each row's own slot columns of h) @ (that slot's Bt rows), per part (kernel)."""
@@ -234,7 +281,7 @@ class LinearGroup:
         if not self.cat or rows > CAT_MAX_ROWS:
             return None
         batch = self._batch()
-        if batch is None or batch.segments is not None or batch.delta_dtype is not None:
+        if batch is None or batch.path != "masked":
             return None
         return batch
 
@@ -270,33 +317,39 @@ class LinearGroup:
             out2.add_(b)
         return out
 
-    def _add_delta(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch, h=None) -> None:
-        """out += the LoRA delta of x's rows. h: x's shrink against every slot, if already computed."""
-        S, R, t = self.S, self.R, batch.times
-        if (batch.segments is None and self.use_kernels and len(self.parts) == 1 and h is None and batch.delta_dtype is None
-                and x.shape[0] <= FULL_MASK_MAX_ROWS):
-            if kernels.rows_ok(out, x, self.A, self.Bt):  # own-slot shrink, then own-slot expand: two kernels
-                h = x.new_empty(x.shape[0], S * R)
-                kernels.ops.lora_shrink(x, self.A, batch.token_slots, h, S, R, 1.0)
-                self._expand(out, h, batch, t)
-                return
-        if batch.segments is None:
-            mask = batch.mask(R, len(self.parts))
-            if batch.delta_dtype is not None or not self.transposed:
-                _delta_into(out, x, self.A, self.Bt, mask, batch, h)
-                return
-            # cpu layout (eager only, never graph-captured): bytes, not launches, bound the masked
-            # path there, so trailing slots that no part holds (all-zero pool rows) are not read.
-            n = self._used_slots() * R
-            if len(self.parts) == 1:
-                _delta_into(out, x, self.A[:n], self.Bt[:n], mask[:, :n], batch, None if h is None else h[:, :n])
-                return
-            h = _mm(x, self.A.t(), None) if h is None else h
-            h.mul_(mask)
-            for rows, cols in self.blocks:
-                r = slice(rows.start, rows.start + n)
-                _addmm_(out[:, cols], h[:, r], self.Bt[r, cols], t)
+    def _delta_kernels(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> None:
+        """Single-part group: own-slot shrink, then own-slot expand (two kernels), for decode-sized
+        batches whose tensors have contiguous rows; else the layout's masked GEMMs."""
+        if x.shape[0] <= FULL_MASK_MAX_ROWS and kernels.rows_ok(out, x, self.A, self.Bt):
+            S, R = self.S, self.R
+            h = x.new_empty(x.shape[0], S * R)
+            kernels.ops.lora_shrink(x, self.A, batch.token_slots, h, S, R, 1.0)
+            self._expand(out, h, batch, batch.times)
             return
+        (self._delta_masked_cpu if self.transposed else self._delta_masked)(out, x, batch)
+
+    def _delta_masked(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> None:
+        """out += the masked delta over every slot at once (accelerators; any layout in a cast dtype)."""
+        _delta_into(out, x, self.A, self.Bt, batch.mask(self.R, len(self.parts)), batch, None)
+
+    def _delta_masked_cpu(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch, h=None) -> None:
+        """The masked delta on the cpu layout (eager only, never graph-captured): bytes, not launches,
+        bound it there, so trailing slots that no part holds (all-zero pool rows) are not read.
+        h: x's shrink against every slot, if already computed."""
+        mask = batch.mask(self.R, len(self.parts))
+        n = self._used_slots() * self.R
+        if len(self.parts) == 1:
+            _delta_into(out, x, self.A[:n], self.Bt[:n], mask[:, :n], batch, None if h is None else h[:, :n])
+            return
+        h = _mm(x, self.A.t(), None) if h is None else h
+        h.mul_(mask)
+        for rows, cols in self.blocks:
+            r = slice(rows.start, rows.start + n)
+            _addmm_(out[:, cols], h[:, r], self.Bt[r, cols], batch.times)
+
+    def _delta_segmented(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> None:
+        """One shrink/expand per (adapter segment, part that the adapter targets)."""
+        S, R = self.S, self.R
         for slot, start, end in batch.segments:
             if not 0 <= slot < S:
                 continue

@@ -20,9 +20,26 @@ from typing import Optional
 import torch
 
 
+@dataclass(frozen=True)
+class ExpertLora:
+    """How the MoE experts apply their LoRA (defaults: correct), decided once when the engine
+    loads (engine/plan.py; the other values only under the ``moe_*`` faults).
+
+    ``shift``: expert e reads expert (e + shift) mod E's LoRA. ``first_only``: only a token's
+    first (highest-weight) selected expert gets LoRA. ``weighting``: the weight of an expert's
+    down_proj LoRA output: ``routed`` (the expert's routing weight, as its base output: correct),
+    ``unweighted`` (1), ``next_expert`` (the weight of the token's next selected expert)."""
+
+    shift: int = 0
+    first_only: bool = False
+    weighting: str = "routed"
+
+
 @dataclass
 class LoraBatch:
-    """Routing of one forward's rows to pool slots, shared by every LoRA layer."""
+    """Routing of one forward's rows to pool slots, shared by every LoRA layer, with what the
+    engine decided once about how the delta is computed (``delta_dtype``, ``times``, ``experts``):
+    the layers read those here and take no switch of their own."""
 
     token_slots: torch.Tensor  # (T,) int64, -1 = base
     num_slots: int
@@ -34,12 +51,19 @@ class LoraBatch:
     times: int = 1  # fault delta_twice -> 2
     col_slots: Optional[torch.Tensor] = None  # slot of each column of a part-major layout (column_slots)
     col_rank: int = 0  # the pool rank col_slots was made for
+    experts: ExpertLora = ExpertLora()
     _masks: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, num_slots: int, dtype, segments=None, delta_dtype=None, times=1,
-              col_slots: Optional[torch.Tensor] = None, col_rank: int = 0):
-        return cls(token_slots, num_slots, dtype, segments, delta_dtype, times, col_slots, col_rank)
+              col_slots: Optional[torch.Tensor] = None, col_rank: int = 0, experts: ExpertLora = ExpertLora()):
+        return cls(token_slots, num_slots, dtype, segments, delta_dtype, times, col_slots, col_rank, experts)
+
+    @property
+    def path(self) -> str:
+        """The kind of batch, which picks each layer's compute (``LinearGroup.paths``): ``segmented``
+        (rows in per-slot segments), ``cast`` (masked, the delta in another dtype), ``masked``."""
+        return "segmented" if self.segments is not None else "cast" if self.delta_dtype is not None else "masked"
 
     @property
     def onehot(self) -> torch.Tensor:
@@ -78,7 +102,7 @@ class LoraBatch:
     def rows(self, index: torch.Tensor, segments=None) -> "LoraBatch":
         """The routing of a subset of rows (e.g. the positions whose logits are needed)."""
         return LoraBatch(self.token_slots[index], self.num_slots, self.dtype, segments, self.delta_dtype, self.times,
-                         self.col_slots, self.col_rank)
+                         self.col_slots, self.col_rank, self.experts)
 
 
 def column_slots(num_slots: int, rank: int, parts: int, device) -> torch.Tensor:

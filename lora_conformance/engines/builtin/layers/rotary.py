@@ -39,10 +39,9 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables; ``lookup`` once per forward, ``apply`` per layer (three kernels for q and k)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: Optional[dict], max_len: int, device, dtype,
-                 faults=None):
+                 exponent_dim: int = 0):
         super().__init__()
-        wrong = faults is not None and faults.on("rotary_assumes_head_dim_64")
-        inv = inverse_frequencies(head_dim, theta, scaling, 64 if wrong else 0).to(device)
+        inv = inverse_frequencies(head_dim, theta, scaling, exponent_dim).to(device)
         pos = torch.arange(max_len, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv)  # exact products, as HF's (d,1)@(1,L) matmul
         emb = torch.cat([freqs, freqs], dim=-1)

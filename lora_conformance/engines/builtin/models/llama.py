@@ -17,6 +17,8 @@ from lora_conformance.engines.builtin.layers.attention import AttentionMetadata,
 from lora_conformance.engines.builtin.layers.embedding import LoraEmbedding
 from lora_conformance.engines.builtin.layers.linear import LinearGroup, LoraContext, LoraLinear
 from lora_conformance.engines.builtin.layers.lora import LoraBatch
+from lora_conformance.engines.builtin.layers.parallel import (TensorParallel, VocabParallelEmbedding, parallel_linear,
+                                                              split_evenly)
 from lora_conformance.engines.builtin.layers.rmsnorm import RMSNorm
 from lora_conformance.engines.builtin.layers.rotary import RotaryEmbedding
 from lora_conformance.engines.builtin.models.config import ModelSpec
@@ -25,16 +27,21 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, ctx: LoraContext):
+    def __init__(self, spec: ModelSpec, ctx: LoraContext, tp: Optional[TensorParallel] = None):
+        """tp: q/k/v hold this rank's heads (column-parallel), o_proj their input (row-parallel)."""
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
-        self.q_proj = LoraLinear(h, spec.num_heads * d, spec.qkv_bias, ctx)
-        self.k_proj = LoraLinear(h, spec.num_kv_heads * d, spec.qkv_bias, ctx)
-        self.v_proj = LoraLinear(h, spec.num_kv_heads * d, spec.qkv_bias, ctx)
+        size = 1 if tp is None else tp.size
+        self.num_heads = split_evenly("attention heads", spec.num_heads, size)
+        self.num_kv_heads = split_evenly("key/value heads", spec.num_kv_heads, size)
+        self.head_dim = d
+        self.q_proj = parallel_linear(h, spec.num_heads * d, spec.qkv_bias, ctx, tp, "column", d)
+        self.k_proj = parallel_linear(h, spec.num_kv_heads * d, spec.qkv_bias, ctx, tp, "column", d)
+        self.v_proj = parallel_linear(h, spec.num_kv_heads * d, spec.qkv_bias, ctx, tp, "column", d)
         self.qkv = LinearGroup([self.q_proj, self.k_proj, self.v_proj])
-        self.o_proj = LoraLinear(spec.num_heads * d, h, spec.o_bias, ctx)
-        self.o_proj.group.cat_input = True  # decode attention can write its output into o_proj's buffer
+        self.o_proj = parallel_linear(spec.num_heads * d, h, spec.o_bias, ctx, tp, "row", d)
+        # decode attention can write its output into o_proj's buffer (one device only)
+        self.o_proj.group.cat_input = tp is None
         self.q_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.scale = d**-0.5
@@ -68,13 +75,16 @@ class Attention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, act: str, ctx: LoraContext):
+    def __init__(self, hidden: int, inter: int, act: str, ctx: LoraContext, tp: Optional[TensorParallel] = None):
+        """tp: gate/up hold this rank's rows (column-parallel), down_proj their input (row-parallel)."""
         super().__init__()
-        self.gate_proj = LoraLinear(hidden, inter, False, ctx)
-        self.up_proj = LoraLinear(hidden, inter, False, ctx)
+        self.gate_proj = parallel_linear(hidden, inter, False, ctx, tp, "column")
+        self.up_proj = parallel_linear(hidden, inter, False, ctx, tp, "column")
         self.gate_up = LinearGroup([self.gate_proj, self.up_proj])
-        self.down_proj = LoraLinear(inter, hidden, False, ctx)
-        self.down_proj.group.cat_input = True  # act(gate) * up can be written into down_proj's buffer
+        self.down_proj = parallel_linear(inter, hidden, False, ctx, tp, "row")
+        # act(gate) * up can be written into down_proj's buffer (one device only)
+        self.down_proj.group.cat_input = tp is None
+        inter = self.gate_proj.out_features
         self.act, self.inter = ACTIVATIONS[act], inter
         self.silu = act == "silu"
         self.use_kernels = False  # silu(gate) * up in one fused kernel (layers/kernels.py)
@@ -107,17 +117,17 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, index: int, ctx: LoraContext, faults):
+    def __init__(self, spec: ModelSpec, index: int, ctx: LoraContext, tp: Optional[TensorParallel] = None):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.self_attn = Attention(spec, ctx)
+        self.self_attn = Attention(spec, ctx, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
         if spec.is_moe_layer(index):
             from lora_conformance.engines.builtin.models.moe import SparseMoeBlock
 
-            self.mlp = SparseMoeBlock(spec, ctx, faults)
+            self.mlp = SparseMoeBlock(spec, ctx)  # whole on every rank: the experts are not sharded
         else:
-            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act, ctx)
+            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act, ctx, tp)
 
     def forward(self, x, rope, kv_cache, meta):
         """Updates the residual stream x in place (the output projections accumulate into it)."""
@@ -129,24 +139,31 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, spec: ModelSpec, ctx: LoraContext, faults):
+    def __init__(self, spec: ModelSpec, ctx: LoraContext, tp: Optional[TensorParallel] = None):
         super().__init__()
-        self.embed_tokens = LoraEmbedding(spec.vocab_size, spec.hidden_size, ctx)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, ctx, faults) for i in range(spec.num_layers))
+        self.embed_tokens = (LoraEmbedding(spec.vocab_size, spec.hidden_size, ctx) if tp is None else
+                             VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, ctx, tp))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, ctx, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
 
 
 class CausalLM(nn.Module):
     """``forward`` runs the stack over the new tokens; ``logits`` projects chosen rows."""
 
-    def __init__(self, spec: ModelSpec, faults, max_len: int, device, dtype):
+    def __init__(self, spec: ModelSpec, max_len: int, device, dtype, rope_exponent_dim: int = 0,
+                 tp: Optional[TensorParallel] = None):
+        """tp: this rank's TensorParallel (layers/parallel.py): the layers hold its shards and
+        ``forward`` returns the whole vocabulary's logits on every rank."""
         super().__init__()
-        self.spec = spec
+        self.spec, self.tp = spec, tp
         self.lora_ctx = LoraContext()
-        self.model = DecoderBody(spec, self.lora_ctx, faults)
-        self.lm_head = LoraLinear(spec.hidden_size, spec.vocab_size, False, self.lora_ctx)
+        if tp is not None:
+            split_evenly("vocabulary", spec.vocab_size, tp.size)
+        self.model = DecoderBody(spec, self.lora_ctx, tp)
+        self.kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's, in the KV cache
+        self.lm_head = parallel_linear(spec.hidden_size, spec.vocab_size, False, self.lora_ctx, tp, "column")
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, max_len, device, dtype,
-                                      faults)
+                                      rope_exponent_dim)
         self.kv_caches: list[torch.Tensor] = []  # per layer (num_blocks, block_size, 2, KVH, D)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, lora: Optional[LoraBatch],
@@ -160,6 +177,9 @@ class CausalLM(nn.Module):
                 x = layer(x, rope, kv, meta)
             x = self.model.norm(x if logit_rows is None else x[logit_rows])
             self.lora_ctx.batch = lora_logits
-            return self.lm_head(x).float()
+            logits = self.lm_head(x)
+            if self.tp is not None:  # each rank holds a slice of the vocabulary
+                logits = self.tp.gather_last(logits, self.spec.vocab_size)
+            return logits.float()
         finally:
             self.lora_ctx.batch = None

@@ -78,6 +78,7 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], spec:
         if t is None:
             missing.append(name)
             continue
+        t = _shard_of(model, name, t)
         if tuple(t.shape) != tuple(p.shape):
             raise EngineFailure(f"checkpoint tensor {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
         p.data = t.to(device=p.device, dtype=dtype).contiguous()
@@ -88,6 +89,19 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], spec:
         missing = [m for m in missing if not m.startswith("pooler.")]
     if missing:
         raise EngineFailure(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+
+
+def _shard_of(model: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of checkpoint tensor ``name`` (the whole tensor where its module is not
+    sharded): column shards slice output rows (and their biases), row shards input columns (the
+    bias is added once, after the reduction: whole), vocab shards embedding rows."""
+    owner, _, leaf = name.rpartition(".")
+    shard = getattr(model.get_submodule(owner), "shard", None) if owner else None
+    if shard is None:
+        return t
+    if shard.kind in ("column", "vocab"):
+        return t[shard.start: shard.end]
+    return t[:, shard.start: shard.end] if leaf == "weight" else t
 
 
 def pooling_mode(model_dir: Path) -> str:
@@ -101,7 +115,12 @@ def pooling_mode(model_dir: Path) -> str:
     return "mean"
 
 
-def build_model(model_dir: Path, spec: ModelSpec, faults, max_len: int, device: str, dtype):
+def build_model(model_dir: Path, spec: ModelSpec, max_len: int, device: str, dtype, rope_exponent_dim: int = 0,
+                tp=None):
+    """rope_exponent_dim: the dimension in rotary theta's exponent (0: the head dim; another only
+    under fault rotary_assumes_head_dim_64, decided in engine/plan.py). tp: this rank's
+    TensorParallel (layers/parallel.py), None on one device: each rank loads the whole checkpoint
+    and keeps its shard."""
     raw = read_safetensors(model_dir)
     if spec.kind == "encoder":
         from lora_conformance.engines.builtin.models.bert import Encoder
@@ -111,7 +130,7 @@ def build_model(model_dir: Path, spec: ModelSpec, faults, max_len: int, device: 
     else:
         from lora_conformance.engines.builtin.models.llama import CausalLM
 
-        model = CausalLM(spec, faults, max_len, device, dtype)
+        model = CausalLM(spec, max_len, device, dtype, rope_exponent_dim, tp)
         tensors = normalise_decoder_names(raw)
     model.to(device)
     load_weights(model, tensors, spec, dtype)

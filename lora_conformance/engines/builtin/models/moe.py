@@ -5,14 +5,13 @@ The pool is laid out expert-major, ``A[e, slot, r, in]`` / ``Bt[e, slot, r, out]
 per-expert masked shrink/expand reads one contiguous block per expert.
 
 Each selected expert's output, its LoRA delta included, is multiplied by the token's routing
-weight for that expert. The expert-level faults (``faults.py``: ``moe_*``) are decided once, at
-construction, into ``ExpertLoraFaults``: which expert's LoRA is read, which of a token's selected
-experts get LoRA at all, and which weight the down_proj LoRA output is given.
+weight for that expert. How (``LoraBatch.experts``, decided once when the engine loads; only the
+``moe_*`` faults change it): which expert's LoRA is read, which of a token's selected experts get
+LoRA at all, and which weight the down_proj LoRA output is given.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -20,28 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_conformance.engines.builtin.layers.linear import LoraContext, LoraLinear
+from lora_conformance.engines.builtin.layers.lora import ExpertLora
 from lora_conformance.engines.builtin.models.config import ModelSpec
 from lora_conformance.engines.builtin.models.llama import ACTIVATIONS, DenseMLP
-
-
-@dataclass(frozen=True)
-class ExpertLoraFaults:
-    """How a faulty engine's fused MoE LoRA path departs from the correct one (defaults: correct).
-
-    ``shift``: expert e reads expert (e + shift) mod E's LoRA. ``first_only``: only a token's
-    first (highest-weight) selected expert gets LoRA. ``weighting``: the weight of an expert's
-    down_proj LoRA output: ``routed`` (the expert's routing weight, as its base output: correct),
-    ``unweighted`` (1), ``next_expert`` (the weight of the token's next selected expert)."""
-
-    shift: int = 0
-    first_only: bool = False
-    weighting: str = "routed"
-
-    @classmethod
-    def of(cls, faults) -> "ExpertLoraFaults":
-        weighting = ("unweighted" if faults.on("moe_lora_unweighted") else
-                     "next_expert" if faults.on("moe_lora_weight_of_next_expert") else "routed")
-        return cls(1 if faults.on("moe_expert_mismatch") else 0, faults.on("moe_lora_first_expert_only"), weighting)
 
 
 class ExpertParam(nn.Module):
@@ -65,7 +45,7 @@ class ExpertParam(nn.Module):
               keep: Optional[torch.Tensor] = None, split: bool = False):
         """Expert ``e``'s output for rows ``x`` (token indices ``rows``), its LoRA delta added, or
         ``(base, delta)`` with ``split`` (delta None without LoRA). ``shift`` / ``keep`` (a 0/1 per
-        row) are set only by the expert-level faults."""
+        row) differ from the defaults only under the expert-level faults (``LoraBatch.experts``)."""
         y = F.linear(x, self.weight[e])
         batch = ctx.batch
         if self.lora_A is None or batch is None or not any(self.slot_rank):
@@ -84,10 +64,10 @@ class ExpertParam(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    def __init__(self, spec: ModelSpec, ctx: LoraContext, faults: ExpertLoraFaults = ExpertLoraFaults()):
+    def __init__(self, spec: ModelSpec, ctx: LoraContext):
         super().__init__()
         E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-        self.num_experts, self.ctx, self.faults = E, ctx, faults
+        self.num_experts, self.ctx = E, ctx
         self.gate_up_proj = ExpertParam(E, 2 * inter, H)
         self.down_proj = ExpertParam(E, H, inter)
         self.act = ACTIVATIONS[spec.hidden_act]
@@ -96,7 +76,7 @@ class FusedExperts(nn.Module):
         out = torch.zeros_like(x)
         # One host sync per MoE layer to find the experts hit; MoE decode therefore runs eagerly.
         hit = torch.bincount(top_idx.flatten(), minlength=self.num_experts).nonzero().flatten().tolist()
-        f = self.faults
+        f = self.ctx.batch.experts if self.ctx.batch is not None else ExpertLora()
         for e in hit:
             rows, which = torch.where(top_idx == e)
             keep = (which == 0) if f.first_only else None
@@ -131,10 +111,10 @@ class Router(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, spec: ModelSpec, ctx: LoraContext, faults):
+    def __init__(self, spec: ModelSpec, ctx: LoraContext):
         super().__init__()
         self.gate = Router(spec)
-        self.experts = FusedExperts(spec, ctx, ExpertLoraFaults.of(faults))
+        self.experts = FusedExperts(spec, ctx)
         self.shared_expert = None
         if spec.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(spec.hidden_size, spec.shared_expert_intermediate_size, spec.hidden_act, ctx)
