@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from lora_conformance import devices
+from lora_conformance.checkpoints import ADAPTER_CONFIG
 from lora_conformance.engines._hf_common import AdapterInfo, read_adapter_info
 from lora_conformance.engines.args import Ignore, Rename, arg
 from lora_conformance.engines.base import (
@@ -91,7 +92,7 @@ def openvino_device(device: str) -> str:
 def adapter_scaling(info: AdapterInfo) -> float:
     """PEFT's scaling, which GenAI takes as the adapter's blend weight (GenAI never reads the config)."""
     if info.rank <= 0:
-        raise AdapterFormatError(info.path / "adapter_config.json", "r",
+        raise AdapterFormatError(info.path / ADAPTER_CONFIG, "r",
                                  f"{info.rank}: the blend weight passed to GenAI is lora_alpha / r, which needs r > 0")
     alpha = float(info.raw.get("lora_alpha", info.rank))
     return alpha / (math.sqrt(info.rank) if info.use_rslora else info.rank)
