@@ -5,7 +5,7 @@ and lm_head split B by output rows (each packed slice on its own), row-parallel 
 split A by input columns (the scaling must count once after the reduction), and the embedding
 LoRA needs its own gather. A sharding error shows as a delta on the wrong rows or of the wrong
 size. One mixed batch: adapters of ranks 16, 8 and 4 on every linear module (the last also on
-embed_tokens and lm_head, where the engine declares them) and base rows, judged at tp=2 by the
+embed_tokens and lm_head, where the engine declares them), one on the row-parallel modules alone, and base rows, judged at tp=2 by the
 paired, teacher-forced statistics against the HF+PEFT reference (``lora.assert_conforms``), and
 request by request against the same engine at tp=1. Needs two ranks of the run's device type
 (``devices.parallel_ranks``: processes on cpu, devices on accelerators); with fewer the feature
@@ -24,8 +24,12 @@ register_cuda_ci(est_time=120, suite="nightly-multi-gpu")
 
 TP = 2
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# T0, T1: every linear module; TR: only the row-parallel ones (o_proj, down_proj), so that their
+# sharding (A split by input, B and the scaling counted once after the reduction) carries an
+# adapter's whole effect instead of a part of it next to the column-parallel modules'.
 SPECS = {"T0": AdapterSpec(seed=901, targets="all-linear", rank=16),
-         "T1": AdapterSpec(seed=902, targets="all-linear", rank=8)}
+         "T1": AdapterSpec(seed=902, targets="all-linear", rank=8),
+         "TR": AdapterSpec(seed=904, targets=("o_proj", "down_proj"), rank=8)}
 EMBED_HEAD = ("TE", AdapterSpec(seed=903, targets=LINEAR + ("embed_tokens", "lm_head"), rank=4))
 
 
