@@ -76,10 +76,7 @@ EXTRA_ARGS: dict[str, list[str]] = {"graph_stale_indices": ["--engine-arg", "gra
 
 # Known gaps in detection power, measured, with the reason: (fault, dtype) -> why. The test runs
 # the catchers anyway, xfails while they miss, and fails once they catch it (then remove the entry).
-UNCAUGHT: dict[tuple[str, str], str] = {
-    ("tp_scaling_per_shard", "bfloat16"): "the tensor-parallel suite passed under it on cpu in bfloat16 (caught in "
-                                          "float32); why is not traced yet",
-}
+UNCAUGHT: dict[tuple[str, str], str] = {}
 
 # Faults shown on cpu only (docs/faults.md's "shown on" says so until an accelerator run shows them),
 # and the dtypes the accelerator run showed the others in (an H200,
