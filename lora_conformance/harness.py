@@ -441,9 +441,9 @@ class TestContext:
                         prompts: Optional[Sequence[str]] = None, *, alternatives: Optional[Mapping] = None,
                         routing: bool = True, free_running: bool = True, certify_modules: bool = False,
                         others: Mapping[str, AdapterRef] = {}, label: str = "") -> list:
-        """The paired, teacher-forced verdict (``lora_conformance.conformance``): for each adapter label,
+        """The paired, teacher-forced verdict (``lora_conformance.paired_effects``): for each adapter label,
         the engine's effect (adapter minus base, both from the engine) must match the reference's and be
-        nearest the correct hypothesis among the alternatives (default: ``hypotheses.standard`` and,
+        nearest the correct hypothesis among the alternatives (default: ``adapter_hypotheses.standard`` and,
         with ``routing``, "served as" each other adapter of the test). Requests are made in the order of
         ``labels`` (None = a base row), so a test's batch composition is what the engine sees.
         ``free_running`` adds the greedy decode check (tie-aware tokens, ROUGE-L): the decode path.
@@ -452,7 +452,7 @@ class TestContext:
         judged where separable and reported otherwise). ``others`` names adapters no request uses
         that each row might wrongly get (old weights of a reloaded name): "served as" alternatives.
         Returns the analyses; raises SuiteDefectError when the test cannot separate a hypothesis."""
-        from lora_conformance import conformance
+        from lora_conformance import paired_effects
         from lora_conformance.compare.effects import assert_effects_conform
 
         names = [n for n in dict.fromkeys(labels) if n]
@@ -460,12 +460,12 @@ class TestContext:
         paths.update({n: self.adapter_path(ref) for n, ref in others.items()})
         ps = list(prompts or self.prompts)
         row_prompts = [ps[i % len(ps)] for i in range(len(labels))]
-        alts = dict(alternatives) if alternatives is not None else conformance.default_alternatives(
+        alts = dict(alternatives) if alternatives is not None else paired_effects.default_alternatives(
             labels, paths, routing, extra=list(others))
-        plan = conformance.Plan(list(labels), row_prompts, paths, alts,
-                                conformance.required_hypotheses(alts, certify_modules))
+        plan = paired_effects.Plan(list(labels), row_prompts, paths, alts,
+                                paired_effects.required_hypotheses(alts, certify_modules))
         runner = self.harness.reference(self.model_dir)
-        analyses = conformance.run(plan, engine, runner, self.tolerance)
+        analyses = paired_effects.run(plan, engine, runner, self.tolerance)
         from lora_conformance import evidence
 
         evidence.add(self.request.node, evidence.EFFECTS, [a.as_evidence() for a in analyses])
@@ -486,20 +486,20 @@ class TestContext:
                                        prompts: Optional[Sequence[str]] = None, *, routing: bool = True,
                                        label: str = "") -> list:
         """``assert_conforms``' paired verdict on the engine's *prompt* logprobs
-        (``conformance.run_prompt_logprobs``): every prompt position is a teacher-forced context; the
+        (``paired_effects.run_prompt_logprobs``): every prompt position is a teacher-forced context; the
         engine's effect (prompt logprobs with the row's adapter minus without, both from the engine)
         must match the reference's and be nearest the correct hypothesis. Pooled over every position
         of every row: no single position decides. Returns the analyses."""
-        from lora_conformance import conformance
+        from lora_conformance import paired_effects
         from lora_conformance.compare.effects import assert_effects_conform
 
         names = [n for n in dict.fromkeys(labels) if n]
         paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
         ps = list(prompts or self.prompts)
         row_prompts = [ps[i % len(ps)] for i in range(len(labels))]
-        alts = conformance.default_alternatives(labels, paths, routing)
-        plan = conformance.Plan(list(labels), row_prompts, paths, alts, conformance.required_hypotheses(alts))
-        analyses = conformance.run_prompt_logprobs(plan, engine, self.harness.reference(self.model_dir),
+        alts = paired_effects.default_alternatives(labels, paths, routing)
+        plan = paired_effects.Plan(list(labels), row_prompts, paths, alts, paired_effects.required_hypotheses(alts))
+        analyses = paired_effects.run_prompt_logprobs(plan, engine, self.harness.reference(self.model_dir),
                                                    self.tolerance)
         import json
 

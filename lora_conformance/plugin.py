@@ -140,19 +140,19 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         _check_writable_dirs(settings)
     _register_subplugins(config, settings)
-    from lora_conformance import schedule
+    from lora_conformance import run_order
 
-    schedule.configure(config, schedule.durations_path(settings.cache_dir, settings.engine, settings.device_type,
-                                                       settings.dtype))
+    run_order.configure(config, run_order.durations_path(settings.cache_dir, settings.engine, settings.device_type,
+                                                         settings.dtype))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     # pytest-xdist controller: every worker orders its collection by the same durations.
-    from lora_conformance import schedule
+    from lora_conformance import run_order
 
     if SETTINGS_KEY in node.config.stash:
-        node.workerinput[schedule.WORKERINPUT_KEY] = schedule.node_input(node.config)
+        node.workerinput[run_order.WORKERINPUT_KEY] = run_order.node_input(node.config)
 
 
 def _check_writable_dirs(settings: Settings) -> None:
@@ -268,11 +268,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 Capability.parse(cap)
             except ValueError as exc:
                 raise pytest.UsageError(f"{item.nodeid}: required capability: {exc}") from None
-    from lora_conformance import schedule
+    from lora_conformance import run_order
 
-    durations = schedule.worker_durations(config)
+    durations = run_order.worker_durations(config)
     if durations:  # pytest-xdist worker: the long tests first (identical in every worker)
-        items[:] = schedule.order(items, durations)
+        items[:] = run_order.order(items, durations)
 
 
 def _discard_engines(config: pytest.Config) -> None:

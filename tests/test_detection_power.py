@@ -50,7 +50,7 @@ CATCHERS: dict[str, list[str]] = {
     "graph_stale_indices": ["test_runtime_modes.py::test_graphs_equal_eager"],
     "overlap_no_wait": ["test_runtime_modes.py::test_overlap_loading_is_stream_ordered"],
     "moe_expert_mismatch": ["test_moe.py::test_expert_lora_matches_reference"],
-    # expert-level weighting: the MoE test's hypotheses include each (hypotheses.EXPERT_ROUTING)
+    # expert-level weighting: the MoE test's hypotheses include each (adapter_hypotheses.EXPERT_ROUTING)
     "moe_lora_unweighted": ["test_moe.py::test_expert_lora_matches_reference"],
     "moe_lora_weight_of_next_expert": ["test_moe.py::test_expert_lora_matches_reference"],
     "moe_lora_first_expert_only": ["test_moe.py::test_expert_lora_matches_reference"],

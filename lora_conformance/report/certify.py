@@ -115,14 +115,14 @@ def recorded_work(args, device_type: str) -> Optional[float]:
     """Seconds of the suites' tests that earlier runs with this engine, device type and dtype recorded
     (None: none). The durations file also holds other runs' tests (our own tests, other suite
     directories): only node ids of a test file in this suite directory count."""
-    from lora_conformance import schedule
+    from lora_conformance import run_order
     from lora_conformance.devices import default_dtype_for
     from lora_conformance.settings import suites_dir
 
     suite_dir = Path(args.suite_dir or suites_dir())
     files = {f"{suite_dir.name}/{f.name}" for f in suite_dir.glob("test_*.py")}
     dtype = args.dtype or default_dtype_for(device_type)
-    durations = schedule.load(schedule.durations_path(_cache_dir(args), args.engine, device_type, dtype))
+    durations = run_order.load(run_order.durations_path(_cache_dir(args), args.engine, device_type, dtype))
     mine = [d for nodeid, d in durations.items() if "/".join(nodeid.split("::")[0].split("/")[-2:]) in files]
     return sum(mine) or None
 

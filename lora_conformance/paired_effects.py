@@ -1,4 +1,4 @@
-"""Teacher-forced, paired conformance of an engine's adapters against the reference.
+"""Paired adapter effects at teacher-forced contexts: the engine's and the reference's, side by side.
 
 For each request row of a test (an adapter label, or None for a base row, and a prompt) the
 reference decodes greedily; every prefix of that continuation is a *context*. The engine is
@@ -6,7 +6,7 @@ asked for one token after each context (``generate(max_new_tokens=1, top_k=k)``:
 diverges and bfloat16 rounding does not compound), once with the row's adapter (all rows in
 one call, so the test's batch composition is kept) and once without any. The reference
 scores the same contexts in one forward pass per sequence, for the correct hypothesis and
-for each alternative (``lora_conformance.hypotheses``). ``compare.effects`` pools the points
+for each alternative (``lora_conformance.adapter_hypotheses``). ``compare.effects`` pools the points
 per adapter and judges them.
 
 Base rows of a mixed batch are judged the same way with a zero reference effect: their
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from lora_conformance import hypotheses as hyps
+from lora_conformance import adapter_hypotheses as hyps
 from lora_conformance.compare.effects import EffectAnalysis, EffectSample, analyse
 from lora_conformance.types import GenerationRequest
 
@@ -207,7 +207,7 @@ def required_hypotheses(alternatives: Mapping[str, list[hyps.Hypothesis]],
 
 def default_alternatives(labels: Sequence[Optional[str]], adapters: Mapping[str, Path],
                          routing: bool = True, extra: Sequence[str] = ()) -> dict[str, list[hyps.Hypothesis]]:
-    """Per label: ``hypotheses.standard`` (with "served as" each other adapter of the test when
+    """Per label: ``adapter_hypotheses.standard`` (with "served as" each other adapter of the test when
     ``routing``); base rows: "served as" each adapter."""
     names = [l for l in dict.fromkeys(labels) if l]
     out = {}
