@@ -3,10 +3,15 @@
 Precedence: command line, then environment, then ini, then the default. ``resolve`` records
 where each value came from, so a bad value's usage error can say so and the report header
 can echo every resolved setting. No torch import here.
+
+The same table declares ``lora-conformance certify``'s options (``add_arguments``), which it hands
+on to pytest as given (``as_pytest_arguments``): an option is declared, documented and checked
+once, wherever it is typed.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -92,20 +97,31 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+def _from_environment(o: Option) -> Optional[tuple[Any, str]]:
+    env = os.environ.get(o.env)
+    if env is None:
+        return None
+    if o.is_flag:
+        low = env.strip().lower()
+        if low not in _TRUE | _FALSE:
+            raise OptionError(f"{o.env}={env!r} (environment): expected one of 1/0/true/false/yes/no")
+        return low in _TRUE, f"environment {o.env}"
+    if o.multiple:
+        return [p for p in env.replace(",", " ").split() if p], f"environment {o.env}"
+    return env, f"environment {o.env}"
+
+
+def _given(value: Any) -> bool:
+    return value not in (None, [], (), False)
+
+
 def _raw(config: pytest.Config, o: Option) -> tuple[Any, str]:
     cli = config.getoption(o.name, default=None)
-    if cli not in (None, [], ()):
+    if _given(cli):
         return cli, "command line"
-    env = os.environ.get(o.env)
+    env = _from_environment(o)
     if env is not None:
-        if o.is_flag:
-            low = env.strip().lower()
-            if low not in _TRUE | _FALSE:
-                raise OptionError(f"{o.env}={env!r} (environment): expected one of 1/0/true/false/yes/no")
-            return low in _TRUE, f"environment {o.env}"
-        if o.multiple:
-            return [p for p in env.replace(",", " ").split() if p], f"environment {o.env}"
-        return env, f"environment {o.env}"
+        return env
     ini = config.getini(o.name)
     if ini not in (None, [], ""):
         return ini, f"ini key {o.name}"
@@ -151,3 +167,53 @@ def parse_engine_args(items: Any) -> dict[str, str]:
             raise ValueError(f"engine argument {item!r} is not KEY=VALUE")
         out[key.strip()] = value.strip()
     return out
+
+
+# ---- the same options on an argparse command line (lora-conformance certify) ------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = (),
+                  required: tuple[str, ...] = ()) -> None:
+    """Every option but ``leave_out`` on ``parser``, as the plugin declares it. Nothing defaults
+    here: what is not given is left to the plugin's own precedence (environment, ini, default)."""
+    group = parser.add_argument_group(f"{GROUP} options (passed on to pytest; each also reads "
+                                      f"{ENV_PREFIX}<NAME>)")
+    for o in OPTIONS:
+        if o.name in leave_out:
+            continue
+        default = isinstance(o.default, str) and o.name not in required
+        shown = o.help.replace("%", "%%") + (f" (default: {o.default})" if default else "")
+        if o.is_flag:
+            group.add_argument(o.flag, action="store_true", dest=o.name, default=None, help=shown)
+        elif o.multiple:
+            group.add_argument(o.flag, action="append", dest=o.name, default=None, metavar="KEY=VALUE", help=shown)
+        else:
+            group.add_argument(o.flag, dest=o.name, default=None, choices=o.choices, required=o.name in required,
+                               help=shown)
+
+
+def as_pytest_arguments(namespace: argparse.Namespace) -> list[str]:
+    """The options given on ``namespace`` (``add_arguments``' parser) as pytest arguments, in the
+    table's order."""
+    out: list[str] = []
+    for o in OPTIONS:
+        value = getattr(namespace, o.name, None)
+        if not _given(value):
+            continue
+        if o.is_flag:
+            out.append(o.flag)
+        elif o.multiple:
+            out += [f"{o.flag}={v}" for v in value]
+        else:
+            out.append(f"{o.flag}={value}")
+    return out
+
+
+def given_or_default(namespace: argparse.Namespace, name: str) -> Any:
+    """``name``'s value as the plugin will resolve it from ``namespace``: the command line, else the
+    environment, else the default (an ini key is not looked at: certify's run reads none)."""
+    value = getattr(namespace, name, None)
+    if _given(value):
+        return value
+    env = _from_environment(BY_NAME[name])
+    return env[0] if env is not None else BY_NAME[name].default
