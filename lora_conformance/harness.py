@@ -15,7 +15,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import pytest
 
-from lora_conformance.settings import Settings
+from lora_conformance.markers import base_model_kind
+from lora_conformance.settings import Settings, get_settings
 from lora_conformance.types import GenerationRequest, GenerationResult
 
 # The feature that certifies prompt logprobs; other tests use them only as an auxiliary feature.
@@ -27,6 +28,26 @@ MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder"
                # base-model variants (suites/test_base_models.py): always these synthetic models
                "llama-hd128": "synthetic:llama-hd128", "llama-hd256": "synthetic:llama-hd256",
                "qwen2": "synthetic:qwen2"}
+
+
+HARNESS_KEY = pytest.StashKey["Harness"]()
+
+
+def session_harness(config: pytest.Config) -> "Harness":
+    """This process's harness, made on first use (the plugin's session fixture asks first)."""
+    if HARNESS_KEY not in config.stash:
+        from lora_conformance import parallel
+        from lora_conformance.report.recorder import run_environment
+
+        # Before the first engine or reference: a worker gets its share of the cores.
+        parallel.apply_thread_share(get_settings(config).threads)
+        config.stash[HARNESS_KEY] = Harness(get_settings(config), run_environment(config))
+    return config.stash[HARNESS_KEY]
+
+
+def existing_harness(config: pytest.Config) -> Optional["Harness"]:
+    """This process's harness, or None where no test has asked for one yet."""
+    return config.stash.get(HARNESS_KEY, None)
 
 
 class Harness:
@@ -178,7 +199,7 @@ class Harness:
         the shared engine started and asked."""
         from lora_conformance.engines.base import Capability
 
-        model_dir = self.model_dir(self.model_spec(_marker_kind(request.node)))
+        model_dir = self.model_dir(self.model_spec(base_model_kind(request.node)))
         declared = self.declared_capabilities(model_dir)
         if declared is None:
             # A refusal to start with this model (UnsupportedFeatureError) is raised as not certified.
@@ -211,11 +232,6 @@ class Harness:
         while self._engines:
             _, engine = self._engines.popitem()
             engine.close()
-
-
-def _marker_kind(node: pytest.Item) -> Optional[str]:
-    m = node.get_closest_marker("base_model")
-    return m.args[0] if m and m.args else None
 
 
 def _item_dtype(request: pytest.FixtureRequest, settings: Settings) -> str:
@@ -261,7 +277,7 @@ class TestContext:
         self.request = request
         self.dtype = _item_dtype(request, self.settings)
         self.device = self.settings.device
-        self.model_dir = harness.model_dir(harness.model_spec(_marker_kind(request.node)))
+        self.model_dir = harness.model_dir(harness.model_spec(base_model_kind(request.node)))
         self._loaded: list[tuple[Any, str]] = []
         self._own_engines: list[Any] = []
         self._reset: set[int] = set()  # shared engines this test has reset already

@@ -1,5 +1,5 @@
-"""The architecture, enforced: who may import whom, who owns which knowledge, and no history in
-the product. Each check is a function over a source tree, and each has a test showing it catches
+"""The architecture, enforced: who may import whom, who owns which knowledge, no history in the
+product, no retired module name, and a plugin module of options, hooks and fixtures only. Each check is a function over a source tree, and each has a test showing it catches
 what it should (on a small tree written for it), so a check that silently passes is itself caught."""
 
 from __future__ import annotations
@@ -325,3 +325,51 @@ def test_the_retired_name_check_catches_what_it_should(tmp_path):
     assert f"{pkg}/harness.py:3" not in bad
     assert f"suites/test_x.py:1: names {pkg}.suite_hypothesis" in bad
     assert f"docs/method.md:1: names {pkg}.conformance" in bad and len(bad.splitlines()) == 5
+
+
+# ---- the plugin module: options, hooks and fixtures ----------------------------------------------
+
+PLUGIN_MODULE = "lora_conformance/plugin.py"
+
+
+def _is_fixture(node: ast.AST) -> bool:
+    return any("fixture" in ast.dump(d) for d in getattr(node, "decorator_list", ()))
+
+
+def plugin_shape_violations(root: Path) -> list[str]:
+    """What the plugin module holds besides pytest hooks (``pytest_*``), fixtures and the private
+    helpers its hooks call: settings, markers, checks and session services belong to their owners."""
+    tree = ast.parse((root / PLUGIN_MODULE).read_text())
+    out = []
+    for node in tree.body:
+        where = f"{PLUGIN_MODULE}:{node.lineno}"
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if not (node.name.startswith("pytest_") or _is_fixture(node) or node.name.startswith("_")):
+                out.append(f"{where}: defines {node.name} (neither a hook nor a fixture: give it to its owner)")
+        elif isinstance(node, ast.ClassDef):
+            out.append(f"{where}: defines class {node.name} (give it to its owner)")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names = [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
+            out.append(f"{where}: holds {', '.join(names) or 'a value'} (a table or key belongs to its owner)")
+    return out
+
+
+def test_the_plugin_holds_options_hooks_and_fixtures_only():
+    bad = plugin_shape_violations(ROOT)
+    assert not bad, "the plugin module holds more than options, hooks and fixtures:\n" + "\n".join(bad)
+
+
+def test_the_plugin_shape_check_catches_what_it_should(tmp_path):
+    root = _tree(tmp_path, {PLUGIN_MODULE: (
+        "import pytest\n"
+        "KEY = pytest.StashKey()\n"
+        "def pytest_configure(config):\n    _helper(config)\n"
+        "def _helper(config):\n    pass\n"
+        "@pytest.fixture\ndef lora():\n    pass\n"
+        "def resolve_settings(config):\n    pass\n"
+        "class Thing:\n    pass\n")})
+    bad = "\n".join(plugin_shape_violations(root))
+    assert f"{PLUGIN_MODULE}:2: holds KEY" in bad
+    assert f"{PLUGIN_MODULE}:10: defines resolve_settings" in bad
+    assert f"{PLUGIN_MODULE}:12: defines class Thing" in bad
+    assert len(bad.splitlines()) == 3, bad
