@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from lora_conformance import adapter_hypotheses as hyps
 from lora_conformance.compare.effects import EffectAnalysis, EffectSample, analyse
@@ -50,6 +50,29 @@ class Plan:
     required: Optional[dict[str, set]] = None  # per label: hypotheses the test certifies (None: all)
     contexts_per_prompt: int = CONTEXTS_PER_PROMPT
     top_k: int = ENGINE_TOP_K
+
+
+@dataclass(frozen=True)
+class Alternatives:
+    """What a paired check must tell from the correct serving beyond the standard alternatives
+    (``adapter_hypotheses.standard`` per adapter, "served as" each other adapter of the batch)."""
+
+    # Single modules dropped are certified, not only judged where separable (the target-set tests,
+    # whose adapters make every module's effect visible).
+    modules: bool = False
+    # Adapters no request uses that a row might wrongly get (a reloaded name's old weights), by the
+    # name their "served as" alternative carries: name -> an adapter ref (path, spec or default name).
+    old: Mapping[str, Any] = field(default_factory=dict)
+
+
+def plan(labels: Sequence[Optional[str]], prompts: Sequence[str], adapters: Mapping[str, Path],
+         old: Mapping[str, Path] = {}, modules: bool = False) -> Plan:
+    """One paired check: a row per label (None: a base row) in that order, prompts taken in turn,
+    ``adapters`` the labels' directories, ``old`` those of ``Alternatives.old``."""
+    paths = {**adapters, **old}
+    alternatives = default_alternatives(labels, paths, extra=list(old))
+    return Plan(list(labels), [prompts[i % len(prompts)] for i in range(len(labels))], paths, alternatives,
+                required_hypotheses(alternatives, modules))
 
 
 def contexts_of(runner, label: Optional[str], prompt: str, path: Optional[Path], n: int) -> Row:

@@ -1,6 +1,7 @@
 """The architecture, enforced: who may import whom, who owns which knowledge, no history in the
-product, no retired module name, and a plugin module of options, hooks and fixtures only. Each check is a function over a source tree, and each has a test showing it catches
-what it should (on a small tree written for it), so a check that silently passes is itself caught."""
+product, no retired module name, and a plugin module of options, hooks and fixtures only. Each
+check is a function over a source tree, and each has a test showing it catches what it should (on a
+small tree written for it), so a check that silently passes is itself caught."""
 
 from __future__ import annotations
 

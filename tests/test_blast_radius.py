@@ -34,7 +34,7 @@ class Defect:
 DEFECTS = {
     # Only the test that certifies prompt logprobs asks for them unconditionally (the others are
     # teacher-forced); chunked prefill and backends use them as an auxiliary feature only after a
-    # probe found them working (TestContext.auxiliary), else they compare the decode alone.
+    # probe found them working (TestContext.prompt_logprobs_shown_to_work), else they compare the decode alone.
     "prompt_logprobs_fail": Defect(
         "PromptLogprobsFail", ("test_accuracy.py", "test_adapter_semantics.py", "test_chunked_prefill.py",
                                "test_backends.py"),
