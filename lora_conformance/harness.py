@@ -36,15 +36,15 @@ MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder"
 HARNESS_KEY = pytest.StashKey["Harness"]()
 
 
-def session_harness(config: pytest.Config) -> "Harness":
-    """This process's harness, made on first use (the plugin's session fixture asks first)."""
+def session_harness(config: pytest.Config, environment: dict) -> "Harness":
+    """This process's harness, made on first use, filling ``environment`` (the facts the report
+    records about the engine)."""
     if HARNESS_KEY not in config.stash:
         from lora_conformance import parallel
-        from lora_conformance.report.recorder import run_environment
 
         # Before the first engine or reference: a worker gets its share of the cores.
         parallel.apply_thread_share(get_settings(config).threads)
-        config.stash[HARNESS_KEY] = Harness(get_settings(config), run_environment(config))
+        config.stash[HARNESS_KEY] = Harness(get_settings(config), environment)
     return config.stash[HARNESS_KEY]
 
 

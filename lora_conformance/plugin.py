@@ -8,7 +8,7 @@ certify`` passes; any project's tests can use it too), or by ``--pyargs lora_con
 Thin by design: importing this module imports pytest and our option and marker tables only.
 torch, transformers, PEFT and engines load inside hooks and fixtures, and only when a run needs
 them, so ``pytest --help`` stays fast and touches no accelerator. What the hooks do is owned
-elsewhere: the settings (``settings``), the markers (``markers``, ``features``), the test order
+elsewhere: the settings (``options``, ``settings``), the markers (``markers``, ``features``), the test order
 (``run_order``), the session services (``harness``), the report (``report.recorder``).
 """
 
@@ -21,7 +21,8 @@ import pytest
 
 from lora_conformance import options, parallel
 from lora_conformance.markers import MARKERS
-from lora_conformance.settings import SETTINGS_KEY, Settings, check_writable_dirs, get_settings, resolve_settings
+from lora_conformance.options import resolve_settings
+from lora_conformance.settings import SETTINGS_KEY, Settings, check_writable_dirs, get_settings
 
 # ---- options and settings --------------------------------------------------------------
 
@@ -138,6 +139,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = run_order.order(items, durations)
 
 
+def _harness(config: pytest.Config):
+    from lora_conformance.harness import session_harness
+    from lora_conformance.report.recorder import run_environment
+
+    return session_harness(config, run_environment(config))
+
+
 def _discard_engines(config: pytest.Config) -> None:
     from lora_conformance.harness import existing_harness
 
@@ -158,9 +166,7 @@ def lora_settings(pytestconfig: pytest.Config) -> Settings:
 @pytest.fixture(scope="session")
 def lora_harness(pytestconfig: pytest.Config):
     """Session services: models, adapters, references, engines (see lora_conformance.harness)."""
-    from lora_conformance.harness import session_harness
-
-    harness = session_harness(pytestconfig)
+    harness = _harness(pytestconfig)
     yield harness
     harness.close()
 
@@ -184,9 +190,7 @@ def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
     needed = required_capabilities(request.node)
     if not needed:
         return
-    from lora_conformance.harness import session_harness
-
-    missing = session_harness(request.config).missing_capabilities(request, needed)
+    missing = _harness(request.config).missing_capabilities(request, needed)
     if missing:
         missing_capabilities(missing)
 

@@ -59,68 +59,6 @@ def get_settings(config: pytest.Config) -> Settings:
     return config.stash[SETTINGS_KEY]
 
 
-def resolve_settings(config: pytest.Config) -> Settings:
-    """The run's settings from the plugin's options (``lora_conformance.options``: command line,
-    environment, ini, default), each value checked, and the engine's configuration checked before
-    any test or engine (its optional dependency installed, its args parsed): an OptionError (a
-    usage error of one line, naming where the bad value came from) otherwise."""
-    from lora_conformance import devices, options, parallel
-    from lora_conformance.engines.registry import check_engine_name
-    from lora_conformance.models import check_base_model_spec
-    from lora_conformance.time_budget import parse_seconds
-
-    r = options.resolve(config, validators={
-        "engine_arg": options.parse_engine_args,
-        "engine": check_engine_name,
-        "base_model": check_base_model_spec,
-        "lora_threads": parallel.parse_threads,
-        "lora_test_timeout": parse_seconds,
-    })
-    try:
-        device = devices.resolve_device(r["device"], parallel.xdist_worker_index())
-    except ValueError as exc:
-        accepted = ("; accepted: cpu, cuda[:N], xpu[:N], a registered torch device type, auto"
-                    if isinstance(exc, devices.DeviceError) else "")
-        raise options.OptionError(f"--device={r['device']!r} (from {r.source('device')}): {exc}{accepted}") from None
-    cache = Path(r["lora_cache"]).expanduser() if r["lora_cache"] else default_cache_dir()
-    settings = Settings(
-        device=device,
-        device_spec=r["device"],
-        engine=r["engine"],
-        engine_args=r["engine_arg"] or {},
-        base_model=r["base_model"],
-        dtype=r["dtype"] or devices.default_dtype_for(device),
-        reference_device=r["reference_device"],
-        reference_dtype=r["reference_dtype"],
-        cache_dir=cache,
-        refresh_references=bool(r["lora_refresh_references"]),
-        report_dir=Path(r["lora_report"]) if r["lora_report"] else None,
-        expectations=Path(r["expectations"]) if r["expectations"] else None,
-        ci_hw=r["ci_hw"],
-        ci_suite=r["ci_suite"],
-        ci_nightly=bool(r["ci_nightly"]),
-        ci_partition=r["ci_partition"],
-        ci_durations=Path(r["ci_durations"]) if r["ci_durations"] else None,
-        test_timeout=r["lora_test_timeout"],
-        sources=dict(r.sources),
-        threads=parallel.thread_share(parallel.cpu_cores(), parallel.xdist_workers(config), r["lora_threads"],
-                                      r.source("lora_threads")),
-    )
-    _check_engine_config(settings)
-    return settings
-
-
-def _check_engine_config(settings: Settings) -> None:
-    from lora_conformance.engines.args import check_engine_config
-    from lora_conformance.engines.base import EngineError
-    from lora_conformance.options import OptionError
-
-    try:
-        check_engine_config(settings.engine, settings.engine_args, settings.sources.get("engine_arg", "command line"))
-    except EngineError as exc:
-        raise OptionError(str(exc)) from None
-
-
 def check_writable_dirs(settings: Settings) -> None:
     """A read-only (or full) cache or report directory stops the run before any work, as a usage
     error naming the directory, instead of failing tests as if the engine were at fault or losing
