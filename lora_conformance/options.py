@@ -172,7 +172,6 @@ def parse_engine_args(items: Any) -> dict[str, str]:
     return out
 
 
-
 # ---- the run's settings -----------------------------------------------------------------------
 
 
