@@ -86,3 +86,24 @@ def required_capabilities(item: Any) -> list[str]:
             if cap not in needed:
                 needed.append(cap)
     return needed
+
+
+def check_declarations(items: Any) -> None:
+    """The collection's feature declarations, before any test runs: every ``feature`` marker well
+    formed, each feature id declared by one test function, every required capability a name of the
+    engine protocol. FeatureMarkerError names the test."""
+    from lora_conformance.engines.base import Capability
+
+    owners: dict[str, str] = {}  # feature id -> the test function that declares it
+    for item in items:
+        feature = feature_of_item(item)
+        if feature is not None:
+            function = item.nodeid.split("[", 1)[0]
+            if owners.setdefault(feature.id, function) != function:
+                raise FeatureMarkerError(f"{function}: feature id {feature.id!r} is already declared by "
+                                         f"{owners[feature.id]} (one test function per feature)")
+        for cap in required_capabilities(item):
+            try:
+                Capability.parse(cap)
+            except ValueError as exc:
+                raise FeatureMarkerError(f"{item.nodeid}: required capability: {exc}") from None

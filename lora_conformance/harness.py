@@ -15,10 +15,14 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import pytest
 
-from lora_conformance.settings import Settings
+from lora_conformance import paired_effects
+from lora_conformance.markers import base_model_kind
+from lora_conformance.paired_effects import Alternatives
+from lora_conformance.settings import Settings, get_settings
 from lora_conformance.types import GenerationRequest, GenerationResult
 
-# The feature that certifies prompt logprobs; other tests use them only as an auxiliary feature.
+# The feature that certifies prompt logprobs; other tests use them only where a probe shows them
+# working (TestContext.prompt_logprobs_shown_to_work).
 PROMPT_LOGPROBS_FEATURE = "accuracy/prefill_logprobs_with_adapter"
 # Engines kept alive at once (least recently used closed first): each settings combination a
 # suite asks for keeps its engine, so the next test with those settings starts none.
@@ -27,6 +31,26 @@ MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder"
                # base-model variants (suites/test_base_models.py): always these synthetic models
                "llama-hd128": "synthetic:llama-hd128", "llama-hd256": "synthetic:llama-hd256",
                "qwen2": "synthetic:qwen2"}
+
+
+HARNESS_KEY = pytest.StashKey["Harness"]()
+
+
+def session_harness(config: pytest.Config, environment: dict) -> "Harness":
+    """This process's harness, made on first use, filling ``environment`` (the facts the report
+    records about the engine)."""
+    if HARNESS_KEY not in config.stash:
+        from lora_conformance import parallel
+
+        # Before the first engine or reference: a worker gets its share of the cores.
+        parallel.apply_thread_share(get_settings(config).threads)
+        config.stash[HARNESS_KEY] = Harness(get_settings(config), environment)
+    return config.stash[HARNESS_KEY]
+
+
+def existing_harness(config: pytest.Config) -> Optional["Harness"]:
+    """This process's harness, or None where no test has asked for one yet."""
+    return config.stash.get(HARNESS_KEY, None)
 
 
 class Harness:
@@ -41,7 +65,7 @@ class Harness:
         self._engine_failures: dict[tuple, BaseException] = {}
         self._engine_extra: dict[tuple, dict] = {}  # shared engine key -> the test's args it was started with
         self._declared: dict[Path, Any] = {}  # model dir -> the engine class's declared capabilities
-        self.auxiliary_probes: dict[tuple, str] = {}  # (model, dtype, capability) -> '' or what broke
+        self.prompt_logprobs_probes: dict[tuple, str] = {}  # (model, dtype) -> '' or what broke
         from lora_conformance.adapters import validate
         from lora_conformance.models import tokenizer
 
@@ -197,7 +221,7 @@ class Harness:
         the shared engine started and asked."""
         from lora_conformance.engines.base import Capability
 
-        model_dir = self.model_dir(self.model_spec(_marker_kind(request.node)))
+        model_dir = self.model_dir(self.model_spec(base_model_kind(request.node)))
         declared = self.declared_capabilities(model_dir)
         if declared is None:
             # A refusal to start with this model (UnsupportedFeatureError) is raised as not certified.
@@ -247,11 +271,6 @@ class Harness:
             engine.close()
 
 
-def _marker_kind(node: pytest.Item) -> Optional[str]:
-    m = node.get_closest_marker("base_model")
-    return m.args[0] if m and m.args else None
-
-
 def _item_dtype(request: pytest.FixtureRequest, settings: Settings) -> str:
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and "dtype" in callspec.params:
@@ -284,6 +303,11 @@ def check_loaded_limit(engine, needed: int, evicting: bool = False) -> None:
 AdapterRef = Union[str, Path, Any]  # a DEFAULT_ADAPTERS name, a PEFT directory, or an AdapterSpec
 
 
+def _adapter_names(labels: Sequence[Optional[str]]) -> list[str]:
+    """The adapters of a batch's labels (None: a base row), each once, in order."""
+    return [n for n in dict.fromkeys(labels) if n]
+
+
 class TestContext:
     """The ``lora`` fixture."""
 
@@ -295,7 +319,7 @@ class TestContext:
         self.request = request
         self.dtype = _item_dtype(request, self.settings)
         self.device = self.settings.device
-        self.model_dir = harness.model_dir(harness.model_spec(_marker_kind(request.node)))
+        self.model_dir = harness.model_dir(harness.model_spec(base_model_kind(request.node)))
         self._loaded: list[tuple[Any, str]] = []
         self._own_engines: list[Any] = []
         self._reset: set[int] = set()  # shared engines this test has reset already
@@ -430,31 +454,23 @@ class TestContext:
 
         evidence.add(self.request.node, evidence.NOTE, text)
 
-    def auxiliary(self, engine, capability: str, certified_by: str) -> bool:
-        """Whether this test may use an auxiliary feature it does not certify: ``engine``
-        (the one under test) declares ``capability``, its expectations do not record the certifying feature
-        ``certified_by`` as broken (xfail / skip), and (prompt logprobs) a probe on an engine of its
-        own, once per process, got answers that match the reference. Otherwise the test falls back to
-        what it can check without it, and the report says so: a bug of the auxiliary feature turns
-        only its own feature red. The probe, not another test's outcome, decides, so the answer is
-        the same in every worker and every order."""
-        if not engine.supports(capability):
-            self.note(f"without {capability} (the engine does not declare it): a weaker check")
+    def prompt_logprobs_shown_to_work(self, engine) -> bool:
+        """Whether this test may ask ``engine`` (the one under test) for prompt logprobs, a feature it
+        does not certify (``PROMPT_LOGPROBS_FEATURE`` does): the engine declares them, and a probe on
+        an engine of its own, once per process, got answers that match the reference. Otherwise the
+        test checks what it can without them and the report notes the weaker check: a bug of prompt
+        logprobs turns only their own feature red. The probe decides, never another test's outcome
+        nor the expectations file (expectations say how an outcome is reported, never which checks
+        run), so the answer is the same in every worker, every order and every expectations file."""
+        if not engine.supports("prompt_logprobs"):
+            self.note("without prompt_logprobs (the engine does not declare it): a weaker check")
             return False
-        plugin = self.request.config.pluginmanager.get_plugin("lora-conformance-expectations")
-        entry = plugin.lookup("", certified_by) if plugin is not None else None
-        if entry is not None and entry.status in ("xfail", "skip"):
-            self.note(f"without {capability}: the engine's expectations record {certified_by} as {entry.status} "
-                      f"({entry.reason}); a weaker check")
-            return False
-        if capability != "prompt_logprobs":
-            return True
-        key = (str(self.model_dir), self.dtype, capability)
-        if key not in self.harness.auxiliary_probes:
-            self.harness.auxiliary_probes[key] = self._probe_prompt_logprobs()
-        broken = self.harness.auxiliary_probes[key]
+        key = (str(self.model_dir), self.dtype)
+        if key not in self.harness.prompt_logprobs_probes:
+            self.harness.prompt_logprobs_probes[key] = self._probe_prompt_logprobs()
+        broken = self.harness.prompt_logprobs_probes[key]
         if broken:
-            self.note(f"without {capability}: {broken}; a weaker check ({certified_by} certifies them)")
+            self.note(f"without prompt_logprobs: {broken}; a weaker check ({PROMPT_LOGPROBS_FEATURE} certifies them)")
         return not broken
 
     def _probe_prompt_logprobs(self) -> str:
@@ -481,76 +497,66 @@ class TestContext:
                 pass
 
     def assert_conforms(self, engine, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef] = {},
-                        prompts: Optional[Sequence[str]] = None, *, alternatives: Optional[Mapping] = None,
-                        routing: bool = True, free_running: bool = True, certify_modules: bool = False,
-                        others: Mapping[str, AdapterRef] = {}, label: str = "") -> list:
-        """The paired, teacher-forced verdict (``lora_conformance.conformance``): for each adapter label,
-        the engine's effect (adapter minus base, both from the engine) must match the reference's and be
-        nearest the correct hypothesis among the alternatives (default: ``hypotheses.standard`` and,
-        with ``routing``, "served as" each other adapter of the test). Requests are made in the order of
-        ``labels`` (None = a base row), so a test's batch composition is what the engine sees.
-        ``free_running`` adds the greedy decode check (tie-aware tokens, ROUGE-L): the decode path.
-        Every alternative must be separable at this dtype (else a suite defect), except single
-        modules dropped, which only ``certify_modules`` tests must separate (elsewhere they are
-        judged where separable and reported otherwise). ``others`` names adapters no request uses
-        that each row might wrongly get (old weights of a reloaded name): "served as" alternatives.
-        Returns the analyses; raises SuiteDefectError when the test cannot separate a hypothesis."""
-        from lora_conformance import conformance
-        from lora_conformance.compare.effects import assert_effects_conform
-
-        names = [n for n in dict.fromkeys(labels) if n]
-        paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
-        paths.update({n: self.adapter_path(ref) for n, ref in others.items()})
-        ps = list(prompts or self.prompts)
-        row_prompts = [ps[i % len(ps)] for i in range(len(labels))]
-        alts = dict(alternatives) if alternatives is not None else conformance.default_alternatives(
-            labels, paths, routing, extra=list(others))
-        plan = conformance.Plan(list(labels), row_prompts, paths, alts,
-                                conformance.required_hypotheses(alts, certify_modules))
-        runner = self.harness.reference(self.model_dir)
-        analyses = conformance.run(plan, engine, runner, self.tolerance)
-        from lora_conformance import evidence
-
-        evidence.add(self.request.node, evidence.EFFECTS, [a.as_evidence() for a in analyses])
-        assert_effects_conform(analyses, label=label or ", ".join(names) or "base")
-        if free_running:
-            from dataclasses import replace
-
-            tol = self.tolerance
-            gross = replace(tol, decode_atol=max(tol.decode_atol, tol.free_running_atol),
-                            tie_margin=max(tol.tie_margin, tol.free_running_atol))
-            reqs = self.requests(list(labels), prompts=ps)
-            self.assert_matches_reference(engine.generate(reqs), self.reference(reqs, {**adapters, **others}), reqs,
-                                          label=label, tolerance=gross)
+                        prompts: Optional[Sequence[str]] = None, *,
+                        alternatives: Alternatives = Alternatives(), label: str = "") -> list:
+        """The paired, teacher-forced verdict (``lora_conformance.paired_effects``), then the free-running
+        decode check. For each adapter label the engine's effect (adapter minus base, both from the
+        engine) must match the reference's and be nearest the correct hypothesis among the alternatives
+        (``adapter_hypotheses.standard``, "served as" each other adapter of the test, and what
+        ``alternatives`` adds). Requests are made in the order of ``labels`` (None = a base row),
+        prompts taken in turn, so a test's batch composition is what the engine sees; ``adapters``
+        maps labels to their refs (others are default adapters). Every alternative must be separable
+        at this dtype (else a suite defect), except single modules dropped, which only
+        ``Alternatives(modules=True)`` tests must separate (elsewhere they are judged where separable
+        and reported otherwise). Returns the analyses; raises SuiteDefectError when the test cannot
+        separate a hypothesis."""
+        plan = self._paired_plan(labels, adapters, prompts, alternatives)
+        analyses = paired_effects.run(plan, engine, self.harness.reference(self.model_dir), self.tolerance)
+        self._judge_effects(analyses, label or ", ".join(_adapter_names(labels)) or "base")
+        self.assert_free_running_matches(engine, labels, {**adapters, **alternatives.old}, prompts, label=label)
         return analyses
 
     def assert_prompt_logprobs_conform(self, engine, labels: Sequence[Optional[str]],
                                        adapters: Mapping[str, AdapterRef] = {},
-                                       prompts: Optional[Sequence[str]] = None, *, routing: bool = True,
-                                       label: str = "") -> list:
+                                       prompts: Optional[Sequence[str]] = None, *, label: str = "") -> list:
         """``assert_conforms``' paired verdict on the engine's *prompt* logprobs
-        (``conformance.run_prompt_logprobs``): every prompt position is a teacher-forced context; the
+        (``paired_effects.run_prompt_logprobs``): every prompt position is a teacher-forced context; the
         engine's effect (prompt logprobs with the row's adapter minus without, both from the engine)
         must match the reference's and be nearest the correct hypothesis. Pooled over every position
         of every row: no single position decides. Returns the analyses."""
-        from lora_conformance import conformance
+        plan = self._paired_plan(labels, adapters, prompts, Alternatives())
+        analyses = paired_effects.run_prompt_logprobs(plan, engine, self.harness.reference(self.model_dir),
+                                                      self.tolerance)
+        self._judge_effects(analyses, label or "prompt logprobs " + (", ".join(_adapter_names(labels)) or "base"),
+                            {"logprobs": "prompt"})
+        return analyses
+
+    def assert_free_running_matches(self, engine, labels: Sequence[Optional[str]],
+                                    adapters: Mapping[str, AdapterRef] = {}, prompts: Optional[Sequence[str]] = None,
+                                    *, label: str = "") -> None:
+        """The greedy decode of one request per label (prompts taken in turn) against the reference, at
+        the gross bounds (``free_running_atol``): tie-aware tokens and ROUGE-L, the decode path."""
+        from dataclasses import replace
+
+        tol = self.tolerance
+        gross = replace(tol, decode_atol=max(tol.decode_atol, tol.free_running_atol),
+                        tie_margin=max(tol.tie_margin, tol.free_running_atol))
+        reqs = self.requests(list(labels), prompts=list(prompts or self.prompts))
+        self.assert_matches_reference(engine.generate(reqs), self.reference(reqs, adapters), reqs, label=label,
+                                      tolerance=gross)
+
+    def _paired_plan(self, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef],
+                     prompts: Optional[Sequence[str]], alternatives: Alternatives) -> paired_effects.Plan:
+        paths = {n: self.adapter_path(adapters.get(n, n)) for n in _adapter_names(labels)}
+        old = {n: self.adapter_path(ref) for n, ref in alternatives.old.items()}
+        return paired_effects.plan(labels, list(prompts or self.prompts), paths, old, alternatives.modules)
+
+    def _judge_effects(self, analyses: list, label: str, extra_evidence: Optional[dict] = None) -> None:
+        from lora_conformance import evidence
         from lora_conformance.compare.effects import assert_effects_conform
 
-        names = [n for n in dict.fromkeys(labels) if n]
-        paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
-        ps = list(prompts or self.prompts)
-        row_prompts = [ps[i % len(ps)] for i in range(len(labels))]
-        alts = conformance.default_alternatives(labels, paths, routing)
-        plan = conformance.Plan(list(labels), row_prompts, paths, alts, conformance.required_hypotheses(alts))
-        analyses = conformance.run_prompt_logprobs(plan, engine, self.harness.reference(self.model_dir),
-                                                   self.tolerance)
-        import json
-
-        self.request.node.user_properties.append(
-            ("lora_effects", json.dumps([a.as_evidence() for a in analyses], default=str)))
-        assert_effects_conform(analyses, label=label or "prompt logprobs " + (", ".join(names) or "base"),
-                               extra_evidence={"logprobs": "prompt"})
-        return analyses
+        evidence.add(self.request.node, evidence.EFFECTS, [a.as_evidence() for a in analyses])
+        assert_effects_conform(analyses, label=label, extra_evidence=extra_evidence)
 
     def assert_matches_reference(self, outputs: Sequence[GenerationResult], references: Sequence[GenerationResult],
                                  requests: Sequence[GenerationRequest], label: str = "", tolerance=None) -> None:

@@ -2,18 +2,26 @@
 
 Precedence: command line, then environment, then ini, then the default. ``resolve`` records
 where each value came from, so a bad value's usage error can say so and the report header
-can echo every resolved setting. No torch import here.
+can echo every resolved setting; ``resolve_settings`` turns them into the run's ``Settings``.
+No torch import here (the validators' owners load inside ``resolve_settings``).
+
+The same table declares ``lora-conformance certify``'s options (``add_arguments``), which it hands
+on to pytest as given (``as_pytest_arguments``): an option is declared, documented and checked
+once, wherever it is typed.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
 
 from lora_conformance.checkpoints import DTYPE_NAMES
+from lora_conformance.settings import Settings, default_cache_dir
 
 GROUP = "lora-conformance"
 ENV_PREFIX = "LORA_CONFORMANCE_"
@@ -92,20 +100,31 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+def _from_environment(o: Option) -> Optional[tuple[Any, str]]:
+    env = os.environ.get(o.env)
+    if env is None:
+        return None
+    if o.is_flag:
+        low = env.strip().lower()
+        if low not in _TRUE | _FALSE:
+            raise OptionError(f"{o.env}={env!r} (environment): expected one of 1/0/true/false/yes/no")
+        return low in _TRUE, f"environment {o.env}"
+    if o.multiple:
+        return [p for p in env.replace(",", " ").split() if p], f"environment {o.env}"
+    return env, f"environment {o.env}"
+
+
+def _given(value: Any) -> bool:
+    return value not in (None, [], (), False)
+
+
 def _raw(config: pytest.Config, o: Option) -> tuple[Any, str]:
     cli = config.getoption(o.name, default=None)
-    if cli not in (None, [], ()):
+    if _given(cli):
         return cli, "command line"
-    env = os.environ.get(o.env)
+    env = _from_environment(o)
     if env is not None:
-        if o.is_flag:
-            low = env.strip().lower()
-            if low not in _TRUE | _FALSE:
-                raise OptionError(f"{o.env}={env!r} (environment): expected one of 1/0/true/false/yes/no")
-            return low in _TRUE, f"environment {o.env}"
-        if o.multiple:
-            return [p for p in env.replace(",", " ").split() if p], f"environment {o.env}"
-        return env, f"environment {o.env}"
+        return env
     ini = config.getini(o.name)
     if ini not in (None, [], ""):
         return ini, f"ini key {o.name}"
@@ -151,3 +170,117 @@ def parse_engine_args(items: Any) -> dict[str, str]:
             raise ValueError(f"engine argument {item!r} is not KEY=VALUE")
         out[key.strip()] = value.strip()
     return out
+
+
+# ---- the run's settings -----------------------------------------------------------------------
+
+
+def resolve_settings(config: pytest.Config) -> Settings:
+    """The run's settings from these options (command line, environment, ini, default), each value
+    checked by its owner, and the engine's configuration checked before
+    any test or engine (its optional dependency installed, its args parsed): an OptionError (a
+    usage error of one line, naming where the bad value came from) otherwise."""
+    from lora_conformance import devices, parallel
+    from lora_conformance.engines.registry import check_engine_name
+    from lora_conformance.models import check_base_model_spec
+    from lora_conformance.time_budget import parse_seconds
+
+    r = resolve(config, validators={
+        "engine_arg": parse_engine_args,
+        "engine": check_engine_name,
+        "base_model": check_base_model_spec,
+        "lora_threads": parallel.parse_threads,
+        "lora_test_timeout": parse_seconds,
+    })
+    try:
+        device = devices.resolve_device(r["device"], parallel.xdist_worker_index())
+    except ValueError as exc:
+        accepted = ("; accepted: cpu, cuda[:N], xpu[:N], a registered torch device type, auto"
+                    if isinstance(exc, devices.DeviceError) else "")
+        raise OptionError(f"--device={r['device']!r} (from {r.source('device')}): {exc}{accepted}") from None
+    cache = Path(r["lora_cache"]).expanduser() if r["lora_cache"] else default_cache_dir()
+    settings = Settings(
+        device=device,
+        device_spec=r["device"],
+        engine=r["engine"],
+        engine_args=r["engine_arg"] or {},
+        base_model=r["base_model"],
+        dtype=r["dtype"] or devices.default_dtype_for(device),
+        reference_device=r["reference_device"],
+        reference_dtype=r["reference_dtype"],
+        cache_dir=cache,
+        refresh_references=bool(r["lora_refresh_references"]),
+        report_dir=Path(r["lora_report"]) if r["lora_report"] else None,
+        expectations=Path(r["expectations"]) if r["expectations"] else None,
+        ci_hw=r["ci_hw"],
+        ci_suite=r["ci_suite"],
+        ci_nightly=bool(r["ci_nightly"]),
+        ci_partition=r["ci_partition"],
+        ci_durations=Path(r["ci_durations"]) if r["ci_durations"] else None,
+        test_timeout=r["lora_test_timeout"],
+        sources=dict(r.sources),
+        threads=parallel.thread_share(parallel.cpu_cores(), parallel.xdist_workers(config), r["lora_threads"],
+                                      r.source("lora_threads")),
+    )
+    _check_engine_config(settings)
+    return settings
+
+
+def _check_engine_config(settings: Settings) -> None:
+    from lora_conformance.engines.args import check_engine_config
+    from lora_conformance.engines.base import EngineError
+
+    try:
+        check_engine_config(settings.engine, settings.engine_args, settings.sources.get("engine_arg", "command line"))
+    except EngineError as exc:
+        raise OptionError(str(exc)) from None
+
+
+# ---- the same options on an argparse command line (lora-conformance certify) ------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = (),
+                  required: tuple[str, ...] = ()) -> None:
+    """Every option but ``leave_out`` on ``parser``, as the plugin declares it. Nothing defaults
+    here: what is not given is left to the plugin's own precedence (environment, ini, default)."""
+    group = parser.add_argument_group(f"{GROUP} options (passed on to pytest; each also reads "
+                                      f"{ENV_PREFIX}<NAME>)")
+    for o in OPTIONS:
+        if o.name in leave_out:
+            continue
+        default = isinstance(o.default, str) and o.name not in required
+        shown = o.help.replace("%", "%%") + (f" (default: {o.default})" if default else "")
+        if o.is_flag:
+            group.add_argument(o.flag, action="store_true", dest=o.name, default=None, help=shown)
+        elif o.multiple:
+            group.add_argument(o.flag, action="append", dest=o.name, default=None, metavar="KEY=VALUE", help=shown)
+        else:
+            group.add_argument(o.flag, dest=o.name, default=None, choices=o.choices, required=o.name in required,
+                               help=shown)
+
+
+def as_pytest_arguments(namespace: argparse.Namespace) -> list[str]:
+    """The options given on ``namespace`` (``add_arguments``' parser) as pytest arguments, in the
+    table's order."""
+    out: list[str] = []
+    for o in OPTIONS:
+        value = getattr(namespace, o.name, None)
+        if not _given(value):
+            continue
+        if o.is_flag:
+            out.append(o.flag)
+        elif o.multiple:
+            out += [f"{o.flag}={v}" for v in value]
+        else:
+            out.append(f"{o.flag}={value}")
+    return out
+
+
+def given_or_default(namespace: argparse.Namespace, name: str) -> Any:
+    """``name``'s value as the plugin will resolve it from ``namespace``: the command line, else the
+    environment, else the default (an ini key is not looked at: certify's run reads none)."""
+    value = getattr(namespace, name, None)
+    if _given(value):
+        return value
+    env = _from_environment(BY_NAME[name])
+    return env[0] if env is not None else BY_NAME[name].default

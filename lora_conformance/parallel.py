@@ -130,6 +130,12 @@ def apply_thread_share(share: ThreadShare) -> None:
         torch.set_num_threads(share.threads)
 
 
+def xdist_worker_index() -> Optional[int]:
+    """This process's pytest-xdist worker number (``gwN`` -> N), or None outside a worker."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
+
+
 def xdist_workers(config) -> int:
     """Processes this pytest run spreads over: 1 without pytest-xdist, else its worker count."""
     workerinput = getattr(config, "workerinput", None)

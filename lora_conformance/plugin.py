@@ -1,41 +1,28 @@
-"""The lora-conformance pytest plugin: options, markers, collection rules, fixtures.
+"""The lora-conformance pytest plugin: options, hooks and fixtures.
 
 Loaded only where a run asks for it, never into every pytest run of the environment (the pytest11
 entry point, ``lora_conformance.autoload``, leaves other projects' runs alone): by the suites' own
 ``conftest.py`` (``pytest suites ...``), by ``-p lora_conformance.plugin`` (what ``lora-conformance
 certify`` passes; any project's tests can use it too), or by ``--pyargs lora_conformance.suites``.
 
-Thin by design: importing this module imports pytest and our option tables only. torch,
-transformers, PEFT and engines load inside hooks and fixtures, and only when a run needs
-them, so ``pytest --help`` stays fast and touches no accelerator.
+Thin by design: importing this module imports pytest and our option and marker tables only.
+torch, transformers, PEFT and engines load inside hooks and fixtures, and only when a run needs
+them, so ``pytest --help`` stays fast and touches no accelerator. What the hooks do is owned
+elsewhere: the settings (``options``, ``settings``), the markers (``markers``, ``features``), the test order
+(``run_order``), the session services (``harness``), the report (``report.recorder``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
-
 
 import pytest
 
 from lora_conformance import options, parallel
-from lora_conformance.devices import SHORTHAND_TYPES
-from lora_conformance.features import MARKER_HELP as FEATURE_MARKER_HELP
-from lora_conformance.settings import SETTINGS_KEY, Settings, default_cache_dir, get_settings
-from lora_conformance.time_budget import parse_seconds
-
-MARKERS = (
-    f"device(*types): run only on these device types ({', '.join(SHORTHAND_TYPES)}, or a vendor type)",
-    *(f"{t}: shorthand for device({t!r})" for t in SHORTHAND_TYPES),
-    FEATURE_MARKER_HELP,
-    "requires(*capabilities): engine capabilities the test needs; without them it is skipped as not certified",
-    "base_model(kind): the base model a suite needs (decoder, moe, encoder) when it differs from --base-model",
-    "slow: heavier parametrisations, deselect with -m 'not slow'",
-)
-HARNESS_KEY = pytest.StashKey["Any"]()
-
+from lora_conformance.markers import MARKERS
+from lora_conformance.options import resolve_settings
+from lora_conformance.settings import SETTINGS_KEY, Settings, check_writable_dirs, get_settings
 
 # ---- options and settings --------------------------------------------------------------
 
@@ -44,130 +31,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     options.add_options(parser)
 
 
-def _worker_index() -> int | None:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
-
-
-def _check_engine(name: str) -> str:
-    from lora_conformance.engines.registry import available_engines
-
-    if name not in available_engines() and ":" not in name:
-        raise ValueError(f"expected one of {', '.join(sorted(available_engines()))}, or module:Class")
-    return name
-
-
-def _check_base_model(spec: str) -> str:
-    from lora_conformance.models import SYNTHETIC_KINDS as kinds  # stdlib-only module: no torch here
-    if spec.startswith("synthetic:"):
-        if spec.split(":", 1)[1] not in kinds:
-            raise ValueError(f"expected synthetic:{', synthetic:'.join(kinds)}, or a local HF checkpoint directory")
-    elif not (Path(spec) / "config.json").is_file():
-        raise ValueError("not a synthetic:* model and no config.json in that directory "
-                         f"(expected synthetic:{', synthetic:'.join(kinds)}, or a local HF checkpoint directory)")
-    return spec
-
-
-def _check_engine_config(settings: Settings) -> None:
-    """Before any test and any engine: the engine's optional dependency is installed and its args
-    parse (engines/args.py); a usage error of one line otherwise, so no report is written."""
-    from lora_conformance.engines.args import check_engine_config
-    from lora_conformance.engines.base import EngineError
-
-    try:
-        check_engine_config(settings.engine, settings.engine_args, settings.sources.get("engine_arg", "command line"))
-    except EngineError as exc:
-        raise options.OptionError(str(exc)) from None
-
-
-def resolve_settings(config: pytest.Config) -> Settings:
-    from lora_conformance import devices
-
-    def check_device(spec: str) -> str:
-        try:
-            return devices.resolve_device(spec, _worker_index())
-        except devices.DeviceError as exc:
-            raise ValueError(f"{exc}; accepted: cpu, cuda[:N], xpu[:N], a registered torch device type, auto") from None
-
-    r = options.resolve(config, validators={
-        "engine_arg": options.parse_engine_args,
-        "engine": _check_engine,
-        "base_model": _check_base_model,
-        "lora_threads": parallel.parse_threads,
-        "lora_test_timeout": parse_seconds,
-    })
-    try:
-        device = check_device(r["device"])
-    except ValueError as exc:
-        raise options.OptionError(f"--device={r['device']!r} (from {r.source('device')}): {exc}") from None
-    cache = Path(r["lora_cache"]).expanduser() if r["lora_cache"] else default_cache_dir()
-    return Settings(
-        device=device,
-        device_spec=r["device"],
-        engine=r["engine"],
-        engine_args=r["engine_arg"] or {},
-        base_model=r["base_model"],
-        dtype=r["dtype"] or devices.default_dtype_for(device),
-        reference_device=r["reference_device"],
-        reference_dtype=r["reference_dtype"],
-        cache_dir=cache,
-        refresh_references=bool(r["lora_refresh_references"]),
-        report_dir=Path(r["lora_report"]) if r["lora_report"] else None,
-        expectations=Path(r["expectations"]) if r["expectations"] else None,
-        ci_hw=r["ci_hw"],
-        ci_suite=r["ci_suite"],
-        ci_nightly=bool(r["ci_nightly"]),
-        ci_partition=r["ci_partition"],
-        ci_durations=Path(r["ci_durations"]) if r["ci_durations"] else None,
-        test_timeout=r["lora_test_timeout"],
-        sources=dict(r.sources),
-        threads=parallel.thread_share(parallel.cpu_cores(), parallel.xdist_workers(config), r["lora_threads"],
-                                      r.source("lora_threads")),
-    )
-
-
 def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     if config.getoption("help", False) or config.getoption("version", False):
         return
     settings = resolve_settings(config)
-    _check_engine_config(settings)
     config.stash[SETTINGS_KEY] = settings
     from lora_conformance import gc_tuning
 
     config.pluginmanager.register(gc_tuning, "lora-conformance-gc")
     if not hasattr(config, "workerinput"):
-        _check_writable_dirs(settings)
+        check_writable_dirs(settings)
     _register_subplugins(config, settings)
-    from lora_conformance import schedule
+    from lora_conformance import run_order
 
-    schedule.configure(config, schedule.durations_path(settings.cache_dir, settings.engine, settings.device_type,
-                                                       settings.dtype))
+    run_order.configure(config, run_order.durations_path(settings.cache_dir, settings.engine, settings.device_type,
+                                                         settings.dtype))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     # pytest-xdist controller: every worker orders its collection by the same durations.
-    from lora_conformance import schedule
+    from lora_conformance import run_order
 
     if SETTINGS_KEY in node.config.stash:
-        node.workerinput[schedule.WORKERINPUT_KEY] = schedule.node_input(node.config)
-
-
-def _check_writable_dirs(settings: Settings) -> None:
-    """A read-only (or full) cache or report directory stops the run before any work, as a usage
-    error naming the directory, instead of failing tests as if the engine were at fault or losing
-    the report at the end."""
-    from lora_conformance.fileio import CacheEnvironmentError, check_writable_dir
-
-    try:
-        check_writable_dir(settings.cache_dir, "the lora-conformance cache (--lora-cache)")
-        if settings.report_dir is not None:
-            check_writable_dir(settings.report_dir, "the report directory (--lora-report)",
-                               "the report is written there at the end: give a writable --lora-report")
-    except CacheEnvironmentError as exc:
-        raise pytest.UsageError(str(exc)) from None
+        node.workerinput[run_order.WORKERINPUT_KEY] = run_order.node_input(node.config)
 
 
 def _register_subplugins(config: pytest.Config, settings: Settings) -> None:
@@ -217,19 +106,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 # ---- collection ------------------------------------------------------------------------
 
 
-def _device_types_of(item: pytest.Item) -> set[str] | None:
-    types: set[str] = set()
-    found = False
-    for m in item.iter_markers("device"):
-        found = True
-        types.update(m.args)
-    for name in SHORTHAND_TYPES:
-        if item.get_closest_marker(name) is not None:
-            found = True
-            types.add(name)
-    return types if found else None
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if SETTINGS_KEY not in metafunc.config.stash:
         return
@@ -244,55 +120,41 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if SETTINGS_KEY not in config.stash:
         return
-    from lora_conformance.engines.base import Capability
-    from lora_conformance.features import FeatureMarkerError, feature_of_item, required_capabilities
+    from lora_conformance import run_order
+    from lora_conformance.features import FeatureMarkerError, check_declarations
+    from lora_conformance.markers import device_types_of
 
     s = get_settings(config)
-    owners: dict[str, str] = {}  # feature id -> the test function that declares it
     for item in items:
-        types = _device_types_of(item)
+        types = device_types_of(item)
         if types is not None and s.device_type not in types:
             item.add_marker(pytest.mark.skip(
                 reason=f"not applicable: test is for {', '.join(sorted(types))}, running on {s.device_type}"))
-        try:
-            feature = feature_of_item(item)
-        except FeatureMarkerError as exc:
-            raise pytest.UsageError(str(exc)) from None
-        if feature is not None:
-            function = item.nodeid.split("[", 1)[0]
-            if owners.setdefault(feature.id, function) != function:
-                raise pytest.UsageError(f"{function}: feature id {feature.id!r} is already declared by "
-                                        f"{owners[feature.id]} (one test function per feature)")
-        for cap in required_capabilities(item):
-            try:
-                Capability.parse(cap)
-            except ValueError as exc:
-                raise pytest.UsageError(f"{item.nodeid}: required capability: {exc}") from None
-    from lora_conformance import schedule
-
-    durations = schedule.worker_durations(config)
+    try:
+        check_declarations(items)
+    except FeatureMarkerError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    durations = run_order.worker_durations(config)
     if durations:  # pytest-xdist worker: the long tests first (identical in every worker)
-        items[:] = schedule.order(items, durations)
-
-
-def _discard_engines(config: pytest.Config) -> None:
-    if HARNESS_KEY in config.stash:
-        config.stash[HARNESS_KEY].discard_engines()
-
-
-# ---- fixtures --------------------------------------------------------------------------
+        items[:] = run_order.order(items, durations)
 
 
 def _harness(config: pytest.Config):
-    if HARNESS_KEY not in config.stash:
-        from lora_conformance.harness import Harness
-        from lora_conformance.report.recorder import ENV_KEY
+    from lora_conformance.harness import session_harness
+    from lora_conformance.report.recorder import run_environment
 
-        # Before the first engine or reference: a worker gets its share of the cores.
-        parallel.apply_thread_share(get_settings(config).threads)
-        environment = config.stash.setdefault(ENV_KEY, {})
-        config.stash[HARNESS_KEY] = Harness(get_settings(config), environment)
-    return config.stash[HARNESS_KEY]
+    return session_harness(config, run_environment(config))
+
+
+def _discard_engines(config: pytest.Config) -> None:
+    from lora_conformance.harness import existing_harness
+
+    harness = existing_harness(config)
+    if harness is not None:
+        harness.discard_engines()
+
+
+# ---- fixtures --------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -328,8 +190,7 @@ def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
     needed = required_capabilities(request.node)
     if not needed:
         return
-    harness = _harness(request.config)
-    missing = harness.missing_capabilities(request, needed)
+    missing = _harness(request.config).missing_capabilities(request, needed)
     if missing:
         missing_capabilities(missing, harness.not_declared_reasons(request))
 
@@ -341,22 +202,24 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Workers create the engines; what only a live engine knows travels to the controller here.
     config = session.config
     if exitstatus == pytest.ExitCode.INTERRUPTED and not hasattr(config, "workeroutput"):
-        from lora_conformance.report.recorder import ENV_KEY  # the partial report says it is one
+        from lora_conformance.report.recorder import run_environment  # the partial report says it is one
 
-        config.stash.setdefault(ENV_KEY, {})["interrupted"] = True
-    if hasattr(config, "workeroutput") and HARNESS_KEY in config.stash:
-        config.workeroutput["lora_environment"] = json.dumps(config.stash[HARNESS_KEY].environment, default=str)
+        run_environment(config)["interrupted"] = True
+    if hasattr(config, "workeroutput"):
+        from lora_conformance.harness import existing_harness
+
+        harness = existing_harness(config)
+        if harness is not None:
+            from lora_conformance.report.recorder import ship_environment
+
+            ship_environment(config, harness.environment)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
-    raw = getattr(node, "workeroutput", {}).get("lora_environment")
-    if raw:
-        from lora_conformance.report.recorder import ENV_KEY
+    from lora_conformance.report.recorder import receive_environment
 
-        environment = node.config.stash.setdefault(ENV_KEY, {})
-        for key, value in json.loads(raw).items():
-            environment.setdefault(key, value)
+    receive_environment(node)
 
 
 # ---- evidence for the report -----------------------------------------------------------
@@ -370,11 +233,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     from lora_conformance import evidence
 
     evidence.attach_call_facts(item, call.excinfo)
-    if call.excinfo is not None and HARNESS_KEY in item.config.stash:
-        from lora_conformance.engines.base import EngineFailure
+    if call.excinfo is not None:
+        from lora_conformance.harness import existing_harness
 
-        if isinstance(call.excinfo.value, EngineFailure):
-            item.config.stash[HARNESS_KEY].discard_engines()
+        harness = existing_harness(item.config)
+        if harness is not None:
+            from lora_conformance.engines.base import EngineFailure
+
+            if isinstance(call.excinfo.value, EngineFailure):
+                harness.discard_engines()
     yield
 
 

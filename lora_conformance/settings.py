@@ -59,6 +59,21 @@ def get_settings(config: pytest.Config) -> Settings:
     return config.stash[SETTINGS_KEY]
 
 
+def check_writable_dirs(settings: Settings) -> None:
+    """A read-only (or full) cache or report directory stops the run before any work, as a usage
+    error naming the directory, instead of failing tests as if the engine were at fault or losing
+    the report at the end."""
+    from lora_conformance.fileio import CacheEnvironmentError, check_writable_dir
+
+    try:
+        check_writable_dir(settings.cache_dir, "the lora-conformance cache (--lora-cache)")
+        if settings.report_dir is not None:
+            check_writable_dir(settings.report_dir, "the report directory (--lora-report)",
+                               "the report is written there at the end: give a writable --lora-report")
+    except CacheEnvironmentError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
 def default_cache_dir() -> Path:
     import platformdirs
 

@@ -3,7 +3,7 @@
 This conftest activates the lora-conformance plugin (options, fixtures, report header) for runs of
 the suites: installed, the plugin does nothing in other projects' pytest runs.
 
-Suites that draw examples with hypothesis import ``given`` from ``lora_conformance.suite_hypothesis``,
+Suites that draw examples with hypothesis import ``given`` from ``lora_conformance.hypothesis_profile``,
 which loads the suites' profile first.
 """
 

@@ -10,6 +10,7 @@ from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close
 from lora_conformance.engines import AdapterIncompatibleError, EngineError, UnsupportedFeatureError
+from lora_conformance.paired_effects import Alternatives
 
 register_cpu_ci(est_time=35, suite="per-commit")
 register_cuda_ci(est_time=25, suite="per-commit")
@@ -19,13 +20,13 @@ register_npu_ci(est_time=40, suite="per-commit")
 PROMPTS = slice(0, 6)
 
 
-def _check(lora, engine, name, spec, labels=None, prompts=PROMPTS, certify_modules=False):
+def _check(lora, engine, name, spec, labels=None, prompts=PROMPTS, alternatives=Alternatives()):
     """The paired effect verdict (every certified alternative separable at this dtype, else a suite
     defect) and the free-running decode check."""
     lora.load(engine, name, spec)
     ps = lora.prompts[prompts]
     lora.assert_conforms(engine, labels or [name] * len(ps), {name: spec}, prompts=ps, label=name,
-                         certify_modules=certify_modules)
+                         alternatives=alternatives)
 
 
 @pytest.mark.feature("adapter_semantics/rank",
@@ -102,7 +103,7 @@ def test_target_set(lora, device, dtype, targets):
     their B is 5x stronger here; down_proj's 2x and 16 prompts keep its drop separable with a bfloat16
     run's own noise (gamma standard error 0.14 at 1x and 12 prompts, above the 0.1 the verdict needs)."""
     spec = AdapterSpec(seed=61, targets=targets, b_std_pattern=STRONG_MODULES)
-    _check(lora, lora.engine, f"t-{targets}", spec, prompts=slice(0, 16), certify_modules=True)
+    _check(lora, lora.engine, f"t-{targets}", spec, prompts=slice(0, 16), alternatives=Alternatives(modules=True))
 
 
 @pytest.mark.feature("adapter_semantics/embed_tokens", "embed_tokens LoRA is applied", requires=("embed_tokens",))

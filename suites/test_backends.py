@@ -1,14 +1,13 @@
 """Backend matrix: every LoRA / attention backend an engine declares (``Engine.backends``) serves a
 mixed batch that matches the reference. Prompts of unequal length, adapters and base rows mixed,
-prompt logprobs on where the engine has them (an auxiliary feature: otherwise decode alone, and the
-report says so): a backend that routes packed rows by a padded layout, or drops a segment, fails
-here even when the engine's default backend is right.
+prompt logprobs on where a probe shows them working (a feature this test does not certify:
+otherwise decode alone, and the report says so): a backend that routes packed rows by a padded
+layout, or drops a segment, fails here even when the engine's default backend is right.
 """
 
 import pytest
 
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
-from lora_conformance.harness import PROMPT_LOGPROBS_FEATURE
 from lora_conformance.outcomes import CAPABILITY, not_certified
 
 register_cpu_ci(est_time=10, suite="per-commit")
@@ -49,7 +48,7 @@ def test_each_declared_backend_matches_reference(lora, device, dtype, backend):
     ps = lora.prompts
     # Unequal lengths: one, two and three default prompts joined.
     prompts = [" ".join(ps[i:i + 1 + i % 3]) for i in range(len(LABELS))]
-    pl = lora.auxiliary(engine, "prompt_logprobs", PROMPT_LOGPROBS_FEATURE)
+    pl = lora.prompt_logprobs_shown_to_work(engine)
     reqs = lora.requests(LABELS, prompts=prompts, max_new_tokens=12, prompt_logprobs=pl)
     refs = lora.reference(reqs)
     lora.assert_adapter_visible(refs, reqs, label=f"{key}={value}: adapters vs base")

@@ -1,15 +1,15 @@
 """Chunked prefill: prompts longer than the prefill chunk, adapters changing inside chunks and at
 chunk boundaries, mixed with base rows. Every row (prompt logprobs and decode) must match its own
 isolated reference: a chunk that continues a prompt must run with that prompt's adapter and see
-the KV its earlier chunks wrote. Prompt logprobs are an auxiliary feature here: used when
-the engine has them and their own test is not recorded as broken; otherwise the decode, whose
-every step reads the KV all chunks wrote, is compared alone (the report says so).
+the KV its earlier chunks wrote. Prompt logprobs are a feature these tests do not certify: used
+where the engine declares them and a probe shows them working (``prompt_logprobs_shown_to_work``);
+otherwise the decode, whose every step reads the KV all chunks wrote, is compared alone (the
+report says so).
 """
 
 import pytest
 
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
-from lora_conformance.harness import PROMPT_LOGPROBS_FEATURE
 from lora_conformance.types import GenerationRequest
 
 register_cpu_ci(est_time=15, suite="per-commit")
@@ -54,7 +54,7 @@ def check(lora, engine, reqs, label, spanning=None):
 def test_long_prompts_match_reference(lora, device, dtype, chunk):
     """16: chunks on KV-block boundaries; 13: chunks that end inside a block."""
     engine = lora.engine_with(chunked_prefill_size=chunk)
-    pl = lora.auxiliary(engine, "prompt_logprobs", PROMPT_LOGPROBS_FEATURE)
+    pl = lora.prompt_logprobs_shown_to_work(engine)
     reqs = requests(long_prompts(lora), LABELS, pl)
     check(lora, engine, reqs, f"chunk {chunk}")
 
@@ -73,6 +73,6 @@ def test_adapter_changes_at_chunk_boundary(lora, device, dtype, first):
     probe = lora.reference(requests(prompts[:1], labels[:1], False))[0]
     chunk = len(probe.prompt_token_ids)
     engine = lora.engine_with(chunked_prefill_size=chunk)
-    pl = lora.auxiliary(engine, "prompt_logprobs", PROMPT_LOGPROBS_FEATURE)
+    pl = lora.prompt_logprobs_shown_to_work(engine)
     check(lora, engine, requests(prompts, labels, pl), f"chunk {chunk} (first = {first or 'base'})",
           spanning=range(1, len(labels)))

@@ -6,6 +6,7 @@ from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_nearest_reference_routing
 from lora_conformance.engines import CapacityError
+from lora_conformance.paired_effects import Alternatives
 from lora_conformance.types import GenerationRequest
 
 register_cpu_ci(est_time=20, suite="per-commit")
@@ -95,7 +96,8 @@ def test_dynamic_loading_with_prefix_cache(lora, device, dtype):
     previous = {"A": "B", "B": "A"}
     for step, weights in enumerate(("A", "B", "A", "B")):
         lora.load(engine, "X", STRONG[weights])  # odd steps load over the loaded name, even steps after an unload
-        lora.assert_conforms(engine, ["X"] * len(prompts), {"X": STRONG[weights]}, prompts=prompts,
-                             others={f"old {previous[weights]}": STRONG[previous[weights]]}, label=f"X = {weights}")
+        old = Alternatives(old={f"old {previous[weights]}": STRONG[previous[weights]]})
+        lora.assert_conforms(engine, ["X"] * len(prompts), {"X": STRONG[weights]}, prompts=prompts, alternatives=old,
+                             label=f"X = {weights}")
         if step % 2 == 1:
             engine.unload_adapter("X")

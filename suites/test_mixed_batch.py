@@ -11,7 +11,7 @@ import pytest
 
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close, assert_nearest_reference_routing
-from lora_conformance.suite_hypothesis import given, note, st
+from lora_conformance.hypothesis_profile import given, note, st
 from lora_conformance.types import GenerationRequest
 
 register_cpu_ci(est_time=35, suite="per-commit")

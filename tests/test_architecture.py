@@ -1,6 +1,7 @@
-"""The architecture, enforced: who may import whom, who owns which knowledge, and no history in
-the product. Each check is a function over a source tree, and each has a test showing it catches
-what it should (on a small tree written for it), so a check that silently passes is itself caught."""
+"""The architecture, enforced: who may import whom, who owns which knowledge, no history in the
+product, no retired module name, and a plugin module of options, hooks and fixtures only. Each
+check is a function over a source tree, and each has a test showing it catches what it should (on a
+small tree written for it), so a check that silently passes is itself caught."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ FORBIDDEN_IMPORTS = {
     # the reference and must not reach up into it (that was the hidden import cycle).
     "lora_conformance.models": ("lora_conformance.reference",),
     "lora_conformance.adapters": ("lora_conformance.reference",),
-    "lora_conformance.schedule": ("lora_conformance.reference",),
+    "lora_conformance.run_order": ("lora_conformance.reference",),
     "lora_conformance.engines": ("lora_conformance.reference",),
     "lora_conformance.compare": ("lora_conformance.reference",),
     # The owners are the bottom layer: stdlib, plus the typed errors of the engine interface.
@@ -154,7 +155,7 @@ def test_the_layer_check_catches_what_it_should(tmp_path):
         "lora_conformance/__init__.py": "",
         "lora_conformance/models/__init__.py": "def f():\n    from lora_conformance.reference.cache import x\n",
         "lora_conformance/adapters/__init__.py": "from lora_conformance import reference\n",
-        "lora_conformance/schedule.py": "from .reference import cache\n",
+        "lora_conformance/run_order.py": "from .reference import cache\n",
         "lora_conformance/harness.py": "from lora_conformance.reference import ReferenceRunner\n"
                                        "from lora_conformance.reference.cache import key_of\n",
         "lora_conformance/checkpoints.py": "from lora_conformance.engines.base import AdapterFormatError\n"
@@ -166,7 +167,7 @@ def test_the_layer_check_catches_what_it_should(tmp_path):
     bad = "\n".join(layer_violations(root))
     assert "models imports lora_conformance.reference.cache (forbidden" in bad
     assert "adapters imports lora_conformance.reference" in bad
-    assert "schedule imports lora_conformance.reference" in bad
+    assert "run_order imports lora_conformance.reference" in bad
     assert "harness imports lora_conformance.reference.cache (only lora_conformance.reference may)" in bad
     assert "checkpoints imports lora_conformance.models" in bad
     # allowed: the harness uses the reference's face, the owners import what they may
@@ -178,7 +179,7 @@ def test_the_ownership_check_catches_what_it_should(tmp_path):
     root = _tree(tmp_path, {
         "lora_conformance/__init__.py": "",
         "lora_conformance/checkpoints.py": "C = 'adapter_config.json'\ndef pattern_value(): pass\n",
-        "lora_conformance/hypotheses.py": "import json\ndef _config(d):\n"
+        "lora_conformance/adapter_hypotheses.py": "import json\ndef _config(d):\n"
                                           "    return json.loads((d / 'adapter_config.json').read_text())\n",
         "lora_conformance/engines/adapter.py": "def pattern_value(p, m, d): return d\n"
                                                "MSG = f'rank in adapter_config.json'\n",
@@ -196,7 +197,7 @@ def test_the_ownership_check_catches_what_it_should(tmp_path):
     assert "vllm_engine.py:3: parses a checkpoint file itself" in bad
     assert "vllm_engine.py:4" not in bad  # naming the file (a hash list) is not parsing it
     assert "runner.py" not in bad
-    assert "hypotheses.py:3: spells 'adapter_config.json'" in bad
+    assert "adapter_hypotheses.py:3: spells 'adapter_config.json'" in bad
     assert "engines/adapter.py:1: defines pattern_value" in bad
     assert "checkpoints.py" not in bad
     assert "engines/adapter.py:2" not in bad  # a message naming the file is not a reader of it
@@ -212,8 +213,8 @@ HISTORY = re.compile(r"\b(issue|session|stop)s?\s+#?[0-9]+|\b20[0-9]{2}-[01][0-9
 REPORT_PATH = re.compile(r"reports/[\w.\-/]+")  # links into reports/ name a dated file: fine
 
 
-def history_mentions(root: Path, places=PRODUCT) -> list[str]:
-    out = []
+def _text_files(root: Path, places=PRODUCT):
+    """(path, text) of the product's text files under ``places`` (files or folders), in order."""
     for place in places:
         base = root / place
         files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file()) if base.is_dir() else []
@@ -224,10 +225,16 @@ def history_mentions(root: Path, places=PRODUCT) -> list[str]:
                 text = path.read_text()
             except UnicodeDecodeError:
                 continue
-            for n, line in enumerate(text.splitlines(), 1):
-                m = HISTORY.search(REPORT_PATH.sub("", line))
-                if m:
-                    out.append(f"{path.relative_to(root)}:{n}: {m.group(0)!r}: {line.strip()[:120]}")
+            yield path, text
+
+
+def history_mentions(root: Path, places=PRODUCT) -> list[str]:
+    out = []
+    for path, text in _text_files(root, places):
+        for n, line in enumerate(text.splitlines(), 1):
+            m = HISTORY.search(REPORT_PATH.sub("", line))
+            if m:
+                out.append(f"{path.relative_to(root)}:{n}: {m.group(0)!r}: {line.strip()[:120]}")
     return out
 
 
@@ -261,3 +268,109 @@ def test_reports_are_the_only_exempt_place(tmp_path):
     (tmp_path / "reports" / "run.md").write_text(f"session {N}, {DAY}\n")
     (tmp_path / "README.md").write_text(f"see reports/{DAY}-run.md (session {N})\n")
     assert history_mentions(tmp_path) == [f"README.md:1: 'session {N}': see reports/{DAY}-run.md (session {N})"]
+
+
+# ---- names that say what a module holds ----------------------------------------------------
+
+# Retired module names -> the module that holds that knowledge now. The old names misled (the
+# paired-effect check was "conformance", adapter hypotheses sat beside the Hypothesis library's
+# profile under a near-identical name, the test order was a "schedule" beside the engine's
+# scheduler); none may come back, as a module, an import or a path in the product's text.
+RETIRED_MODULES = {
+    "conformance": "paired_effects",
+    "hypotheses": "adapter_hypotheses",
+    "suite_hypothesis": "hypothesis_profile",
+    "schedule": "run_order",
+}
+PACKAGE = "lora_conformance"
+
+
+def _retired_name(old: str) -> re.Pattern:
+    return re.compile(rf"\b{PACKAGE}[./]{old}\b(?!\.(yml|yaml))|\bfrom {PACKAGE} import (\w+, )*{old}\b")
+
+
+def retired_module_mentions(root: Path, places=PRODUCT) -> list[str]:
+    out = []
+    for old, new in RETIRED_MODULES.items():
+        if (root / PACKAGE / f"{old}.py").exists():
+            out.append(f"{PACKAGE}/{old}.py: a module under a retired name (it is {PACKAGE}/{new}.py)")
+    patterns = {old: _retired_name(old) for old in RETIRED_MODULES}
+    for path, text in _text_files(root, places):
+        for n, line in enumerate(text.splitlines(), 1):
+            for old, pattern in patterns.items():
+                if pattern.search(line):
+                    out.append(f"{path.relative_to(root)}:{n}: names {PACKAGE}.{old} "
+                               f"(now {PACKAGE}.{RETIRED_MODULES[old]}): {line.strip()[:100]}")
+    return out
+
+
+def test_retired_module_names_stay_retired():
+    bad = retired_module_mentions(ROOT)
+    assert not bad, "a retired module name is back:\n" + "\n".join(bad)
+
+
+def test_the_retired_name_check_catches_what_it_should(tmp_path):
+    pkg = PACKAGE
+    root = _tree(tmp_path, {
+        f"{pkg}/__init__.py": "",
+        f"{pkg}/schedule.py": "",
+        f"{pkg}/harness.py": f"from {pkg} import conformance\nfrom {pkg}.hypotheses import standard\n"
+                              f"from {pkg} import paired_effects, adapter_hypotheses\n",
+        "suites/test_x.py": f"from {pkg}.suite_hypothesis import given\n",
+        "docs/method.md": f"judged by `{pkg}/conformance.py`; workflows/conformance.yml; {pkg}/run_order.py\n",
+    })
+    bad = "\n".join(retired_module_mentions(root, (pkg, "suites", "docs")))
+    assert f"{pkg}/schedule.py: a module under a retired name" in bad
+    assert f"{pkg}/harness.py:1: names {pkg}.conformance" in bad
+    assert f"{pkg}/harness.py:2: names {pkg}.hypotheses" in bad
+    assert f"{pkg}/harness.py:3" not in bad
+    assert f"suites/test_x.py:1: names {pkg}.suite_hypothesis" in bad
+    assert f"docs/method.md:1: names {pkg}.conformance" in bad and len(bad.splitlines()) == 5
+
+
+# ---- the plugin module: options, hooks and fixtures ----------------------------------------------
+
+PLUGIN_MODULE = "lora_conformance/plugin.py"
+
+
+def _is_fixture(node: ast.AST) -> bool:
+    return any("fixture" in ast.dump(d) for d in getattr(node, "decorator_list", ()))
+
+
+def plugin_shape_violations(root: Path) -> list[str]:
+    """What the plugin module holds besides pytest hooks (``pytest_*``), fixtures and the private
+    helpers its hooks call: settings, markers, checks and session services belong to their owners."""
+    tree = ast.parse((root / PLUGIN_MODULE).read_text())
+    out = []
+    for node in tree.body:
+        where = f"{PLUGIN_MODULE}:{node.lineno}"
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if not (node.name.startswith("pytest_") or _is_fixture(node) or node.name.startswith("_")):
+                out.append(f"{where}: defines {node.name} (neither a hook nor a fixture: give it to its owner)")
+        elif isinstance(node, ast.ClassDef):
+            out.append(f"{where}: defines class {node.name} (give it to its owner)")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names = [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
+            out.append(f"{where}: holds {', '.join(names) or 'a value'} (a table or key belongs to its owner)")
+    return out
+
+
+def test_the_plugin_holds_options_hooks_and_fixtures_only():
+    bad = plugin_shape_violations(ROOT)
+    assert not bad, "the plugin module holds more than options, hooks and fixtures:\n" + "\n".join(bad)
+
+
+def test_the_plugin_shape_check_catches_what_it_should(tmp_path):
+    root = _tree(tmp_path, {PLUGIN_MODULE: (
+        "import pytest\n"
+        "KEY = pytest.StashKey()\n"
+        "def pytest_configure(config):\n    _helper(config)\n"
+        "def _helper(config):\n    pass\n"
+        "@pytest.fixture\ndef lora():\n    pass\n"
+        "def resolve_settings(config):\n    pass\n"
+        "class Thing:\n    pass\n")})
+    bad = "\n".join(plugin_shape_violations(root))
+    assert f"{PLUGIN_MODULE}:2: holds KEY" in bad
+    assert f"{PLUGIN_MODULE}:10: defines resolve_settings" in bad
+    assert f"{PLUGIN_MODULE}:12: defines class Thing" in bad
+    assert len(bad.splitlines()) == 3, bad

@@ -14,12 +14,11 @@ fails until the marker is removed.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import pytest
 
-from lora_conformance.evidence import FEATURE as FEATURE_PROPERTY
+from _feature_runs import red_features
 from lora_conformance.settings import suites_dir
 
 
@@ -35,7 +34,7 @@ class Defect:
 DEFECTS = {
     # Only the test that certifies prompt logprobs asks for them unconditionally (the others are
     # teacher-forced); chunked prefill and backends use them as an auxiliary feature only after a
-    # probe found them working (TestContext.auxiliary), else they compare the decode alone.
+    # probe found them working (TestContext.prompt_logprobs_shown_to_work), else they compare the decode alone.
     "prompt_logprobs_fail": Defect(
         "PromptLogprobsFail", ("test_accuracy.py", "test_adapter_semantics.py", "test_chunked_prefill.py",
                                "test_backends.py"),
@@ -51,17 +50,6 @@ DEFECTS = {
         "EvictionPolicyIgnored", ("test_lifecycle.py",), frozenset({"lifecycle/eviction_and_reload"}),
         select="eviction_and_reload and fifo"),
 }
-
-
-def _red_features(result) -> dict[str, list[str]]:
-    red: dict[str, list[str]] = {}
-    for report in result.reprec.getreports("pytest_runtest_logreport"):
-        if not report.failed:
-            continue
-        props = dict(p for p in report.user_properties if isinstance(p, tuple) and len(p) == 2)
-        feature = json.loads(props[FEATURE_PROPERTY])["id"] if FEATURE_PROPERTY in props else report.nodeid
-        red.setdefault(feature, []).append(report.nodeid.split("::", 1)[-1])
-    return red
 
 
 def test_every_defect_is_narrow():
@@ -80,7 +68,7 @@ def test_defect_turns_only_its_own_features_red(suite_runner, lora_settings, nam
     result = suite_runner.runpytest(
         *args, f"--engine=_defective_engines:{d.engine}", "--device=cpu", "--dtype=float32",
         f"--lora-cache={lora_settings.cache_dir}", "-p", "no:cacheprovider", "-q")
-    red = _red_features(result)
+    red = red_features(result)
     assert set(red) == set(d.red), (
         f"{name}: features red {sorted(red)} ({len(red)}), expected exactly {sorted(d.red)}; failing cases: "
         + "; ".join(f"{f}: {', '.join(c)}" for f, c in sorted(red.items())) + "\n" + "\n".join(result.outlines[-15:]))

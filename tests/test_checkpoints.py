@@ -52,7 +52,7 @@ def test_one_rule_decides_encoder_decoder_and_moe(tmp_path, name):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_harness_reference_and_engines_agree_on_the_kind(tmp_path, name):
-    """The three places that used to decide apart (the harness's models.model_kind, the reference's
+    """The three places that ask for a model's kind (the harness's models.model_kind, the reference's
     loader, the engine plugins' is_encoder_only) give the same answer as the rule."""
     from lora_conformance.engines._hf_common import is_encoder_only
     from lora_conformance.models import model_kind

@@ -1,7 +1,8 @@
 """Detection power: each suite must fail against the built-in engine with each fault it targets.
 
-The suites run in-process through pytester against ``--engine=builtin --engine-arg fault=NAME``;
-every test named for a fault must fail, so a suite that cannot see a bug is itself a failure.
+The suites run in-process through pytester against ``--engine=builtin --engine-arg fault=NAME``,
+only the features named for the fault (by feature id: a renamed test function changes nothing);
+every one of them must turn red, so a suite that cannot see a bug is itself a failure.
 The same suites pass with no fault (tests/test_suites_pass.py). docs/faults.md's fault table is this dict.
 """
 
@@ -9,63 +10,63 @@ import os
 
 import pytest
 
+from _feature_runs import KeepFeatures, declared_features, files_declaring, red_features
 from lora_conformance.engines.builtin.faults import DEVICE_ONLY_FAULTS, DTYPE_ONLY_FAULTS, FAULTS
-from lora_conformance.settings import suites_dir
 
-# fault -> the suite tests (file::function, any parametrisation) that must catch it
+# fault -> the features (feature ids, every case of each) that must catch it
 CATCHERS: dict[str, list[str]] = {
-    "base_gets_last_adapter": ["test_mixed_batch.py::test_nearest_reference_routing",
-                               "test_mixed_batch.py::test_base_rows_equal_a_run_without_adapters"],
-    "adapter_index_off_by_one": ["test_mixed_batch.py::test_composition_matches_isolated_references",
-                                 "test_mixed_batch.py::test_nearest_reference_routing"],
-    "scaling_alpha_not_over_r": ["test_accuracy.py::test_single_adapter_matches_reference",
-                                 "test_adapter_semantics.py::test_alpha_scaling"],
-    "rslora_ignored": ["test_adapter_semantics.py::test_rslora"],
-    "patterns_ignored": ["test_adapter_semantics.py::test_rank_and_alpha_patterns"],
+    "base_gets_last_adapter": ["mixed_batch/nearest_reference_routing",
+                               "mixed_batch/base_rows_equal_a_run_without_adapters"],
+    "adapter_index_off_by_one": ["mixed_batch/composition_matches_isolated_references",
+                                 "mixed_batch/nearest_reference_routing"],
+    "scaling_alpha_not_over_r": ["accuracy/single_adapter_matches_reference",
+                                 "adapter_semantics/alpha_scaling"],
+    "rslora_ignored": ["adapter_semantics/rslora"],
+    "patterns_ignored": ["adapter_semantics/rank_and_alpha_patterns"],
     # drop_<module>: the target-set tests certify every module (q/k made strong enough for bfloat16);
     # with the default q/v adapters only v_proj's drop is separable in every dtype
-    "drop_q_proj": ["test_adapter_semantics.py::test_target_set"],
-    "drop_k_proj": ["test_adapter_semantics.py::test_target_set"],
-    "drop_v_proj": ["test_accuracy.py::test_single_adapter_matches_reference",
-                    "test_adapter_semantics.py::test_target_set"],
-    "drop_o_proj": ["test_adapter_semantics.py::test_target_set"],
-    "drop_gate_proj": ["test_adapter_semantics.py::test_target_set"],
-    "drop_up_proj": ["test_adapter_semantics.py::test_target_set"],
-    "drop_down_proj": ["test_adapter_semantics.py::test_target_set"],
-    "delta_x1_1": ["test_accuracy.py::test_single_adapter_matches_reference",
-                   "test_accuracy.py::test_prefill_logprobs_with_adapter",
-                   "test_adapter_semantics.py::test_alpha_scaling"],
-    "moe_down_proj_dropped": ["test_moe.py::test_expert_lora_matches_reference"],
-    "embedding_adapter_misrouted": ["test_embeddings.py::test_mixed_adapters_in_one_batch"],
-    "prefix_cache_keyed_by_name": ["test_combinations.py::test_dynamic_loading_with_prefix_cache"],
-    "lm_head_dropped": ["test_adapter_semantics.py::test_lm_head",
-                        "test_base_models.py::test_qwen2_tied_lm_head"],
-    "embed_tokens_dropped": ["test_adapter_semantics.py::test_embed_tokens"],
-    "stale_reload": ["test_lifecycle.py::test_reloading_a_name_with_new_weights",
-                     "test_combinations.py::test_dynamic_loading_with_prefix_cache"],
-    "prefix_cache_ignores_adapter": ["test_prefix_cache.py::test_adapters_never_share_cached_entries",
-                                     "test_combinations.py::test_prefix_cache_with_routing"],
-    "evict_pinned": ["test_combinations.py::test_pinning_with_eviction"],
-    "lora_fp16": ["test_accuracy.py::test_single_adapter_matches_reference"],
-    "graph_stale_indices": ["test_runtime_modes.py::test_graphs_equal_eager"],
-    "overlap_no_wait": ["test_runtime_modes.py::test_overlap_loading_is_stream_ordered"],
-    "moe_expert_mismatch": ["test_moe.py::test_expert_lora_matches_reference"],
-    # expert-level weighting: the MoE test's hypotheses include each (hypotheses.EXPERT_ROUTING)
-    "moe_lora_unweighted": ["test_moe.py::test_expert_lora_matches_reference"],
-    "moe_lora_weight_of_next_expert": ["test_moe.py::test_expert_lora_matches_reference"],
-    "moe_lora_first_expert_only": ["test_moe.py::test_expert_lora_matches_reference"],
-    "delta_twice": ["test_accuracy.py::test_single_adapter_matches_reference",
-                    "test_mixed_batch.py::test_composition_matches_isolated_references"],
-    "chunk_continuation_drops_adapter": ["test_chunked_prefill.py::test_long_prompts_match_reference",
-                                         "test_chunked_prefill.py::test_adapter_changes_at_chunk_boundary"],
-    "masked_prefill_padded_rows": ["test_backends.py::test_each_declared_backend_matches_reference"],
-    "inflight_no_drain": ["test_inflight_lifecycle.py::test_unload_while_requests_run",
-                          "test_inflight_lifecycle.py::test_reload_while_requests_run"],
-    "rotary_assumes_head_dim_64": ["test_base_models.py::test_head_dim_variants"],
+    "drop_q_proj": ["adapter_semantics/target_set"],
+    "drop_k_proj": ["adapter_semantics/target_set"],
+    "drop_v_proj": ["accuracy/single_adapter_matches_reference",
+                    "adapter_semantics/target_set"],
+    "drop_o_proj": ["adapter_semantics/target_set"],
+    "drop_gate_proj": ["adapter_semantics/target_set"],
+    "drop_up_proj": ["adapter_semantics/target_set"],
+    "drop_down_proj": ["adapter_semantics/target_set"],
+    "delta_x1_1": ["accuracy/single_adapter_matches_reference",
+                   "accuracy/prefill_logprobs_with_adapter",
+                   "adapter_semantics/alpha_scaling"],
+    "moe_down_proj_dropped": ["moe/expert_lora_matches_reference"],
+    "embedding_adapter_misrouted": ["embeddings/mixed_adapters_in_one_batch"],
+    "prefix_cache_keyed_by_name": ["combinations/dynamic_loading_with_prefix_cache"],
+    "lm_head_dropped": ["adapter_semantics/lm_head",
+                        "base_models/qwen2_tied_lm_head"],
+    "embed_tokens_dropped": ["adapter_semantics/embed_tokens"],
+    "stale_reload": ["lifecycle/reloading_a_name_with_new_weights",
+                     "combinations/dynamic_loading_with_prefix_cache"],
+    "prefix_cache_ignores_adapter": ["prefix_cache/adapters_never_share_cached_entries",
+                                     "combinations/prefix_cache_with_routing"],
+    "evict_pinned": ["combinations/pinning_with_eviction"],
+    "lora_fp16": ["accuracy/single_adapter_matches_reference"],
+    "graph_stale_indices": ["runtime_modes/graphs_equal_eager"],
+    "overlap_no_wait": ["runtime_modes/overlap_loading_is_stream_ordered"],
+    "moe_expert_mismatch": ["moe/expert_lora_matches_reference"],
+    # expert-level weighting: the MoE test's hypotheses include each (adapter_hypotheses.EXPERT_ROUTING)
+    "moe_lora_unweighted": ["moe/expert_lora_matches_reference"],
+    "moe_lora_weight_of_next_expert": ["moe/expert_lora_matches_reference"],
+    "moe_lora_first_expert_only": ["moe/expert_lora_matches_reference"],
+    "delta_twice": ["accuracy/single_adapter_matches_reference",
+                    "mixed_batch/composition_matches_isolated_references"],
+    "chunk_continuation_drops_adapter": ["chunked_prefill/long_prompts_match_reference",
+                                         "chunked_prefill/adapter_changes_at_chunk_boundary"],
+    "masked_prefill_padded_rows": ["backends/each_declared_backend_matches_reference"],
+    "inflight_no_drain": ["inflight_lifecycle/unload_while_requests_run",
+                          "inflight_lifecycle/reload_while_requests_run"],
+    "rotary_assumes_head_dim_64": ["base_models/head_dim_variants"],
     # sharding faults: the tensor-parallel suite's tp=2 engine has them (its tp=1 engine cannot)
-    "tp_scaling_per_shard": ["test_tensor_parallel.py::test_tensor_parallel_matches_single"],
-    "tp_packed_slice_as_one_block": ["test_tensor_parallel.py::test_tensor_parallel_matches_single"],
-    "tp_b_shard_wrong_rank": ["test_tensor_parallel.py::test_tensor_parallel_matches_single"],
+    "tp_scaling_per_shard": ["parallel/tensor_parallel_matches_single"],
+    "tp_packed_slice_as_one_block": ["parallel/tensor_parallel_matches_single"],
+    "tp_b_shard_wrong_rank": ["parallel/tensor_parallel_matches_single"],
 }
 
 
@@ -99,15 +100,11 @@ ALL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def test_every_fault_has_catchers():
-    assert set(CATCHERS) == set(FAULTS), "each catalogued fault needs the suite tests that catch it"
+    assert set(CATCHERS) == set(FAULTS), "each catalogued fault needs the features that catch it"
     unknown = {f for f, d in UNCAUGHT if f not in FAULTS or d not in ALL_DTYPES} | (NOT_YET_SHOWN_ON_GPU - set(FAULTS))
     assert not unknown, f"UNCAUGHT / NOT_YET_SHOWN_ON_GPU name faults or dtypes this test does not run: {unknown}"
-
-
-def _selection(catchers):
-    files = sorted({c.split("::")[0] for c in catchers})
-    names = " or ".join(sorted({c.split("::")[1] for c in catchers}))
-    return [str(suites_dir() / f) for f in files], names
+    undeclared = {c for catchers in CATCHERS.values() for c in catchers} - set(declared_features())
+    assert not undeclared, f"catchers that no suite declares as a feature: {sorted(undeclared)}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -119,14 +116,14 @@ def test_suites_catch_the_fault(suite_runner, fault, dtype, lora_settings):
     dtypes, why = DTYPE_ONLY_FAULTS.get(fault, ((dtype,), ""))
     if dtype not in dtypes:
         pytest.skip(f"not applicable in {dtype}: fault {fault!r} only changes {', '.join(dtypes)} results ({why})")
-    files, names = _selection(CATCHERS[fault])
-    result = suite_runner.runpytest(*files, "-k", names, f"--device={lora_settings.device}", f"--dtype={dtype}",
-                                f"--lora-cache={lora_settings.cache_dir}", "--engine=builtin", "--engine-arg", f"fault={fault}", *EXTRA_ARGS.get(fault, []),
-                                 "-p", "no:cacheprovider", "-q")
-    reports = [r for r in result.reprec.getreports("pytest_runtest_logreport") if r.when == "call"]
-    failed = {r.nodeid.split("[")[0].split("/")[-1] for r in reports if r.failed}
-    missed = [c for c in CATCHERS[fault] if c not in failed]
-    errors = [r.nodeid for r in result.reprec.getreports("pytest_runtest_logreport") if r.failed and r.when != "call"]
+    catchers = CATCHERS[fault]
+    result = suite_runner.runpytest(*files_declaring(catchers), f"--device={lora_settings.device}", f"--dtype={dtype}",
+                                    f"--lora-cache={lora_settings.cache_dir}", "--engine=builtin", "--engine-arg",
+                                    f"fault={fault}", *EXTRA_ARGS.get(fault, []), "-p", "no:cacheprovider", "-q",
+                                    plugins=[KeepFeatures(catchers)])
+    failed = red_features(result, when=("call",))
+    missed = [c for c in catchers if c not in failed]
+    errors = [case for cases in red_features(result, when=("setup", "teardown")).values() for case in cases]
     assert not errors, f"fault {fault!r}: suite errors (not failures) in {errors}\n" + "\n".join(result.outlines[-60:])
     if (fault, dtype) in UNCAUGHT:
         assert missed, f"fault {fault!r} is caught in {dtype} now: remove it from UNCAUGHT (docs/faults.md follows)"

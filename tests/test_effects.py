@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from lora_conformance import hypotheses as hyps
+from lora_conformance import adapter_hypotheses as hyps
 from lora_conformance.compare.effects import (
     EffectSample,
     SuiteDefectError,
@@ -126,7 +126,7 @@ def test_context_scoring_matches_free_running_reference_and_hypotheses_apply(lla
     """Teacher forcing on the reference's own continuation reproduces its per-step logprobs; a
     hypothesis changes them and leaves the model as it was."""
     from lora_conformance.adapters import AdapterSpec, synthesize_adapter
-    from lora_conformance.conformance import contexts_of
+    from lora_conformance.paired_effects import contexts_of
     from lora_conformance.reference import ReferenceRunner
 
     adapter = synthesize_adapter(llama, AdapterSpec(seed=9), tmp_path / "a")
@@ -181,9 +181,9 @@ def test_expert_routing_hypotheses_are_the_engine_faults(tmp_path):
 
 
 def test_prompt_logprobs_paired_verdict_passes_correct_and_names_a_misscale(llama, tmp_path):
-    """conformance.run_prompt_logprobs: every prompt position a context; the correct engine conforms,
+    """paired_effects.run_prompt_logprobs: every prompt position a context; the correct engine conforms,
     an engine whose delta is 10% too large is judged nearest 'delta x1.1'."""
-    from lora_conformance import conformance
+    from lora_conformance import paired_effects
     from lora_conformance.adapters import AdapterSpec, synthesize_adapter
     from lora_conformance.compare import tolerance_for
     from lora_conformance.engines import create_engine
@@ -193,13 +193,13 @@ def test_prompt_logprobs_paired_verdict_passes_correct_and_names_a_misscale(llam
     adapter = synthesize_adapter(llama, AdapterSpec(seed=9), tmp_path / "a")
     runner = ReferenceRunner(llama)
     labels = ["A"] * 6 + [None, None]
-    alts = conformance.default_alternatives(labels, {"A": adapter})
-    plan = conformance.Plan(labels, default_prompts()[:8], {"A": adapter}, alts, conformance.required_hypotheses(alts))
+    alts = paired_effects.default_alternatives(labels, {"A": adapter})
+    plan = paired_effects.Plan(labels, default_prompts()[:8], {"A": adapter}, alts, paired_effects.required_hypotheses(alts))
     for args, nearest in (({}, "correct"), ({"fault": "delta_x1_1"}, "delta x1.1")):
         with create_engine("builtin", llama, "cpu", "float32", args) as engine:
             engine.load_adapter("A", adapter)
-            analyses = conformance.run_prompt_logprobs(plan, engine, runner, tolerance_for("float32"))
+            analyses = paired_effects.run_prompt_logprobs(plan, engine, runner, tolerance_for("float32"))
         a = next(x for x in analyses if x.label == "A")
         assert a.contexts >= 40 and not a.defects, (a.contexts, a.defects)
         assert a.nearest == nearest and bool(a.failures) == (nearest != "correct"), a.summary()
-        assert not next(x for x in analyses if x.label == conformance.BASE_LABEL).failures
+        assert not next(x for x in analyses if x.label == paired_effects.BASE_LABEL).failures

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_conformance import conformance
+from lora_conformance import paired_effects
 from lora_conformance.engines import Limits
 from lora_conformance.outcomes import LIMIT, NotCertified
 from lora_conformance.report.legacy import upgrade_record
@@ -52,8 +52,8 @@ class _TopOneEngine:
 
 
 def test_paired_check_needs_enough_logprobs_per_token():
-    plan = conformance.Plan([None], ["a prompt"], {}, {})
+    plan = paired_effects.Plan([None], ["a prompt"], {}, {})
     with pytest.raises(NotCertified) as exc:
-        conformance.run(plan, _TopOneEngine(), runner=None, tol=None)
+        paired_effects.run(plan, _TopOneEngine(), runner=None, tol=None)
     assert exc.value.cause == LIMIT, exc.value.cause
-    assert f"needs {conformance.MIN_COMMON_IDS}" in exc.value.detail and "allows 1" in exc.value.detail, exc.value.detail
+    assert f"needs {paired_effects.MIN_COMMON_IDS}" in exc.value.detail and "allows 1" in exc.value.detail, exc.value.detail

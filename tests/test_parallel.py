@@ -207,17 +207,17 @@ def test_auto_leaves_each_worker_enough_recorded_work():
 
 
 def test_certify_reads_the_recorded_durations_of_its_own_settings(tmp_path, monkeypatch):
-    from lora_conformance import schedule
+    from lora_conformance import run_order
 
     monkeypatch.setattr(parallel, "cpu_cores", lambda: 16)
     monkeypatch.setattr(parallel, "available_memory", lambda: 128 * GiB)
     monkeypatch.delenv("LORA_CONFORMANCE_LORA_CACHE", raising=False)
-    schedule.durations_path(tmp_path, "builtin", "cpu", "float32").parent.mkdir(parents=True)
+    run_order.durations_path(tmp_path, "builtin", "cpu", "float32").parent.mkdir(parents=True)
     # suite tests count; our own tests (also run under the plugin) and unknown files do not
-    schedule.durations_path(tmp_path, "builtin", "cpu", "float32").write_text(
+    run_order.durations_path(tmp_path, "builtin", "cpu", "float32").write_text(
         '{"suites/test_accuracy.py::t1": 10.0, "suites/test_mixed_batch.py::t2[x]": 2.5,'
         ' "tests/test_models.py::t3": 300.0, "suites/test_gone.py::t4": 50.0}')
-    schedule.durations_path(tmp_path, "builtin", "cpu", "bfloat16").write_text('{"suites/test_accuracy.py::t1": 100.0}')
+    run_order.durations_path(tmp_path, "builtin", "cpu", "bfloat16").write_text('{"suites/test_accuracy.py::t1": 100.0}')
     for given in ([f"--lora-cache={tmp_path}"], ["--lora-cache", str(tmp_path)]):
         choice = certify.choose_workers(parse("--device", "cpu", "--", "-q", *given), xdist_installed=True)
         assert choice.workers == 4, choice  # 12.5 s / 3 s

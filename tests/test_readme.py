@@ -49,7 +49,7 @@ def fault_row(fault: str) -> str:
 
     from lora_conformance.engines.builtin.faults import DEVICE_ONLY_FAULTS, DTYPE_ONLY_FAULTS, FAULTS
 
-    catch = ", ".join(f"`{c.replace('test_', '', 1).replace('.py::test_', '::')}`" for c in CATCHERS[fault])
+    catch = ", ".join(f"`{c}`" for c in CATCHERS[fault])
     dtypes = DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS else SHOWN_ON_CPU_IN
     caught = [d for d in dtypes if (fault, d) not in UNCAUGHT]
     missed = [d for d in dtypes if (fault, d) in UNCAUGHT]

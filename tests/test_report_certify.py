@@ -30,10 +30,33 @@ def test_pytest_command(tmp_path):
     isolation = ["-c", str(suites_dir() / "certify.ini"), f"--rootdir={tmp_path.parent}", f"--confcutdir={tmp_path}",
                  "-o", f"cache_dir={Path.cwd() / '.pytest_cache'}"]
     assert certify.pytest_command(args) == [
-        sys.executable, "-m", "pytest", str(tmp_path), "--device=xpu", "--engine=sglang",
-        "--disable-plugin-autoload", *plugins, *isolation, "--engine-arg=tp=2",
-        "--engine-arg=mem=0.5", "--dtype=bfloat16", "--base-model=synthetic:moe",
+        sys.executable, "-m", "pytest", str(tmp_path), "--device=xpu", "--engine=sglang", "--engine-arg=tp=2",
+        "--engine-arg=mem=0.5", "--base-model=synthetic:moe", "--dtype=bfloat16",
+        "--disable-plugin-autoload", *plugins, *isolation,
         f"--lora-report={(tmp_path / 'r').resolve()}", "-n", "4", "-k", "mixed_batch"]
+
+
+def test_every_plugin_option_is_a_certify_option_passed_on_as_given(tmp_path):
+    """One declaration (lora_conformance.options): certify offers each plugin option (its --report
+    stands for --lora-report) and hands on exactly what was given; the rest the plugin resolves."""
+    from lora_conformance.options import OPTIONS
+
+    parser = argparse.ArgumentParser()
+    certify.add_arguments(parser)
+    text = parser.format_help()
+    for o in OPTIONS:
+        assert (o.flag in text) == (o.name != "lora_report"), o.flag
+    args = parse("--device", "cpu", "--lora-cache", str(tmp_path), "--lora-refresh-references", "--lora-threads", "2",
+                 "--expectations", "x.toml", "--report", str(tmp_path / "r"))
+    cmd = certify.pytest_command(args)
+    given = [a for a in cmd if a.startswith("--") and "=" in a or a == "--lora-refresh-references"]
+    assert given[:5] == ["--device=cpu", f"--lora-cache={tmp_path}", "--lora-refresh-references", "--lora-threads=2",
+                         "--expectations=x.toml"]
+    assert not any(a.startswith(("--engine=", "--dtype=", "--base-model=")) for a in cmd)
+    with pytest.raises(SystemExit):
+        parse("--engine", "builtin")  # --device is required
+    with pytest.raises(SystemExit):
+        parse("--device", "cpu", "--dtype", "float64")  # the table's choices
 
 
 def test_only_the_suites_plugins_are_loaded_unless_asked(tmp_path):

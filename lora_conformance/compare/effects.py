@@ -1,13 +1,13 @@
 """Paired effect statistics: is the engine's adapter effect the reference's, and if not, which bug is it?
 
-Inputs, per adapter of a test, pooled over many teacher-forced contexts (``conformance.py``):
+Inputs, per adapter of a test, pooled over many teacher-forced contexts (``paired_effects.py``):
 at every context, the logprobs of the token ids both the engine and the reference report,
 *centred* (minus their mean at that context, so a softmax normaliser cancels), for
 
 - ``E``: the engine with the adapter minus the engine without it (same contexts, same engine:
   the engine's own rounding of the base model cancels);
 - ``R``: the same difference from the reference (HF + PEFT);
-- ``H[h]``: the reference under each alternative hypothesis ``h`` (``lora_conformance.hypotheses``).
+- ``H[h]``: the reference under each alternative hypothesis ``h`` (``lora_conformance.adapter_hypotheses``).
 
 Statistics (contexts are the clusters: ids of one context share its noise):
 

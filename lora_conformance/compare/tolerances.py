@@ -29,7 +29,7 @@ class Tolerance:
     dtype: str
     # Prompt logprobs against the reference (compare/logprobs.py): bound on the rms, pooled over a
     # prompt's positions, of the centred differences on the ids both sides report (a gross check
-    # beside the paired verdict of conformance.run_prompt_logprobs; single points: effect_gross_atol).
+    # beside the paired verdict of paired_effects.run_prompt_logprobs; single points: effect_gross_atol).
     prompt_rms_max: float
     # max |logprob(actual) - logprob(reference)| over the top-k ids both sides report, per decode step
     decode_atol: float

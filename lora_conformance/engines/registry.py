@@ -43,6 +43,14 @@ def available_engines() -> dict[str, str]:
     return found
 
 
+def check_engine_name(name: str) -> str:
+    """``--engine``'s value, unchanged: a registered name or ``module:Class`` (ValueError otherwise,
+    listing the names)."""
+    if name not in available_engines() and ":" not in name:
+        raise ValueError(f"expected one of {', '.join(sorted(available_engines()))}, or module:Class")
+    return name
+
+
 def _load_target(target: str):
     module, _, attr = target.partition(":")
     obj = importlib.import_module(module)

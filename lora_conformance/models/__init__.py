@@ -50,6 +50,19 @@ def resolve_base_model(spec: str, cache_dir: Union[str, Path], seed: int = 0) ->
     raise ValueError(_accepted(spec))
 
 
+def check_base_model_spec(spec: str) -> str:
+    """``--base-model``'s value, unchanged, before anything is built: a known ``synthetic:<kind>`` or
+    a directory with a config.json (ValueError otherwise, listing what is accepted). No torch here."""
+    kinds = ", ".join(f"synthetic:{k}" for k in SYNTHETIC_KINDS)
+    if spec.startswith("synthetic:"):
+        if spec.split(":", 1)[1] not in SYNTHETIC_KINDS:
+            raise ValueError(f"expected {kinds}, or a local HF checkpoint directory")
+    elif not (Path(spec) / "config.json").is_file():
+        raise ValueError(f"not a synthetic:* model and no config.json in that directory (expected {kinds}, "
+                         "or a local HF checkpoint directory)")
+    return spec
+
+
 def _accepted(spec: str) -> str:
     kinds = ", ".join(f"synthetic:{k}" for k in SYNTHETIC_KINDS)
     return f"unknown base model {spec!r}; expected one of {kinds}, or an existing local checkpoint directory"

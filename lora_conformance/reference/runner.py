@@ -228,9 +228,9 @@ class ReferenceRunner:
 
         Without ``ids``: the ``top`` most likely ids per context. With ``ids`` (one id list per
         sequence and position): the logprobs of exactly those ids. ``hypothesis``
-        (``lora_conformance.hypotheses.Hypothesis``) transforms the adapter first; None is correct.
+        (``lora_conformance.adapter_hypotheses.Hypothesis``) transforms the adapter first; None is correct.
         Cached like generations."""
-        from lora_conformance import hypotheses as hyps
+        from lora_conformance import adapter_hypotheses as hyps
 
         hyp = hypothesis or hyps.correct()
         key = None
@@ -253,7 +253,7 @@ class ReferenceRunner:
     def _context_rows(self, sequences, positions, adapter_path, hyp, ids, top) -> list[list[TopK]]:
         import torch
 
-        from lora_conformance import hypotheses as hyps
+        from lora_conformance import adapter_hypotheses as hyps
 
         model = self._model_for(adapter_path if hyp.kind != hyps.BASE else None)
         n = max(len(s) for s in sequences)

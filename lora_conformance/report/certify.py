@@ -1,8 +1,9 @@
 """``lora-conformance certify``: run the suites against one engine on one device, write the report.
 
 A thin wrapper: it runs pytest (in a child process, so the engine's device state dies with
-it) on the suites directory with the plugin's options plus ``--lora-report DIR``, then says
-where the report is and what the badge reads. The exit code is pytest's.
+it) on the suites directory with the plugin's options as given plus ``--lora-report DIR``, then
+says where the report is and what the badge reads. The exit code is pytest's. Those options are
+the plugin's own table (``lora_conformance.options``), not a copy: certify declares none of them.
 
 Unless told (``-n/--workers N``, or ``-n`` among the pytest arguments), it spreads the run over
 pytest-xdist workers chosen from the machine (``lora_conformance.parallel.choose_workers``) and
@@ -35,8 +36,6 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from lora_conformance.checkpoints import DTYPE_NAMES
-
 REPORT_FILES = ("report.json", "report.md", "report.html", "badge.svg")
 # The plugins a certification loads (with pytest's auto-loading off), each where it is installed.
 SUITE_PLUGINS = ("lora_conformance.plugin", "xdist.plugin", "_hypothesis_pytestplugin")
@@ -47,13 +46,8 @@ KILL_GRACE_S = 5.0  # between SIGTERM and SIGKILL
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", required=True, help="device under test (cpu, cuda, xpu, ..., auto)")
-    parser.add_argument("--engine", default="builtin", help="engine under test (registered name or module:Class; default: builtin)")
-    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="engine argument (repeatable)")
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
-                        help="dtype of the engine under test")
-    parser.add_argument("--base-model", default=None, help="synthetic:llama (default), ... or a local checkpoint")
+    from lora_conformance import options
+
     parser.add_argument("--report", type=Path, default=Path("lora-report"),
                         help="report directory (default: ./lora-report)")
     parser.add_argument("--suite-dir", type=Path, default=None, help="suites to run (default: the bundled suites/)")
@@ -65,6 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + ", ".join(SUITE_PLUGINS) + "; add others with -- -p NAME)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER,
                         help="after --: extra pytest arguments (e.g. -- -n 4 -k mixed_batch)")
+    # The plugin's options, from its one table; --report stands for --lora-report.
+    options.add_arguments(parser, leave_out=("lora_report",), required=("device",))
+
+
+def _setting(args, name: str):
+    """A plugin option as the run will resolve it (command line, environment, default)."""
+    from lora_conformance import options
+
+    return options.given_or_default(args, name)
 
 
 def _extra_args(args) -> list[str]:
@@ -96,33 +99,33 @@ def _devices_for(spec: str) -> tuple[str, int]:
 
 
 def _cache_dir(args) -> Path:
-    """The cache the run will use: --lora-cache among the pytest arguments, else its environment
-    variable, else the default (the plugin's own precedence; an ini key is not looked at here)."""
-    from lora_conformance.options import BY_NAME
+    """The cache the run will use: --lora-cache among the pytest arguments, else as given to certify,
+    else its environment variable, else the default (the plugin's own precedence; certify's run reads
+    no ini key)."""
     from lora_conformance.settings import default_cache_dir
 
     extra = _extra_args(args)
-    for i, a in enumerate(extra):
+    for i, a in enumerate(extra):  # after --, it comes last on pytest's command line: it wins there
         if a.startswith("--lora-cache="):
             return Path(a.split("=", 1)[1]).expanduser()
         if a == "--lora-cache" and i + 1 < len(extra):
             return Path(extra[i + 1]).expanduser()
-    env = os.environ.get(BY_NAME["lora_cache"].env)
-    return Path(env).expanduser() if env else default_cache_dir()
+    given = _setting(args, "lora_cache")
+    return Path(given).expanduser() if given else default_cache_dir()
 
 
 def recorded_work(args, device_type: str) -> Optional[float]:
     """Seconds of the suites' tests that earlier runs with this engine, device type and dtype recorded
     (None: none). The durations file also holds other runs' tests (our own tests, other suite
     directories): only node ids of a test file in this suite directory count."""
-    from lora_conformance import schedule
+    from lora_conformance import run_order
     from lora_conformance.devices import default_dtype_for
     from lora_conformance.settings import suites_dir
 
     suite_dir = Path(args.suite_dir or suites_dir())
     files = {f"{suite_dir.name}/{f.name}" for f in suite_dir.glob("test_*.py")}
-    dtype = args.dtype or default_dtype_for(device_type)
-    durations = schedule.load(schedule.durations_path(_cache_dir(args), args.engine, device_type, dtype))
+    dtype = _setting(args, "dtype") or default_dtype_for(device_type)
+    durations = run_order.load(run_order.durations_path(_cache_dir(args), _setting(args, "engine"), device_type, dtype))
     mine = [d for nodeid, d in durations.items() if "/".join(nodeid.split("::")[0].split("/")[-2:]) in files]
     return sum(mine) or None
 
@@ -190,10 +193,11 @@ def _slow_start(engine: str) -> bool:
 
 
 def pytest_command(args, workers: Optional[int] = None) -> list[str]:
+    from lora_conformance import options
     from lora_conformance.settings import suites_dir
 
     suite_dir = Path(args.suite_dir or suites_dir()).resolve()
-    cmd = [sys.executable, "-m", "pytest", str(suite_dir), f"--device={args.device}", f"--engine={args.engine}"]
+    cmd = [sys.executable, "-m", "pytest", str(suite_dir), *options.as_pytest_arguments(args)]
     if not args.autoload_plugins:
         if _autoload_env(args) is None:
             cmd.append("--disable-plugin-autoload")  # else run() passes the environment variable
@@ -205,11 +209,6 @@ def pytest_command(args, workers: Optional[int] = None) -> list[str]:
     # pytest's cache (--lf, --ff) where pytest run here would keep it, never inside an installed package.
     cmd += ["-c", str(suites_dir() / CERTIFY_INI), f"--rootdir={suite_dir.parent}", f"--confcutdir={suite_dir}",
             "-o", f"cache_dir={Path.cwd() / '.pytest_cache'}"]
-    cmd += [f"--engine-arg={a}" for a in args.engine_arg]
-    if args.dtype:
-        cmd.append(f"--dtype={args.dtype}")
-    if args.base_model:
-        cmd.append(f"--base-model={args.base_model}")
     if workers is not None and workers > 1:
         cmd += ["-n", str(workers)]
         if _slow_start(args.engine) and not any(a == "--dist" or a.startswith("--dist=") for a in _extra_args(args)):
@@ -237,7 +236,7 @@ def _engine_config_error(args) -> Optional[str]:
     from lora_conformance.options import parse_engine_args
 
     try:
-        check_engine_config(args.engine, parse_engine_args(args.engine_arg), "command line")
+        check_engine_config(_setting(args, "engine"), parse_engine_args(args.engine_arg), "command line")
     except (EngineError, ValueError) as exc:
         return str(exc)
     return None

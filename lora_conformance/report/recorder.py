@@ -34,6 +34,7 @@ from lora_conformance.report.verify import feature_of
 # "device": {"device_name": ..., "driver": ...}, ...}.
 ENV_KEY = pytest.StashKey[dict]()
 DESELECTED_OUTPUT = "lora_deselected"  # workeroutput key: JSON {nodeid: feature id}
+ENVIRONMENT_OUTPUT = "lora_environment"  # workeroutput key: JSON of a worker's environment facts
 MAX_TEXT = 8000
 
 
@@ -45,6 +46,26 @@ def _deselected_ids(items: list) -> dict[str, str]:
     from lora_conformance.report.selection import item_feature_id
 
     return {item.nodeid: item_feature_id(item) for item in items}
+
+
+def run_environment(config: pytest.Config) -> dict:
+    """What this run learns about its environment (engine version, device name, ...), for the report;
+    the harness fills it, pytest-xdist workers ship theirs to the controller (``ship_environment``)."""
+    return config.stash.setdefault(ENV_KEY, {})
+
+
+def ship_environment(config: pytest.Config, environment: dict) -> None:
+    """On a pytest-xdist worker, at its end: what only its live engines knew, for the controller."""
+    config.workeroutput[ENVIRONMENT_OUTPUT] = json.dumps(environment, default=str)
+
+
+def receive_environment(node: Any) -> None:
+    """On the controller, as a worker goes down: its environment facts, where ours have none yet."""
+    raw = getattr(node, "workeroutput", {}).get(ENVIRONMENT_OUTPUT)
+    if raw:
+        environment = run_environment(node.config)
+        for key, value in json.loads(raw).items():
+            environment.setdefault(key, value)
 
 
 def ship_deselected(config: pytest.Config, items: list) -> None:

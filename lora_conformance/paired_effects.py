@@ -1,4 +1,4 @@
-"""Teacher-forced, paired conformance of an engine's adapters against the reference.
+"""Paired adapter effects at teacher-forced contexts: the engine's and the reference's, side by side.
 
 For each request row of a test (an adapter label, or None for a base row, and a prompt) the
 reference decodes greedily; every prefix of that continuation is a *context*. The engine is
@@ -6,7 +6,7 @@ asked for one token after each context (``generate(max_new_tokens=1, top_k=k)``:
 diverges and bfloat16 rounding does not compound), once with the row's adapter (all rows in
 one call, so the test's batch composition is kept) and once without any. The reference
 scores the same contexts in one forward pass per sequence, for the correct hypothesis and
-for each alternative (``lora_conformance.hypotheses``). ``compare.effects`` pools the points
+for each alternative (``lora_conformance.adapter_hypotheses``). ``compare.effects`` pools the points
 per adapter and judges them.
 
 Base rows of a mixed batch are judged the same way with a zero reference effect: their
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
-from lora_conformance import hypotheses as hyps
+from lora_conformance import adapter_hypotheses as hyps
 from lora_conformance.compare.effects import EffectAnalysis, EffectSample, analyse
 from lora_conformance.types import GenerationRequest
 
@@ -50,6 +50,29 @@ class Plan:
     required: Optional[dict[str, set]] = None  # per label: hypotheses the test certifies (None: all)
     contexts_per_prompt: int = CONTEXTS_PER_PROMPT
     top_k: int = ENGINE_TOP_K
+
+
+@dataclass(frozen=True)
+class Alternatives:
+    """What a paired check must tell from the correct serving beyond the standard alternatives
+    (``adapter_hypotheses.standard`` per adapter, "served as" each other adapter of the batch)."""
+
+    # Single modules dropped are certified, not only judged where separable (the target-set tests,
+    # whose adapters make every module's effect visible).
+    modules: bool = False
+    # Adapters no request uses that a row might wrongly get (a reloaded name's old weights), by the
+    # name their "served as" alternative carries: name -> an adapter ref (path, spec or default name).
+    old: Mapping[str, Any] = field(default_factory=dict)
+
+
+def plan(labels: Sequence[Optional[str]], prompts: Sequence[str], adapters: Mapping[str, Path],
+         old: Mapping[str, Path] = {}, modules: bool = False) -> Plan:
+    """One paired check: a row per label (None: a base row) in that order, prompts taken in turn,
+    ``adapters`` the labels' directories, ``old`` those of ``Alternatives.old``."""
+    paths = {**adapters, **old}
+    alternatives = default_alternatives(labels, paths, extra=list(old))
+    return Plan(list(labels), [prompts[i % len(prompts)] for i in range(len(labels))], paths, alternatives,
+                required_hypotheses(alternatives, modules))
 
 
 def contexts_of(runner, label: Optional[str], prompt: str, path: Optional[Path], n: int) -> Row:
@@ -207,7 +230,7 @@ def required_hypotheses(alternatives: Mapping[str, list[hyps.Hypothesis]],
 
 def default_alternatives(labels: Sequence[Optional[str]], adapters: Mapping[str, Path],
                          routing: bool = True, extra: Sequence[str] = ()) -> dict[str, list[hyps.Hypothesis]]:
-    """Per label: ``hypotheses.standard`` (with "served as" each other adapter of the test when
+    """Per label: ``adapter_hypotheses.standard`` (with "served as" each other adapter of the test when
     ``routing``); base rows: "served as" each adapter."""
     names = [l for l in dict.fromkeys(labels) if l]
     out = {}

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lora_conformance import schedule
+from lora_conformance import run_order
 
 
 def items(*ids):
@@ -18,29 +18,29 @@ def items(*ids):
 
 
 def test_long_tests_first_longest_first_the_rest_in_collection_order():
-    got = schedule.order(items("a", "b", "c", "d", "e"), {"a": 0.1, "b": 3.0, "c": 0.2, "d": 5.0, "e": 0.49})
+    got = run_order.order(items("a", "b", "c", "d", "e"), {"a": 0.1, "b": 3.0, "c": 0.2, "d": 5.0, "e": 0.49})
     assert [i.nodeid for i in got] == ["d", "b", "a", "c", "e"]
 
 
 def test_no_durations_keeps_collection_order():
-    assert [i.nodeid for i in schedule.order(items("x", "y", "z"), {})] == ["x", "y", "z"]
+    assert [i.nodeid for i in run_order.order(items("x", "y", "z"), {})] == ["x", "y", "z"]
 
 
 def test_unreadable_or_foreign_files_mean_no_durations(tmp_path):
     p = tmp_path / "d.json"
-    assert schedule.load(p) == {}
+    assert run_order.load(p) == {}
     p.write_text("{not json")
-    assert schedule.load(p) == {}
+    assert run_order.load(p) == {}
     p.write_text("[1, 2]")
-    assert schedule.load(p) == {}
+    assert run_order.load(p) == {}
     p.write_text(json.dumps({"t::a": 1.5, "t::b": "slow"}))
-    assert schedule.load(p) == {"t::a": 1.5}
+    assert run_order.load(p) == {"t::a": 1.5}
 
 
 def test_path_is_per_engine_device_and_dtype(tmp_path):
-    a = schedule.durations_path(tmp_path, "builtin", "cpu", "float32")
-    b = schedule.durations_path(tmp_path, "builtin", "cpu", "bfloat16")
-    c = schedule.durations_path(tmp_path, "my.mod:Engine", "cuda", "float32")
+    a = run_order.durations_path(tmp_path, "builtin", "cpu", "float32")
+    b = run_order.durations_path(tmp_path, "builtin", "cpu", "bfloat16")
+    c = run_order.durations_path(tmp_path, "my.mod:Engine", "cuda", "float32")
     assert len({a, b, c}) == 3 and c.parent == tmp_path / "durations" and ":" not in c.name
 
 
@@ -48,7 +48,7 @@ def test_recorder_sums_phases_and_merges_with_the_last_run(tmp_path):
     path = tmp_path / "durations" / "x.json"
     path.parent.mkdir()
     path.write_text(json.dumps({"old::t": 2.0, "t::a": 9.0}))
-    rec = schedule.DurationRecorder(path)
+    rec = run_order.DurationRecorder(path)
     for when, d in (("setup", 0.25), ("call", 1.0), ("teardown", 0.25)):
         rec.pytest_runtest_logreport(SimpleNamespace(nodeid="t::a", when=when, duration=d))
     rec.pytest_sessionfinish(None)
@@ -80,7 +80,7 @@ def test_two_workers_run_the_long_test_first(tmp_path):
     run("-p", "no:xdist")  # serial: collection order, durations recorded
     first = (tmp_path / "order.log").read_text().split()
     assert first[1::2] == ["0", "1", "2", "3", "4", "5"]
-    recorded = json.loads(schedule.durations_path(tmp_path / "cache", "builtin", "cpu", "float32").read_text())
+    recorded = json.loads(run_order.durations_path(tmp_path / "cache", "builtin", "cpu", "float32").read_text())
     assert recorded["test_s.py::test_t[5]"] >= 0.6
     (tmp_path / "order.log").unlink()
     run("-n", "2")  # both workers collected test_t[5] first (else xdist would refuse them), so it ran first

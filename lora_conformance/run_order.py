@@ -1,4 +1,4 @@
-"""Longest tests first under pytest-xdist, from the durations of the last run with the same settings.
+"""The order tests run in under pytest-xdist: longest first, by the last same-settings run's durations.
 
 xdist's ``load`` scheduler hands tests out in collection order; a long test collected late runs
 alone at the end while the other workers idle (2.4 s of a 23 s ``-n 2`` certification on a
