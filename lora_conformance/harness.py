@@ -233,7 +233,7 @@ class Harness:
         (``Engine.not_declared_reasons``)."""
         from lora_conformance.engines import engine_class
 
-        model_dir = self.model_dir(self.model_spec(_marker_kind(request.node)))
+        model_dir = self.model_dir(self.model_spec(base_model_kind(request.node)))
 
         try:
             cls = engine_class(self.settings.engine)

@@ -190,7 +190,8 @@ def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
     needed = required_capabilities(request.node)
     if not needed:
         return
-    missing = _harness(request.config).missing_capabilities(request, needed)
+    harness = _harness(request.config)
+    missing = harness.missing_capabilities(request, needed)
     if missing:
         missing_capabilities(missing, harness.not_declared_reasons(request))
 

@@ -55,7 +55,7 @@ def test_capabilities_limits_version(setup):
         assert eng.capabilities == {Capability(c) for c in (
             "mixed_batch", "dynamic_loading", "pinning", "eviction_lru", "eviction_fifo", "max_loaded",
             "prefix_cache", "overlap_loading", "rslora", "rank_pattern", "embed_tokens", "lm_head",
-            "prompt_logprobs", "chunked_prefill", "inflight_lifecycle")}
+            "prompt_logprobs", "chunked_prefill", "inflight_lifecycle", "tensor_parallel")}
         assert (eng.limits.max_loras_per_batch, eng.limits.max_loaded_loras, eng.limits.max_rank) == (3, 8, 32)
         assert eng.version().startswith("lora-conformance builtin ")
     with BuiltinEngine(base, "cpu", "float32", {"prefix_cache": "0", "overlap_loading": "0"}) as eng:

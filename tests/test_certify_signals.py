@@ -60,6 +60,8 @@ def test_an_interrupted_certify_leaves_nothing_running(tmp_path, cache, sig, wor
            "--engine-arg", f"server_cmd={server_cmd}", "--engine-arg", "startup_timeout=120",
            "--report", str(tmp_path / "rep"), "--suite-dir", str(suites), "-n", workers,
            "--", "-p", "no:cacheprovider", f"--lora-cache={cache}", "-q"]
+    if workers != "1":
+        cmd += ["--dist", "load"]  # the two tests on two workers (a server engine would keep their file on one)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
