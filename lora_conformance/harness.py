@@ -137,16 +137,20 @@ class Harness:
         the engine has anyway (``prefix_cache=1`` where caching is the default) shares the engine
         started without it. Args that do not parse keep their raw strings: create_engine then
         reports the problem, once."""
-        from lora_conformance.engines import engine_class
-
         args = self.engine_args(extra)
         try:
-            cls = engine_class(self.settings.engine)
-            cfg = cls.parse_args(args, self.settings.sources.get("engine_arg", "command line"))
+            cls, cfg = self.parsed_engine_args(args)
             ident = cls.sharing_key(cfg, model_dir, self.settings.device)
         except Exception:  # noqa: BLE001 - any parse problem is create_engine's to report
             ident = tuple(sorted(args.items()))
         return (str(model_dir), dtype, ident)
+
+    def parsed_engine_args(self, args: Mapping[str, str]):
+        """(the engine class, its parsed ``Args``) for these engine args; parse errors propagate."""
+        from lora_conformance.engines import engine_class
+
+        cls = engine_class(self.settings.engine)
+        return cls, cls.parse_args(args, self.settings.sources.get("engine_arg", "command line"))
 
     def shared_engine(self, model_dir: Path, dtype: str, extra: Mapping[str, Any] = {}):
         """An engine shared by the tests that ask for the same model, dtype and effective settings."""
@@ -231,13 +235,10 @@ class Harness:
     def not_declared_reasons(self, request: pytest.FixtureRequest) -> dict[str, str]:
         """capability name -> why the engine does not declare it for this test's model
         (``Engine.not_declared_reasons``)."""
-        from lora_conformance.engines import engine_class
-
         model_dir = self.model_dir(self.model_spec(base_model_kind(request.node)))
 
         try:
-            cls = engine_class(self.settings.engine)
-            cfg = cls.parse_args(self.settings.engine_args, self.settings.sources.get("engine_arg", "command line"))
+            cls, cfg = self.parsed_engine_args(self.settings.engine_args)
             reasons = cls.not_declared_reasons(cfg, model_dir, self.settings.device)
         except Exception:  # noqa: BLE001 - the reasons only explain; the verdict stands without them
             return {}
@@ -247,11 +248,9 @@ class Harness:
         """The engine class's own answer (``Engine.declared_capabilities``) for the user's engine args,
         or None where only a started engine can tell."""
         if model_dir not in self._declared:
-            from lora_conformance.engines import engine_class
             from lora_conformance.engines.args import class_capabilities
 
-            cls = engine_class(self.settings.engine)
-            cfg = cls.parse_args(self.settings.engine_args, self.settings.sources.get("engine_arg", "command line"))
+            cls, cfg = self.parsed_engine_args(self.settings.engine_args)
             self._declared[model_dir] = class_capabilities(cls, cfg, model_dir, self.settings.device)
         return self._declared[model_dir]
 

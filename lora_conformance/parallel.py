@@ -53,7 +53,12 @@ def worker_cpus(environ: Mapping[str, str] = os.environ, cpus: Optional[list[int
     worker, count = environ.get("PYTEST_XDIST_WORKER", ""), environ.get("PYTEST_XDIST_WORKER_COUNT", "")
     if not (worker.startswith("gw") and worker[2:].isdigit() and count.isdigit()) or int(count) <= 1:
         return list(cpus)
-    k, n = int(worker[2:]), int(count)
+    return cpu_slice(list(cpus), int(worker[2:]), int(count))
+
+
+def cpu_slice(cpus: list[int], k: int, n: int) -> list[int]:
+    """The k-th of n equal slices of ``cpus`` (the last takes the remainder); with more slices than
+    CPUs, slice k shares CPU k mod len(cpus)."""
     if n >= len(cpus):
         return [cpus[k % len(cpus)]]
     size = len(cpus) // n

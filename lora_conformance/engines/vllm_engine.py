@@ -400,12 +400,7 @@ class VllmEngine(Engine):
         if current is not None and current not in self._bound_by_us:
             return
         cpus = parallel.worker_cpus()
-        if ranks > len(cpus):
-            lists = [[cpus[r % len(cpus)]] for r in range(ranks)]
-        else:
-            size = len(cpus) // ranks
-            lists = [cpus[r * size: len(cpus) if r == ranks - 1 else (r + 1) * size] for r in range(ranks)]
-        value = "|".join(",".join(str(c) for c in part) for part in lists)
+        value = "|".join(",".join(str(c) for c in parallel.cpu_slice(cpus, r, ranks)) for r in range(ranks))
         type(self)._bound_by_us.add(value)
         os.environ[self._BIND] = value
 
