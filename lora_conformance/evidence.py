@@ -29,7 +29,9 @@ FAILURE = "lora_failure"  # {"type", "message"}: the exception that failed (or x
 EVIDENCE = "lora_evidence"  # a ConformanceAssertionError's ``.evidence`` (check, summary, rows, hypothesis)
 EFFECTS = "lora_effects"  # [compare.effects analyses]: the paired effect verdict's numbers (harness)
 NOTE = "lora_note"  # text: what a passing test could not establish (harness.TestContext.note)
-PROPERTIES = (FEATURE, OUTCOME, FAILURE, EVIDENCE, EFFECTS, NOTE)
+# [{"engine", "seconds", "why"}]: the engines this test started (harness.Harness.take_starts)
+ENGINE_STARTS = "lora_engine_starts"
+PROPERTIES = (FEATURE, OUTCOME, FAILURE, EVIDENCE, EFFECTS, NOTE, ENGINE_STARTS)
 
 MAX_FAILURE_MESSAGE = 2000
 
@@ -142,6 +144,7 @@ class Record:
     evidence: Optional[dict] = None  # EVIDENCE
     effects: Optional[list] = None  # EFFECTS
     notes: Optional[list] = None  # NOTE values
+    engine_starts: Optional[list] = None  # ENGINE_STARTS, every phase's
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,8 +182,9 @@ class Record:
             raise RecordFormatError(f"{where}.feature.id: expected a string (suite/name)")
         if any(not isinstance(n, str) for n in data.get("notes") or ()):
             raise RecordFormatError(f"{where}.notes: expected a list of strings")
-        if any(not isinstance(a, Mapping) for a in data.get("effects") or ()):
-            raise RecordFormatError(f"{where}.effects: expected a list of objects")
+        for name in ("effects", "engine_starts"):
+            if any(not isinstance(a, Mapping) for a in data.get(name) or ()):
+                raise RecordFormatError(f"{where}.{name}: expected a list of objects")
         kwargs = {name: data.get(name) for name in FIELD_TYPES}
         kwargs["phases"] = dict(data["phases"])
         kwargs["duration"] = float(data.get("duration") or 0.0)
@@ -191,7 +195,7 @@ class Record:
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "nodeid": (str,), "phases": (dict,), "duration": (int, float), "wasxfail": (str,), "skip_reason": (str,),
     "message": (str,), "longrepr": (str,), "feature": (dict,), "outcome": (dict,), "failure": (dict,),
-    "evidence": (dict,), "effects": (list,), "notes": (list,),
+    "evidence": (dict,), "effects": (list,), "notes": (list,), "engine_starts": (list,),
 }
 assert list(FIELD_TYPES) == [f.name for f in fields(Record)], "FIELD_TYPES must list Record's fields in order"
 

@@ -65,6 +65,11 @@ class Harness:
         self._engine_failures: dict[tuple, BaseException] = {}
         self._engine_extra: dict[tuple, dict] = {}  # shared engine key -> the test's args it was started with
         self._declared: dict[Path, Any] = {}  # model dir -> the engine class's declared capabilities
+        # Engine starts not yet attached to a test (the plugin's makereport takes them, take_starts),
+        # and why each shared engine that was started before is gone (its next start says so).
+        self._starts: list[dict] = []
+        self._n_starts = 0  # this process's starts so far (numbers them)
+        self._gone: dict[tuple, str] = {}
         self.prompt_logprobs_probes: dict[tuple, str] = {}  # (model, dtype) -> '' or what broke
         from lora_conformance.adapters import validate
         from lora_conformance.models import tokenizer
@@ -117,19 +122,37 @@ class Harness:
         # The user's --engine-arg values first; a test's own requirements win.
         return {**self.settings.engine_args, **{k: str(v) for k, v in extra.items()}}
 
-    def create_engine(self, model_dir: Path, dtype: str, extra: Mapping[str, Any]):
+    def create_engine(self, model_dir: Path, dtype: str, extra: Mapping[str, Any], why: str = "fresh engine"):
         """A new engine; an engine that refuses to start with this model, dtype or these args
-        (UnsupportedFeatureError) makes the test *not certified* (cause ``refused``), not failed."""
+        (UnsupportedFeatureError) makes the test *not certified* (cause ``refused``), not failed.
+        The start (its seconds and ``why``) goes to the report with the test that caused it."""
+        import time
+
         from lora_conformance.engines import UnsupportedFeatureError, create_engine
         from lora_conformance.outcomes import REFUSED, not_certified
 
         args = self.engine_args(extra)
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(args.items())) or "no engine args"
+        started = time.perf_counter()
         try:
             return create_engine(self.settings.engine, model_dir, self.settings.device, dtype, args)
         except UnsupportedFeatureError as exc:
-            shown = ", ".join(f"{k}={v}" for k, v in sorted(args.items())) or "no engine args"
+            why += "; refused to start"
             not_certified(REFUSED, f"engine {self.settings.engine!r} refused to start ({model_dir.name}, {dtype}, "
                                    f"{shown}): {exc}")
+        except BaseException:
+            why += "; failed to start"
+            raise
+        finally:
+            self._starts.append({"engine": f"{model_dir.name}, {dtype}, {shown}",
+                                 "seconds": round(time.perf_counter() - started, 2), "why": why,
+                                 "n": self._n_starts})
+            self._n_starts += 1
+
+    def take_starts(self) -> list[dict]:
+        """The engine starts since the last call (the plugin attaches them to the running test)."""
+        taken, self._starts = self._starts, []
+        return taken
 
     def engine_key(self, model_dir: Path, dtype: str, extra: Mapping[str, Any]) -> tuple:
         """What identifies a shared engine: the model, the dtype and the engine's *effective*
@@ -161,12 +184,14 @@ class Harness:
             self._engines.move_to_end(key)
             return self._engines[key]
         while len(self._engines) >= MAX_LIVE_ENGINES:
-            _, old = self._engines.popitem(last=False)
+            old_key, old = self._engines.popitem(last=False)
+            self._gone[old_key] = f"closed for a newer engine (at most {MAX_LIVE_ENGINES} live)"
             old.close()
         from lora_conformance.outcomes import NotCertified
 
+        why = f"shared engine, started again: {self._gone[key]}" if key in self._gone else "shared engine, first use"
         try:
-            engine = self.create_engine(model_dir, dtype, extra)
+            engine = self.create_engine(model_dir, dtype, extra, why)
         except (Exception, NotCertified) as exc:  # NotCertified is a pytest skip, a BaseException
             self._engine_failures[key] = exc  # do not retry a failing start (or a refusal) for every test
             raise
@@ -215,7 +240,8 @@ class Harness:
         if note is not None:
             note(f"the shared engine still reported adapters {leftover} after unloading every adapter; "
                  "this test ran on a fresh engine")
-        fresh = self.create_engine(Path(key[0]), key[1], self._engine_extra[key])
+        fresh = self.create_engine(Path(key[0]), key[1], self._engine_extra[key],
+                                   "shared engine replaced: it still reported adapters after unloading every one")
         self._engines[key] = fresh
         return fresh
 
@@ -258,7 +284,8 @@ class Harness:
         """Close every shared engine: after an EngineFailure one may be dead, and a dead engine
         must fail only the test that broke it, not every test after it."""
         while self._engines:
-            _, engine = self._engines.popitem()
+            key, engine = self._engines.popitem()
+            self._gone[key] = "closed after an engine failure"
             try:
                 engine.close()
             except Exception:
@@ -358,7 +385,7 @@ class TestContext:
     def fresh_engine(self, **args):
         """A new engine for this test alone (closed at teardown): for a test that needs an engine
         that has never served anything (cold caches, a baseline untouched by adapters)."""
-        engine = self.harness.create_engine(self.model_dir, self.dtype, args)
+        engine = self.harness.create_engine(self.model_dir, self.dtype, args, "a fresh engine for this test")
         self._own_engines.append(engine)
         return engine
 
@@ -476,7 +503,8 @@ class TestContext:
         """'' when a mixed batch (adapter A and base rows) with prompt logprobs, on an engine of its
         own, matches the reference; else what went wrong."""
         try:
-            engine = self.harness.create_engine(self.model_dir, self.dtype, {})
+            engine = self.harness.create_engine(self.model_dir, self.dtype, {},
+                                                "the prompt-logprobs probe's own engine")
         except Exception as exc:  # noqa: BLE001 - any start failure means: do not rely on the probe
             return f"the probe engine did not start ({type(exc).__name__})"
         try:

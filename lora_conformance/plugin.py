@@ -234,11 +234,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     from lora_conformance import evidence
 
     evidence.attach_call_facts(item, call.excinfo)
-    if call.excinfo is not None:
-        from lora_conformance.harness import existing_harness
+    from lora_conformance.harness import existing_harness
 
-        harness = existing_harness(item.config)
-        if harness is not None:
+    harness = existing_harness(item.config)
+    if harness is not None:
+        starts = harness.take_starts()
+        if starts:  # the engines this phase started, with their seconds and why
+            evidence.add(item, evidence.ENGINE_STARTS, starts)
+        if call.excinfo is not None:
             from lora_conformance.engines.base import EngineFailure
 
             if isinstance(call.excinfo.value, EngineFailure):

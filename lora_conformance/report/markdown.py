@@ -99,7 +99,24 @@ def selection_rows(report: Mapping[str, Any], verdict: Verdict) -> list[tuple[st
     ]
     if selection.get("shards"):
         rows.append(("shards", str(selection["shards"])))
+    starts = engine_starts_summary(report)
+    if starts:
+        rows.append(("engine starts", starts))
     return rows
+
+
+def engine_starts_summary(report: Mapping[str, Any]) -> str:
+    """How many engines the run started, their seconds, and why (records' ``engine_starts``)."""
+    starts = [s for r in report.get("records") or [] if isinstance(r, Mapping)
+              for s in r.get("engine_starts") or () if isinstance(s, Mapping)]
+    if not starts:
+        return ""
+    seconds = [float(s.get("seconds") or 0) for s in starts]
+    whys: dict[str, list[float]] = {}
+    for s, t in zip(starts, seconds):
+        whys.setdefault(str(s.get("why") or "-"), []).append(t)
+    parts = [f"{len(ts)} {why} ({sum(ts):.0f} s)" for why, ts in sorted(whys.items(), key=lambda kv: -sum(kv[1]))]
+    return f"{len(starts)} in {sum(seconds):.0f} s, summed over workers: " + "; ".join(parts)
 
 
 def rerun_command(env: Mapping[str, Any], nodeid: str) -> str:

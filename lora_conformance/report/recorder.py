@@ -120,6 +120,9 @@ class ReportRecorder:
         if getattr(report, "wasxfail", None) is not None:
             rec.wasxfail = str(report.wasxfail)
         rec.feature = rec.feature or evidence.first_object(report, evidence.FEATURE)
+        starts = evidence.all_list_items(report, evidence.ENGINE_STARTS)
+        if starts:  # each phase's report carries the item's properties so far: keep each start once
+            rec.engine_starts = (rec.engine_starts or []) + [s for s in starts if s not in (rec.engine_starts or [])]
         if report.when == "call":
             rec.effects = rec.effects or evidence.all_list_items(report, evidence.EFFECTS)
             rec.notes = rec.notes or ([str(n) for n in evidence.values(report, evidence.NOTE)] or None)
