@@ -24,8 +24,11 @@ from lora_conformance.types import GenerationRequest, GenerationResult
 # The feature that certifies prompt logprobs; other tests use them only where a probe shows them
 # working (TestContext.prompt_logprobs_shown_to_work).
 PROMPT_LOGPROBS_FEATURE = "accuracy/prefill_logprobs_with_adapter"
-# Engines kept alive at once (least recently used closed first): each settings combination a
-# suite asks for keeps its engine, so the next test with those settings starts none.
+# How long an xdist worker waits for another worker's probe answer before probing itself (s).
+SHARED_PROBE_WAIT = 900
+# Engines kept alive at once (least recently used closed first, the run's own engine last): each
+# settings combination a suite asks for keeps its engine, so the next test with those settings
+# starts none.
 MAX_LIVE_ENGINES = 3
 MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder": "synthetic:encoder",
                # base-model variants (suites/test_base_models.py): always these synthetic models
@@ -70,6 +73,9 @@ class Harness:
         self._starts: list[dict] = []
         self._n_starts = 0  # this process's starts so far (numbers them)
         self._gone: dict[tuple, str] = {}
+        # Engines being closed off the test's critical path (Harness.retire), joined by close().
+        self._closing: list[Any] = []
+        self._close_errors: list[BaseException] = []
         self.prompt_logprobs_probes: dict[tuple, str] = {}  # (model, dtype) -> '' or what broke
         from lora_conformance.adapters import validate
         from lora_conformance.models import tokenizer
@@ -184,9 +190,10 @@ class Harness:
             self._engines.move_to_end(key)
             return self._engines[key]
         while len(self._engines) >= MAX_LIVE_ENGINES:
-            old_key, old = self._engines.popitem(last=False)
+            old_key = self._eviction_victim()
+            old = self._engines.pop(old_key)
             self._gone[old_key] = f"closed for a newer engine (at most {MAX_LIVE_ENGINES} live)"
-            old.close()
+            self.retire(old)
         from lora_conformance.outcomes import NotCertified
 
         why = f"shared engine, started again: {self._gone[key]}" if key in self._gone else "shared engine, first use"
@@ -199,6 +206,42 @@ class Harness:
         self._engine_extra[key] = dict(extra)
         self._record(engine)
         return engine
+
+    def _eviction_victim(self) -> tuple:
+        """The shared engine to close for a new one: the least recently used, but the run's own
+        engine (the run's model, dtype and the user's args, which most tests use) only when every
+        live engine is one."""
+        try:
+            own = self.engine_key(self.model_dir(self.model_spec(None)), self.settings.dtype, {})
+        except Exception:  # noqa: BLE001 - a base model that does not resolve has no engine to keep
+            own = None
+        return next((k for k in self._engines if k != own), next(iter(self._engines)))
+
+    def retire(self, engine, swallow: bool = False) -> None:
+        """Close an engine the run no longer uses. On cpu the close runs on a thread of its own
+        (a vLLM engine takes about 4 s to stop its processes) while the next test goes on; on an
+        accelerator it finishes first, so that the next engine finds the device memory free.
+        ``close()`` joins every such thread and raises the first close error (``swallow``: the
+        engine may be dead, its close failing is no news)."""
+        from lora_conformance import devices
+
+        def run() -> None:
+            try:
+                engine.close()
+            except Exception as exc:  # noqa: BLE001 - raised again by close(), unless swallowed
+                if not swallow:
+                    self._close_errors.append(exc)
+
+        if devices.device_type(self.settings.device) != "cpu":
+            run()
+        else:
+            import threading
+
+            thread = threading.Thread(target=run, name=f"close {type(engine).__name__}", daemon=True)
+            thread.start()
+            self._closing.append(thread)
+        if self._close_errors and devices.device_type(self.settings.device) != "cpu":
+            raise self._close_errors.pop(0)
 
     def _record(self, engine) -> None:
         if "engine" not in self.environment:
@@ -234,7 +277,7 @@ class Harness:
             raise AssertionError(f"the engine still reports adapters {leftover} after unloading every adapter")
         del self._engines[key]
         try:
-            engine.close()
+            self.retire(engine, swallow=True)
         except Exception:  # noqa: BLE001 - it is dropped either way
             pass
         if note is not None:
@@ -286,15 +329,17 @@ class Harness:
         while self._engines:
             key, engine = self._engines.popitem()
             self._gone[key] = "closed after an engine failure"
-            try:
-                engine.close()
-            except Exception:
-                pass  # closing a dead engine may fail too; it is dropped either way
+            self.retire(engine, swallow=True)  # closing a dead engine may fail too; it is dropped either way
 
     def close(self) -> None:
+        """Close every engine (all at once, on cpu) and wait for every close begun earlier."""
         while self._engines:
             _, engine = self._engines.popitem()
-            engine.close()
+            self.retire(engine)
+        while self._closing:
+            self._closing.pop().join()
+        if self._close_errors:
+            raise self._close_errors.pop(0)
 
 
 def _item_dtype(request: pytest.FixtureRequest, settings: Settings) -> str:
@@ -493,11 +538,55 @@ class TestContext:
             return False
         key = (str(self.model_dir), self.dtype)
         if key not in self.harness.prompt_logprobs_probes:
-            self.harness.prompt_logprobs_probes[key] = self._probe_prompt_logprobs()
+            self.harness.prompt_logprobs_probes[key] = self._run_shared(key, self._probe_prompt_logprobs)
         broken = self.harness.prompt_logprobs_probes[key]
         if broken:
             self.note(f"without prompt_logprobs: {broken}; a weaker check ({PROMPT_LOGPROBS_FEATURE} certifies them)")
         return not broken
+
+    def _run_shared(self, key: tuple, probe) -> str:
+        """``probe()``'s answer, computed once per run: under pytest-xdist the first worker to ask
+        computes it and the others read its answer (a file in the run's temporary directory), so a
+        probe that starts an engine starts one per run, not one per worker."""
+        config = self.request.config
+        if not hasattr(config, "workerinput"):
+            return probe()
+        import hashlib
+        import json
+        import os
+        import time
+
+        run_dir = self.request.getfixturevalue("tmp_path_factory").getbasetemp().parent / "lora-shared-probes"
+        run_dir.mkdir(exist_ok=True)
+        stem = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+        answer, lock = run_dir / f"{stem}.json", run_dir / f"{stem}.lock"
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            deadline = time.monotonic() + SHARED_PROBE_WAIT
+            while not answer.exists():
+                try:
+                    owner = int(lock.read_text() or 0)
+                    if owner:
+                        os.kill(owner, 0)  # the worker computing it is still there
+                except (OSError, ValueError):  # the lock is gone (given up) or its worker died
+                    if not answer.exists():
+                        return probe()
+                if time.monotonic() > deadline:
+                    return probe()
+                time.sleep(0.2)
+            return json.loads(answer.read_text())["answer"]
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            result = probe()
+        except BaseException:
+            lock.unlink(missing_ok=True)  # interrupted: a waiting worker asks for itself
+            raise
+        tmp = answer.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"answer": result}))
+        os.replace(tmp, answer)
+        return result
 
     def _probe_prompt_logprobs(self) -> str:
         """'' when a mixed batch (adapter A and base rows) with prompt logprobs, on an engine of its
@@ -518,10 +607,7 @@ class TestContext:
         except Exception as exc:  # noqa: BLE001 - the probe's only question: does it work?
             return f"a probe with prompt logprobs failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
         finally:
-            try:
-                engine.close()
-            except Exception:  # noqa: BLE001
-                pass
+            self.harness.retire(engine, swallow=True)
 
     def assert_conforms(self, engine, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef] = {},
                         prompts: Optional[Sequence[str]] = None, *,
@@ -613,4 +699,4 @@ class TestContext:
             except EngineError:
                 pass  # the test itself may have unloaded or replaced it
         for engine in self._own_engines:
-            engine.close()
+            self.harness.retire(engine)
