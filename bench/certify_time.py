@@ -16,7 +16,8 @@ count is timed against it. Cold: every worker count starts from an empty cache o
 adapters and references are built again). Each row has the wall time, the speed-up over the serial
 row of the same cache state, the cpu seconds of the whole process tree, the 1-minute load average
 before and after and the cpu time the hypervisor gave to others meanwhile (steal: on a shared
-machine wall times mean little without them), and certify's exit code.
+machine wall times mean little without them), the engines the run started (count / seconds summed
+over workers, from the report), and certify's exit code.
 
 ``--repeat R`` times every worker count R times, interleaved (1, 2, 1, 2, ...), so that a slow
 spell of the machine hits every count alike; a closing table gives each count's median and range
@@ -89,10 +90,21 @@ def certify(a, workers: int, cache: Path, report: Path, threads: str | None, eng
     wall = time.perf_counter() - start
     steal = steal_seconds() - before_steal
     tail = [ln for ln in out.stdout.splitlines() if " passed" in ln or " failed" in ln or "badge:" in ln]
-    return {"engine": engine, "workers": workers, "threads": threads or "share", "wall_s": round(wall, 2),
+    return {"starts": engine_starts(report / "report.json"), "engine": engine, "workers": workers, "threads": threads or "share", "wall_s": round(wall, 2),
             "cpu_s": round(children_cpu() - before_cpu, 2), "load_before": round(before_load, 2),
             "load_after": round(load1(), 2), "steal_s": round(steal, 2), "exit": out.returncode, "summary": tail[-2:] if tail else
             [(out.stdout + out.stderr).strip().splitlines()[-1:] or ["(no output)"]][0]}
+
+
+def engine_starts(report_json: Path) -> str:
+    """"N / S s": the engines the run started and their seconds summed over workers (the report's
+    records), "-" where the report has none."""
+    try:
+        records = json.loads(report_json.read_text())["records"]
+    except (OSError, ValueError, KeyError):
+        return "-"
+    starts = [s for r in records for s in r.get("engine_starts") or ()]
+    return f"{len(starts)} / {sum(float(s.get('seconds') or 0) for s in starts):.0f}"
 
 
 def main() -> int:
@@ -186,14 +198,14 @@ def summary(rows: list[dict]) -> str:
 
 def header() -> str:
     return (f"{'engine':8} {'cache':6} {'workers':>7} {'threads':>8} {'wall s':>8} {'speed-up':>8} {'cpu s':>8} "
-            f"{'load 1m before/after':>21} {'steal s':>7}  exit  summary")
+            f"{'load 1m before/after':>21} {'steal s':>7} {'starts / s':>11}  exit  summary")
 
 
 def fmt(r: dict) -> str:
     speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
     load = f"{r['load_before']:.1f} / {r['load_after']:.1f}"
     return (f"{r.get('engine', ''):8} {r['cache']:6} {r['workers']:>7} {r['threads']:>8} {r['wall_s']:>8.1f} {speed:>8} {r['cpu_s']:>8.1f} "
-            f"{load:>21} {r.get('steal_s', 0):>7.1f}  {r['exit']:>4}  {' | '.join(r['summary'])}")
+            f"{load:>21} {r.get('steal_s', 0):>7.1f} {r.get('starts', '-'):>11}  {r['exit']:>4}  {' | '.join(r['summary'])}")
 
 
 if __name__ == "__main__":
