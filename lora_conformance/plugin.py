@@ -135,8 +135,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     except FeatureMarkerError as exc:
         raise pytest.UsageError(str(exc)) from None
     durations = run_order.worker_durations(config)
-    if durations:  # pytest-xdist worker: the long tests first (identical in every worker)
-        items[:] = run_order.order(items, durations)
+    if durations:  # pytest-xdist worker: the long tests (files) first, identical in every worker
+        items[:] = run_order.order(items, durations, by_file=config.getoption("dist", None) == "loadfile")
 
 
 def _harness(config: pytest.Config):

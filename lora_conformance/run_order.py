@@ -14,6 +14,11 @@ longest-processing-time rule) lets the short ones fill the gaps.
 * Only tests of at least ``LONG_SECONDS`` move; the rest keep collection order, so tests of one
   module still run together and share their engines.
 
+* Under ``--dist loadfile`` (certify's choice for engines that start slowly, so that a file's tests
+  share their engines) a file is the unit handed out: files go longest first by their tests'
+  summed durations, and inside a file the tests that use one base model and dtype run together
+  (``by_file``), so an engine closed for a newer one is not needed again a test later.
+
 A serial run keeps collection order: there is nothing to balance.
 """
 
@@ -46,12 +51,45 @@ def load(path: Path) -> dict[str, float]:
     return {str(k): float(v) for k, v in data.items() if isinstance(v, (int, float))}
 
 
-def order(items: list, durations: Mapping[str, float], long_seconds: float = LONG_SECONDS) -> list:
-    """Tests that took at least ``long_seconds`` first, longest first; the others in their order."""
+def order(items: list, durations: Mapping[str, float], long_seconds: float = LONG_SECONDS,
+          by_file: bool = False) -> list:
+    """Tests that took at least ``long_seconds`` first, longest first; the others in their order.
+    ``by_file``: files longest first (summed durations), each file's tests grouped by base model
+    and dtype (groups in order of first appearance, collection order inside a group)."""
+    if by_file:
+        files: dict[str, list] = {}
+        for item in items:
+            files.setdefault(_file(item), []).append(item)
+        total = {f: sum(durations.get(i.nodeid, 0.0) for i in its) for f, its in files.items()}
+        out: list = []
+        for f in sorted(files, key=lambda f: -total[f]):  # stable: unknown files keep their order
+            groups: dict[tuple, list] = {}
+            for item in files[f]:
+                groups.setdefault(_engine_group(item), []).append(item)
+            out += [i for group in groups.values() for i in group]
+        return out
+
     def key(item) -> float:
         d = durations.get(item.nodeid, 0.0)
         return -d if d >= long_seconds else 0.0
     return sorted(items, key=key)  # stable: equal keys keep collection order
+
+
+def _file(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def _engine_group(item) -> tuple:
+    """What decides a test's engine before it runs: its base model kind and its dtype."""
+    from lora_conformance.markers import base_model_kind
+
+    callspec = getattr(item, "callspec", None)
+    dtype = callspec.params.get("dtype") if callspec is not None else None
+    try:
+        kind = base_model_kind(item)
+    except AttributeError:
+        kind = None
+    return (kind, str(dtype))
 
 
 class DurationRecorder:

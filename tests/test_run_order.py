@@ -89,3 +89,19 @@ def test_two_workers_run_the_long_test_first(tmp_path):
     # test_t[5] was each worker's first item, so the worker that got it started with it
     worker = next(w for w, n in lines if n == "5")
     assert [n for w, n in lines if w == worker][0] == "5", lines
+
+
+def _item(nodeid, kind=None, dtype="float32"):
+    marker = SimpleNamespace(args=(kind,)) if kind else None
+    return SimpleNamespace(nodeid=nodeid, callspec=SimpleNamespace(params={"dtype": dtype}),
+                           get_closest_marker=lambda name: marker if name == "base_model" else None)
+
+
+def test_under_loadfile_files_go_longest_first_and_tests_of_one_engine_run_together():
+    its = [_item("a.py::x"), _item("b.py::q2", "qwen2"), _item("b.py::hd", "llama-hd128"), _item("b.py::q2b", "qwen2"),
+           _item("b.py::y"), _item("a.py::bf", dtype="bfloat16"), _item("a.py::z"), _item("c.py::w")]
+    durations = {"a.py::x": 5.0, "a.py::bf": 20.0, "a.py::z": 1.0, "b.py::q2": 9.0, "b.py::hd": 9.0,
+                 "b.py::q2b": 9.0, "b.py::y": 1.0}
+    got = [i.nodeid for i in run_order.order(its, durations, by_file=True)]
+    # b (28 s) before a (26 s) before c (unknown); in a file, one engine's tests together, in collection order
+    assert got == ["b.py::q2", "b.py::q2b", "b.py::hd", "b.py::y", "a.py::x", "a.py::z", "a.py::bf", "c.py::w"]
