@@ -487,6 +487,21 @@ class TestContext:
     def decode(self, token_id: int) -> str:
         return self.harness.reference(self.model_dir).decode_token(token_id)
 
+    def prompt_of_tokens(self, n: int) -> Optional[str]:
+        """A prompt of the default prompts' words that the reference makes exactly ``n`` prompt tokens
+        (special tokens included), or None where no run of their words has that count."""
+        runner = self.harness.reference(self.model_dir)
+        for prompt in self.prompts[5:] + self.prompts[:5]:
+            words = " ".join([prompt] + self.prompts).split()
+            for end in range(1, len(words) + 1):
+                text = " ".join(words[:end])
+                count = runner.token_count(text)
+                if count == n:
+                    return text
+                if count > n:
+                    break
+        return None
+
     @property
     def tolerance(self):
         from lora_conformance.compare import tolerance_for

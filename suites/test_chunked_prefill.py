@@ -19,6 +19,9 @@ register_xpu_ci(est_time=20, suite="per-commit")
 pytestmark = pytest.mark.requires("mixed_batch")
 
 LABELS = ["A", None, "B", "A", None]
+# The chunk sizes: 16, chunks on KV-block boundaries (the built-in engine's block); 13, chunks that end
+# inside a block. The chunk-boundary test uses 13 too, so both tests share one engine per size.
+ON_BLOCK, INSIDE_BLOCK = 16, 13
 
 
 def long_prompts(lora, n=len(LABELS)):
@@ -50,7 +53,7 @@ def check(lora, engine, reqs, label, spanning=None):
 @pytest.mark.feature("chunked_prefill/long_prompts_match_reference",
                      "prompts longer than the prefill chunk, mixed adapters and base rows, match the reference",
                      requires=("chunked_prefill",))
-@pytest.mark.parametrize("chunk", [16, 13])
+@pytest.mark.parametrize("chunk", [ON_BLOCK, INSIDE_BLOCK])
 def test_long_prompts_match_reference(lora, device, dtype, chunk):
     """16: chunks on KV-block boundaries; 13: chunks that end inside a block."""
     engine = lora.engine_with(chunked_prefill_size=chunk)
@@ -64,12 +67,15 @@ def test_long_prompts_match_reference(lora, device, dtype, chunk):
                      requires=("chunked_prefill",))
 @pytest.mark.parametrize("first", ["A", None])
 def test_adapter_changes_at_chunk_boundary(lora, device, dtype, first):
-    """The chunk size is the first prompt's exact token count: an engine that packs prompts in
-    request order ends its first chunk exactly where the next request (another adapter) starts,
-    and later boundaries fall inside prompts of other lengths."""
+    """The first prompt is exactly one chunk long: an engine that packs prompts in request order
+    ends its first chunk exactly where the next request (another adapter) starts, and later
+    boundaries fall inside prompts of other lengths. The chunk is INSIDE_BLOCK tokens (a first
+    prompt of the default prompts' words with that count), else the token count of one default
+    prompt where no run of words has it (a tokenizer that makes words of several tokens)."""
     labels = [first, "B", None if first else "A", "B"]
-    # A short first prompt (one default prompt) sets the chunk; the later ones span several chunks.
-    prompts = [lora.prompts[5]] + long_prompts(lora, len(labels) - 1)
+    # A short first prompt sets the chunk; the later ones span several chunks.
+    short = lora.prompt_of_tokens(INSIDE_BLOCK) or lora.prompts[5]
+    prompts = [short] + long_prompts(lora, len(labels) - 1)
     probe = lora.reference(requests(prompts[:1], labels[:1], False))[0]
     chunk = len(probe.prompt_token_ids)
     engine = lora.engine_with(chunked_prefill_size=chunk)

@@ -79,6 +79,11 @@ class ReferenceRunner:
             self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
 
+    def token_count(self, text: str) -> int:
+        """How many prompt tokens the reference gives ``text`` (special tokens included, as in
+        ``prompt_token_ids``)."""
+        return len(self.tokenizer(text)["input_ids"])
+
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.convert_ids_to_tokens(int(token_id))
 
