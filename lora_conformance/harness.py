@@ -408,6 +408,16 @@ class TestContext:
         class answers where it can (nothing starts), else the shared engine."""
         return not self.harness.missing_capabilities(self.request, [capability])
 
+    def require(self, *capabilities: str) -> None:
+        """Not certified unless the engine declares every one of ``capabilities`` for this test's
+        model; the report shows the plugin's evidence for each one it does not declare (what a
+        feature marker's ``requires`` does, for a capability only a parametrisation needs)."""
+        from lora_conformance.outcomes import missing_capabilities
+
+        missing = self.harness.missing_capabilities(self.request, capabilities)
+        if missing:
+            missing_capabilities(missing, self.harness.not_declared_reasons(self.request))
+
     def engine_with(self, **args):
         """A shared engine with these engine args on top of the user's (started once per
         process for a model, dtype and args); no adapter is loaded in it when the test first

@@ -6,7 +6,7 @@ from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
 from lora_conformance.compare import assert_logprobs_close
 from lora_conformance.engines import AdapterNotLoadedError, CapacityError, EngineError
-from lora_conformance.outcomes import CAPABILITY, missing_capabilities, not_certified
+from lora_conformance.outcomes import CAPABILITY, not_certified
 
 register_cpu_ci(est_time=25, suite="per-commit")
 register_cuda_ci(est_time=20, suite="per-commit")
@@ -122,9 +122,7 @@ class _Residency:
 def test_eviction_and_reload(lora, device, dtype, policy):
     """Fewer loaded slots than adapters: cycling through them must keep every output right,
     and an evicted adapter reloaded on demand gives the first run's outputs."""
-    cap = f"eviction_{policy}"
-    if not lora.declares(cap):
-        missing_capabilities([cap])
+    lora.require(f"eviction_{policy}")
     engine = lora.engine_with(max_loras_per_batch=1, max_loaded_loras=2, eviction=policy)
     specs = {f"E{i}": AdapterSpec(seed=200 + i) for i in range(4)}
     for name, spec in specs.items():
