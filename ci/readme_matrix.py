@@ -39,6 +39,12 @@ def newest_reports(reports_dir: Path) -> list[tuple[Path, dict, bool]]:
     return [best[k] for k in sorted(best)]
 
 
+def tree(commit) -> str:
+    """A report's commit, short, keeping the ``+modified`` mark of a tree that differed from it."""
+    commit = str(commit or "?")
+    return commit[:9] + ("+modified" if commit.endswith("+modified") else "")
+
+
 def table(reports_dir: Path = ROOT / "reports") -> str:
     from lora_conformance.report.merge import merge
 
@@ -58,7 +64,7 @@ def table(reports_dir: Path = ROOT / "reports") -> str:
         lines.append(f"| {name} @ {device} / {env.get('dtype')} | {column['score'].replace('/', ' / ')} "
                      f"| {by_status.get('xfail', 0)} | {by_status.get('failed', 0) + by_status.get('error', 0)} "
                      f"| {by_status.get('not certified', 0)} | {family(matrix, column['key'], FAMILY)} "
-                     f"| {str(env.get('git_commit') or '?')[:9]} "
+                     f"| {tree(env.get('git_commit'))} "
                      f"| [{rel}]({rel}){'' if checked else ' (no records digest)'} |")
     return "\n".join(lines)
 

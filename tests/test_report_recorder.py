@@ -199,3 +199,24 @@ def test_xfails_group_with_failures_by_their_nearest_hypothesis(pytester):
         "  1. closest to: served as A: rows got a wrong adapter (another one, or none) [2 xfail, 1 failed]: "
         "mixed_batch/composition, mixed_batch/routing, mixed_batch/saturation",
     ])
+
+
+def test_a_tree_that_differs_from_its_commit_says_so(tmp_path):
+    import subprocess
+
+    from lora_conformance.report.environment import git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "suite.py").write_text("x = 1\n")
+    git("add", "suite.py")
+    git("commit", "-qm", "one")
+    head = git_commit(tmp_path)
+    assert head and len(head) == 40
+    (tmp_path / "untracked.txt").write_text("not part of the tree\n")
+    assert git_commit(tmp_path) == head, "an untracked file does not change what ran"
+    (tmp_path / "suite.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head + "+modified"

@@ -28,12 +28,22 @@ def package_versions() -> dict[str, Optional[str]]:
     return out
 
 
+MODIFIED = "+modified"
+
+
 def git_commit(where: Path) -> Optional[str]:
+    """The checkout's commit, with ``+modified`` where tracked files differ from it (a run of an
+    uncommitted tree, or of files copied over an older checkout, must not name a commit it did not run)."""
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5)
+        if done.returncode != 0 or not done.stdout.strip():
+            return None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return (done.stdout.strip() or None) if done.returncode == 0 else None
+    head = done.stdout.strip()
+    return head + MODIFIED if status.returncode == 0 and status.stdout.strip() else head
 
 
 def _cpu_name() -> str:
