@@ -219,7 +219,8 @@ class Harness:
 
     def retire(self, engine, swallow: bool = False) -> None:
         """Close an engine the run no longer uses. On cpu the close runs on a thread of its own
-        (a vLLM engine takes about 4 s to stop its processes) while the next test goes on; on an
+        (a vLLM engine takes about 4 s to stop its processes) while the next test goes on (the
+        engines still live at the session's end are closed by ``close`` itself); on an
         accelerator it finishes first, so that the next engine finds the device memory free.
         ``close()`` joins every such thread and raises the first close error (``swallow``: the
         engine may be dead, its close failing is no news)."""
@@ -237,7 +238,8 @@ class Harness:
         else:
             import threading
 
-            thread = threading.Thread(target=run, name=f"close {type(engine).__name__}", daemon=True)
+            # not a daemon: an interrupted run's interpreter waits for the close before it exits
+            thread = threading.Thread(target=run, name=f"close {type(engine).__name__}", daemon=False)
             thread.start()
             self._closing.append(thread)
         if self._close_errors and devices.device_type(self.settings.device) != "cpu":
@@ -332,10 +334,14 @@ class Harness:
             self.retire(engine, swallow=True)  # closing a dead engine may fail too; it is dropped either way
 
     def close(self) -> None:
-        """Close every engine (all at once, on cpu) and wait for every close begun earlier."""
+        """Close every engine, here and now (the session is ending, perhaps interrupted: nothing may
+        outlive it), and wait for every close begun earlier on a thread."""
         while self._engines:
             _, engine = self._engines.popitem()
-            self.retire(engine)
+            try:
+                engine.close()
+            except Exception as exc:  # noqa: BLE001 - raised below, after every engine had its close
+                self._close_errors.append(exc)
         while self._closing:
             self._closing.pop().join()
         if self._close_errors:
