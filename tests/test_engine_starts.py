@@ -15,9 +15,8 @@ import pytest
 
 from lora_conformance import harness as harness_mod
 from lora_conformance.evidence import Record
-from lora_conformance.harness import Harness
-from lora_conformance.settings import Settings
 from tests.test_harness_sharing import STARTED, CountingEngine, _context
+from tests.test_harness_sharing import _harness as sharing_harness
 
 
 class SlowClosingEngine(CountingEngine):
@@ -38,11 +37,8 @@ class FailingCloseEngine(SlowClosingEngine):
     fail_close = True
 
 
-def _harness(tmp_path: Path, engine: str = "CountingEngine") -> Harness:
-    return Harness(Settings(device="cpu", device_spec="cpu", engine=f"{__name__}:{engine}", engine_args={},
-                            base_model="synthetic:llama", dtype="float32", reference_device="cpu",
-                            reference_dtype="float32", cache_dir=tmp_path, refresh_references=False,
-                            report_dir=None, expectations=None))
+def _harness(tmp_path: Path, engine: str = "CountingEngine"):
+    return sharing_harness(tmp_path, engine, module=__name__)
 
 
 def _own_model(harness, tmp_path: Path) -> None:

@@ -62,8 +62,9 @@ class ForgetfulEngine(CountingEngine):
     forgetful = True
 
 
-def _harness(tmp_path: Path, engine: str = "CountingEngine") -> Harness:
-    return Harness(Settings(device="cpu", device_spec="cpu", engine=f"{__name__}:{engine}", engine_args={},
+def _harness(tmp_path: Path, engine: str = "CountingEngine", module: str = __name__) -> Harness:
+    """A harness whose engine is ``module``'s class ``engine``."""
+    return Harness(Settings(device="cpu", device_spec="cpu", engine=f"{module}:{engine}", engine_args={},
                             base_model="synthetic:llama", dtype="float32", reference_device="cpu",
                             reference_dtype="float32", cache_dir=tmp_path, refresh_references=False,
                             report_dir=None, expectations=None))
