@@ -218,13 +218,9 @@ class Harness:
         return next((k for k in self._engines if k != own), next(iter(self._engines)))
 
     def retire(self, engine, swallow: bool = False) -> None:
-        """Close an engine the run no longer uses. On cpu the close runs on a thread of its own
-        (a vLLM engine takes about 4 s to stop its processes) while the next test goes on (the
-        engines still live at the session's end are closed by ``close`` itself); on an
-        accelerator it finishes first, so that the next engine finds the device memory free.
-        ``close()`` joins every such thread and raises the first close error (``swallow``: the
-        engine may be dead, its close failing is no news)."""
-        from lora_conformance import devices
+        """Close an engine the run no longer uses, before the next test goes on (closes on threads
+        of their own left a served engine running after an interrupted certify, in full test runs).
+        Raises the close error unless ``swallow`` (the engine may be dead: its close failing is no news)."""
 
         def run() -> None:
             try:
@@ -233,16 +229,8 @@ class Harness:
                 if not swallow:
                     self._close_errors.append(exc)
 
-        if devices.device_type(self.settings.device) != "cpu":
-            run()
-        else:
-            import threading
-
-            # not a daemon: an interrupted run's interpreter waits for the close before it exits
-            thread = threading.Thread(target=run, name=f"close {type(engine).__name__}", daemon=False)
-            thread.start()
-            self._closing.append(thread)
-        if self._close_errors and devices.device_type(self.settings.device) != "cpu":
+        run()
+        if self._close_errors:
             raise self._close_errors.pop(0)
 
     def _record(self, engine) -> None:
