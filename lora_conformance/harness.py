@@ -73,9 +73,6 @@ class Harness:
         self._starts: list[dict] = []
         self._n_starts = 0  # this process's starts so far (numbers them)
         self._gone: dict[tuple, str] = {}
-        # Engines being closed off the test's critical path (Harness.retire), joined by close().
-        self._closing: list[Any] = []
-        self._close_errors: list[BaseException] = []
         self.prompt_logprobs_probes: dict[tuple, str] = {}  # (model, dtype) -> '' or what broke
         from lora_conformance.adapters import validate
         from lora_conformance.models import tokenizer
@@ -219,19 +216,13 @@ class Harness:
 
     def retire(self, engine, swallow: bool = False) -> None:
         """Close an engine the run no longer uses, before the next test goes on (closes on threads
-        of their own left a served engine running after an interrupted certify, in full test runs).
-        Raises the close error unless ``swallow`` (the engine may be dead: its close failing is no news)."""
-
-        def run() -> None:
-            try:
-                engine.close()
-            except Exception as exc:  # noqa: BLE001 - raised again by close(), unless swallowed
-                if not swallow:
-                    self._close_errors.append(exc)
-
-        run()
-        if self._close_errors:
-            raise self._close_errors.pop(0)
+        of their own left a served engine running after an interrupted certify). ``swallow``: the
+        engine may be dead, its close failing is no news."""
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001
+            if not swallow:
+                raise
 
     def _record(self, engine) -> None:
         if "engine" not in self.environment:
@@ -322,19 +313,16 @@ class Harness:
             self.retire(engine, swallow=True)  # closing a dead engine may fail too; it is dropped either way
 
     def close(self) -> None:
-        """Close every engine, here and now (the session is ending, perhaps interrupted: nothing may
-        outlive it), and wait for every close begun earlier on a thread."""
+        """Close every engine; the first close error is raised once every engine had its close."""
+        errors: list[BaseException] = []
         while self._engines:
             _, engine = self._engines.popitem()
             try:
                 engine.close()
-            except Exception as exc:  # noqa: BLE001 - raised below, after every engine had its close
-                self._close_errors.append(exc)
-        while self._closing:
-            self._closing.pop().join()
-        if self._close_errors:
-            raise self._close_errors.pop(0)
-
+            except Exception as exc:  # noqa: BLE001 - raised below
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 def _item_dtype(request: pytest.FixtureRequest, settings: Settings) -> str:
     callspec = getattr(request.node, "callspec", None)
