@@ -43,6 +43,37 @@ def test_importing_the_package_registers_nothing():
     assert out.strip() == "privateuseone"
 
 
+_REIMPORT = """
+import gc, sys, torch
+from lora_conformance import devices
+devices.resolve_device("vdev")
+first = torch.ones(3, device="vdev") * 2
+for name in [n for n in sys.modules if n.startswith("lora_conformance")]:
+    if name != "lora_conformance.vdev" or "all" in sys.argv:
+        del sys.modules[name]  # what pytester does after an in-process run
+gc.collect()
+from lora_conformance import devices
+devices.resolve_device("vdev")
+from lora_conformance.vdev import faults
+from lora_conformance.vdev.tensor import VdevTensor
+second = torch.ones(3, device="vdev") * 3
+import lora_conformance.vdev as again
+again.register(fault="index_select_wraps")
+print(isinstance(first, VdevTensor), isinstance(second, VdevTensor), (first + second).cpu().tolist(),
+      faults.active(), again.is_registered())
+"""
+
+
+@pytest.mark.parametrize("dropped", ["all", "modules"])
+def test_a_second_import_of_the_package_uses_the_registered_device(dropped):
+    """pytester restores sys.modules after an in-process run: the next import of the package (all
+    dropped) or of its modules (the package was imported before the run, its modules in it) is a
+    second copy, and its tensors and fault switch must still be the device's (it once recursed)."""
+    run = subprocess.run([sys.executable, "-c", _REIMPORT, dropped], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", "True", "[5.0,", "5.0,", "5.0]", "index_select_wraps", "True"]
+
+
 def test_an_unknown_fault_is_refused_with_the_catalogue(vdev):
     from lora_conformance import vdev as vdev_pkg
     from lora_conformance.vdev.faults import UnknownFaultError

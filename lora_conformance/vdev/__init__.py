@@ -24,6 +24,7 @@ What it is, honestly:
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 NAME = "vdev"
@@ -40,6 +41,9 @@ def register(fault: Optional[str] = None) -> str:
     process, so this fails clearly when another backend already took it.
     """
     global _registered
+    first = _first_import()
+    if first is not None:
+        return first.register(fault)
     from lora_conformance.vdev import faults
 
     faults.activate(fault if fault is not None else os.environ.get(FAULT_ENV, ""))
@@ -55,11 +59,42 @@ def register(fault: Optional[str] = None) -> str:
     from lora_conformance.vdev import kernels, module
 
     if taken == "privateuseone":
-        _setup_privateuseone_for_python_backend(NAME, module.VdevModule())
+        device_module = module.VdevModule()
+        device_module.package = sys.modules[__name__]  # see _first_import
+        _setup_privateuseone_for_python_backend(NAME, device_module)
     kernels.install()
     _registered = True
     return NAME
 
 
 def is_registered() -> bool:
-    return _registered
+    first = _first_import()
+    return first.is_registered() if first is not None else _registered
+
+
+_SUBMODULES = ("faults", "kernels", "module", "tensor")
+
+
+def _first_import():
+    """The import of this package that registered vdev in this process, when it is not this one.
+
+    torch keeps one privateuse1 backend per process, with the kernels and the tensor class of the
+    import that registered it. A test runner that restores ``sys.modules`` after an in-process run
+    (pytester does) makes the next import of this package, or of one of its modules, a second
+    copy, whose kernels and tensor class would not be the device's (torch refuses a second
+    fallback, and a tensor of one copy dispatched to the other copy's kernels recursed). So the
+    registering copy stays the device: its package and modules are put back in ``sys.modules``,
+    and a call to a second copy goes to it.
+    """
+    torch = sys.modules.get("torch")  # vdev registered means torch is imported; never import it here
+    owner = getattr(getattr(torch, NAME, None), "package", None)
+    if owner is None:
+        return None
+    sys.modules[__name__] = owner
+    for sub in _SUBMODULES:
+        if hasattr(owner, sub):
+            sys.modules[f"{__name__}.{sub}"] = getattr(owner, sub)
+    return None if owner.__dict__ is globals() else owner
+
+
+_first_import()  # importing a second copy of the package gives the first, once vdev is registered

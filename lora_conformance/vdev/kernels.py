@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from lora_conformance.vdev import faults
+from lora_conformance.vdev import tensor as _tensor_module
 from lora_conformance.vdev.tensor import VdevTensor
 
 aten = torch.ops.aten
@@ -100,6 +101,9 @@ def run(func, args, kwargs):
     if func in _ALLOCATIONS and isinstance(out, VdevTensor):
         out._vdev_fresh = True  # see _async_copy
     return out
+
+
+_tensor_module._RUN[0] = run
 
 
 def _plain(func, hargs, hkwargs, scan):
