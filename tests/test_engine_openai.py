@@ -245,8 +245,10 @@ def test_errors_are_typed_and_bounded(model_dir, server, tmp_path):
     e = OpenAIEngine(model_dir, "cpu", "float32", {"url": server, "request_timeout": "0.5", "validate_adapters": "0"})
     with pytest.raises(UnsupportedFeatureError, match="DoRA"):
         e.load_adapter("d", tmp_path / "dora")
-    with pytest.raises(AdapterIncompatibleError, match="greater than max_lora_rank"):
+    with pytest.raises(AdapterIncompatibleError, match="greater than max_lora_rank") as refused:
         e.load_adapter("big", tmp_path / "rank65")
+    # the server's answer names neither the adapter nor its file; the plugin says which load failed
+    assert str(tmp_path / "rank65") in str(refused.value) and "'big'" in str(refused.value)
     assert e.list_adapters() == []
     StandIn.delay = 2.0
     t0 = time.monotonic()

@@ -464,11 +464,18 @@ class OpenAIEngine(Engine):
             raise
 
     def _load_on_server(self, name: str, path: Path, pinned: bool) -> None:
-        if self.flavor == "vllm":
-            self._http("POST", self.base_url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
-        else:
-            self._http("POST", self.base_url + "/load_lora_adapter",
-                       {"lora_name": name, "lora_path": str(path), "pinned": bool(pinned)})
+        try:
+            if self.flavor == "vllm":
+                self._http("POST", self.base_url + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            else:
+                self._http("POST", self.base_url + "/load_lora_adapter",
+                           {"lora_name": name, "lora_path": str(path), "pinned": bool(pinned)})
+        except (AdapterIncompatibleError, UnsupportedFeatureError, EngineFailure) as exc:
+            # Which call failed, as the offline plugins say it: the server's answer (vLLM's "LoRA rank 128
+            # is greater than max_lora_rank 64") names neither the adapter nor its file. The error's
+            # type, and so the verdict on the server's answer, stays the server's.
+            exc.args = (f"loading adapter {name!r} from {path}: {exc}", *exc.args[1:])
+            raise
         self._adapters[name] = str(path)
 
     def unload_adapter(self, name: str) -> None:
