@@ -57,6 +57,7 @@ def pytest_configure_node(node: Any) -> None:
 
     if SETTINGS_KEY in node.config.stash:
         node.workerinput[run_order.WORKERINPUT_KEY] = run_order.node_input(node.config)
+        node.workerinput[run_order.DIST_KEY] = node.config.getoption("dist", None)
 
 
 def _register_subplugins(config: pytest.Config, settings: Settings) -> None:
@@ -136,7 +137,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(str(exc)) from None
     durations = run_order.worker_durations(config)
     if durations:  # pytest-xdist worker: the long tests (files) first, identical in every worker
-        items[:] = run_order.order(items, durations, by_file=config.getoption("dist", None) == "loadfile")
+        items[:] = run_order.order(items, durations, by_file=run_order.worker_dist(config) == "loadfile")
 
 
 def _harness(config: pytest.Config):

@@ -32,6 +32,7 @@ from typing import Mapping, Optional
 import pytest
 
 WORKERINPUT_KEY = "lora_durations"
+DIST_KEY = "lora_dist"  # the controller's --dist: a worker's own option reads "no" (xdist resets it)
 LONG_SECONDS = 0.5
 _DURATIONS = pytest.StashKey[dict]()  # the controller's copy of the last run's durations
 
@@ -136,4 +137,11 @@ def worker_durations(config: pytest.Config) -> Optional[dict[str, float]]:
 
 def node_input(config: pytest.Config) -> str:
     return json.dumps(config.stash.get(_DURATIONS, {}))
+
+
+def worker_dist(config: pytest.Config) -> Optional[str]:
+    """The controller's ``--dist`` mode, on a worker (xdist sets a worker's own ``dist`` option to
+    "no", so ``config.getoption("dist")`` cannot tell a worker that files are the unit)."""
+    workerinput = getattr(config, "workerinput", None) or {}
+    return workerinput.get(DIST_KEY)
 

@@ -105,3 +105,48 @@ def test_under_loadfile_files_go_longest_first_and_tests_of_one_engine_run_toget
     got = [i.nodeid for i in run_order.order(its, durations, by_file=True)]
     # b (28 s) before a (26 s) before c (unknown); in a file, one engine's tests together, in collection order
     assert got == ["b.py::q2", "b.py::q2b", "b.py::hd", "b.py::y", "a.py::x", "a.py::z", "a.py::bf", "c.py::w"]
+
+
+GROUPS = """
+import os, time, pytest
+
+def log(name):
+    with open(os.environ["ORDER_LOG"], "a") as f:
+        f.write(os.environ.get("PYTEST_XDIST_WORKER", "serial") + " " + name + "\\n")
+
+@pytest.mark.base_model("qwen2")
+def test_q1():
+    log("q1"); time.sleep(0.7)
+
+@pytest.mark.base_model("llama-hd128")
+def test_h():
+    log("h"); time.sleep(0.6)
+
+@pytest.mark.base_model("qwen2")
+def test_q2():
+    log("q2")
+"""
+
+
+def test_two_workers_under_loadfile_run_a_files_tests_of_one_engine_together(tmp_path):
+    """Longest first alone would run q1, h, q2 (closing the qwen2 engine for h's, then starting it
+    again); under --dist loadfile the workers group by engine: q1, q2, h. (xdist resets a worker's
+    own dist option to "no": the controller's mode travels in workerinput.)"""
+    pytest.importorskip("xdist")
+    (tmp_path / "test_g.py").write_text(textwrap.dedent(GROUPS))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.update(LORA_CONFORMANCE_LORA_CACHE=str(tmp_path / "cache"), ORDER_LOG=str(tmp_path / "order.log"))
+
+    def run(*args):
+        out = subprocess.run([sys.executable, "-m", "pytest", "test_g.py", "-p", "no:cacheprovider",
+                              "-p", "lora_conformance.plugin", "--device=cpu", *args], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        log = tmp_path / "order.log"
+        lines = [line.split() for line in log.read_text().splitlines()]
+        log.unlink()
+        return lines
+
+    assert [n for _, n in run("-p", "no:xdist")] == ["q1", "h", "q2"]  # serial: collection order, durations recorded
+    assert [n for _, n in run("-n", "2", "--dist", "loadfile")] == ["q1", "q2", "h"]
+
