@@ -26,15 +26,23 @@ pytestmark = pytest.mark.requires("prefix_cache")
 # bfloat16 engine drifts past it. The tests assert the adapters' visibility first.
 SPECS = {name: AdapterSpec(seed=seed, targets="all-linear", b_std=0.09) for name, seed in (("A", 411), ("B", 412))}
 
+# Outputs are judged against the reference at the free-running bound (``lora.free_running_tolerance``):
+# strong all-linear adapters on a ~430-token prompt are outside what the strict per-step bound was
+# fitted to. In bfloat16 correct engines depart from the float32 reference by up to 1.05 here (PEFT;
+# the built-in engine 0.54, vLLM with the adapter merged into its weights 0.33: ci/repro/
+# vllm_cpu_bf16_long_prompt.py), past the strict 0.75 and inside the free-running 2.5. Same-engine
+# comparisons (a hit against its miss) keep the strict bound; visibility is asserted at the bound used.
+
 
 def visible(lora, prompt):
     """Each adapter's reference on this prompt is far from the other's and from the base's."""
     reqs = [GenerationRequest(prompt=prompt, adapter=a, max_new_tokens=12) for a in SPECS]
     refs = lora.reference(reqs, SPECS)
-    lora.assert_adapter_visible(refs, reqs, label="prefix-cache adapters vs base")
+    tol = lora.free_running_tolerance
+    lora.assert_adapter_visible(refs, reqs, label="prefix-cache adapters vs base", tolerance=tol)
     swapped = [GenerationRequest(prompt=prompt, adapter=a, max_new_tokens=12) for a in reversed(list(SPECS))]
     lora.assert_adapter_visible(refs, reqs, label="prefix-cache adapters vs each other",
-                                others=lora.reference(swapped, SPECS))
+                                others=lora.reference(swapped, SPECS), tolerance=tol)
 
 
 def assert_hit(lora, outputs, label):
@@ -69,7 +77,8 @@ def test_hit_equals_miss(lora, device, dtype):
     assert_hit(lora, hit, "second run of the same requests")
     for i, (h, m) in enumerate(zip(hit, miss)):
         assert_logprobs_close(h, m, lora.tolerance, label=f"cache hit vs miss, request {i}", decode=lora.decode)
-    lora.assert_matches_reference(hit, lora.reference(reqs, SPECS), reqs, label="cache hit")
+    lora.assert_matches_reference(hit, lora.reference(reqs, SPECS), reqs, label="cache hit",
+                                  tolerance=lora.free_running_tolerance)
 
 
 @pytest.mark.feature("prefix_cache/adapters_never_share_cached_entries",
@@ -87,8 +96,10 @@ def test_adapters_never_share_cached_entries(lora, device, dtype, order):
         out = engine.generate(req)
         if k:
             assert_no_hit(lora, out, f"{label or 'base'} after {order[:k]}")
-        lora.assert_matches_reference(out, lora.reference(req, SPECS), req, label=f"{label or 'base'} after {order}")
+        lora.assert_matches_reference(out, lora.reference(req, SPECS), req, label=f"{label or 'base'} after {order}",
+                                      tolerance=lora.free_running_tolerance)
     again = [GenerationRequest(prompt=prompt, adapter=order[0], max_new_tokens=12)]
     out = engine.generate(again)
     assert_hit(lora, out, f"{order[0] or 'base'} served again")  # the cache was on: its own entries are found
-    lora.assert_matches_reference(out, lora.reference(again, SPECS), again, label=f"{order[0] or 'base'} again")
+    lora.assert_matches_reference(out, lora.reference(again, SPECS), again, label=f"{order[0] or 'base'} again",
+                                  tolerance=lora.free_running_tolerance)
