@@ -66,17 +66,24 @@ def test_t(n):
 """
 
 
-def test_two_workers_run_the_long_test_first(tmp_path):
+def _runner(tmp_path, name, source):
+    """run(*pytest args) of the test file ``name`` (``source``) under the plugin, in a subprocess;
+    each test appends its worker and name to ``order.log`` as it starts."""
     pytest.importorskip("xdist")
-    (tmp_path / "test_s.py").write_text(textwrap.dedent(SLEEPS))
+    (tmp_path / name).write_text(textwrap.dedent(source))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env.update(LORA_CONFORMANCE_LORA_CACHE=str(tmp_path / "cache"), ORDER_LOG=str(tmp_path / "order.log"))
 
     def run(*args):
-        out = subprocess.run([sys.executable, "-m", "pytest", "test_s.py", "-p", "no:cacheprovider",
-                              "-p", "lora_conformance.plugin", "--device=cpu", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-m", "pytest", name, "-p", "no:cacheprovider",
+                              "-p", "lora_conformance.plugin", "--device=cpu", *args], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return run
 
+
+def test_two_workers_run_the_long_test_first(tmp_path):
+    run = _runner(tmp_path, "test_s.py", SLEEPS)
     run("-p", "no:xdist")  # serial: collection order, durations recorded
     first = (tmp_path / "order.log").read_text().split()
     assert first[1::2] == ["0", "1", "2", "3", "4", "5"]
@@ -132,16 +139,10 @@ def test_two_workers_under_loadfile_run_a_files_tests_of_one_engine_together(tmp
     """Longest first alone would run q1, h, q2 (closing the qwen2 engine for h's, then starting it
     again); under --dist loadfile the workers group by engine: q1, q2, h. (xdist resets a worker's
     own dist option to "no": the controller's mode travels in workerinput.)"""
-    pytest.importorskip("xdist")
-    (tmp_path / "test_g.py").write_text(textwrap.dedent(GROUPS))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env.update(LORA_CONFORMANCE_LORA_CACHE=str(tmp_path / "cache"), ORDER_LOG=str(tmp_path / "order.log"))
+    pytest_run = _runner(tmp_path, "test_g.py", GROUPS)
 
     def run(*args):
-        out = subprocess.run([sys.executable, "-m", "pytest", "test_g.py", "-p", "no:cacheprovider",
-                              "-p", "lora_conformance.plugin", "--device=cpu", *args], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        pytest_run(*args)
         log = tmp_path / "order.log"
         lines = [line.split() for line in log.read_text().splitlines()]
         log.unlink()
