@@ -657,8 +657,6 @@ class TestContext:
                                     *, label: str = "") -> None:
         """The greedy decode of one request per label (prompts taken in turn) against the reference, at
         the gross bounds (``free_running_atol``): tie-aware tokens and ROUGE-L, the decode path."""
-        from dataclasses import replace
-
         reqs = self.requests(list(labels), prompts=list(prompts or self.prompts))
         self.assert_matches_reference(engine.generate(reqs), self.reference(reqs, adapters), reqs, label=label,
                                       tolerance=self.free_running_tolerance)

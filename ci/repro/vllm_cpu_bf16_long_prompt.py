@@ -4,9 +4,8 @@ vLLM's bfloat16 arithmetic, or its LoRA path?
 The suite saw adapter B's free-running decode of the ~430-token prefix-cache prompt depart from the float32
 reference by 0.85 at step 4 (the bfloat16 bound is 0.75), with no cache hit involved. This script serves
 that prompt (the suite's ``long_prompt(lora, 3)``: the default prompts, rotated by 3, three times, about
-430 tokens) and those adapters (all-linear, seeds 411 and 412, B std 0.09) in bfloat16, and measures each
-row's largest decode departure
-from the float32 reference (the measure ``assert_logprobs_close`` bounds: per step, the largest logprob
+430 tokens) and those adapters (all-linear, seeds 411 and 412, B std 0.09) in bfloat16, and measures
+each row's largest decode departure from the float32 reference (the measure ``assert_logprobs_close`` bounds: per step, the largest logprob
 difference over the top-k tokens both report, until the first token that differs):
 
 * ``builtin`` and ``peft`` (the ``peft`` engine): two correct implementations in bfloat16;
@@ -15,7 +14,8 @@ difference over the top-k tokens both report, until the first token that differs
   at a time in each of the suite's two orders;
 * ``vllm merged``: vLLM serving a model into whose float32 weights the same adapter was merged
   (PEFT ``merge_and_unload``), no LoRA at all: the same function, through vLLM's base path only;
-* the base model (no adapter) on every engine, and vLLM's base model in float32 as a control.
+* the base model (no adapter) on every engine, and the merged model on vLLM in float32 as a control
+  of the merge (it must match adapter B's reference to float32 precision).
 
 If ``vllm merged`` departs as far as ``vllm lora``, the departure is vLLM's bfloat16 base path on a long
 prompt, not its LoRA path. Runs offline (everything synthesized)::

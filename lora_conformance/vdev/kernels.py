@@ -103,7 +103,7 @@ def run(func, args, kwargs):
     return out
 
 
-_tensor_module._RUN[0] = run
+_tensor_module._run = run  # see tensor._run
 
 
 def _plain(func, hargs, hkwargs, scan):

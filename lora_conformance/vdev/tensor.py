@@ -60,13 +60,13 @@ class VdevTensor(torch.Tensor):
         meta = _METADATA.get(func)
         if meta is not None:
             return meta(args[0].host, *args[1:])
-        return _RUN[0](func, args, kwargs or {})
+        return _run(func, args, kwargs or {})
 
 
 # The kernels of the import of this package that this class belongs to (kernels.py sets it when
 # it is imported): looked up through ``sys.modules`` instead, a second import of the package
 # would send this class's tensors to kernels that do not know them as device tensors.
-_RUN: list = [None]
+_run = None
 
 
 # Sizes and strides are asked of the host tensor (the wrapper is made with the "sizes" policy):
