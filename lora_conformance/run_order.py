@@ -117,11 +117,18 @@ class DurationRecorder:
 
 
 def configure(config: pytest.Config, path: Path) -> None:
-    """Controller / serial side: record this run; keep the last run's durations for the workers."""
+    """Controller / serial side: record this run; keep the last run's durations for the workers.
+    Under ``--dist loadfile`` xdist hands files out in the workers' collection order only when its
+    own reordering (files with the most tests first, ``--loadscope-reorder``, on by default since
+    xdist 3.6) is off: with it on, a file of one long test (tensor parallel: two engine starts)
+    went last and ran alone while the other worker idled. Turned off here, so files go longest
+    first as ``order`` puts them."""
     if hasattr(config, "workerinput"):
         return
     config.pluginmanager.register(DurationRecorder(path), "lora-conformance-durations")
     config.stash[_DURATIONS] = load(path)
+    if config.getoption("dist", None) == "loadfile" and getattr(config.option, "loadscopereorder", False):
+        config.option.loadscopereorder = False
 
 
 def worker_durations(config: pytest.Config) -> Optional[dict[str, float]]:

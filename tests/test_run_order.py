@@ -151,3 +151,34 @@ def test_two_workers_under_loadfile_run_a_files_tests_of_one_engine_together(tmp
     assert [n for _, n in run("-p", "no:xdist")] == ["q1", "h", "q2"]  # serial: collection order, durations recorded
     assert [n for _, n in run("-n", "2", "--dist", "loadfile")] == ["q1", "q2", "h"]
 
+
+
+
+LOGGED = """import os, time, pytest
+
+def log(name):
+    with open(os.environ["ORDER_LOG"], "a") as f:
+        f.write(os.environ.get("PYTEST_XDIST_WORKER", "serial") + " " + name + "\\n")
+
+@pytest.mark.parametrize("n", range({n}))
+def test_x(n):
+    log("{name}"); time.sleep({sleep})
+"""
+
+
+def test_under_loadfile_xdist_hands_files_out_longest_first_not_most_tests_first(tmp_path):
+    """xdist's own reordering (files with the most tests first) would hand out the file of one long
+    test last, to run alone at the end: the plugin turns it off, so the workers' order (files
+    longest first by the recorded durations) is the order files are handed out in."""
+    for name, n, sleep in (("many", 4, 0.2), ("few", 3, 0.2)):
+        (tmp_path / f"test_{name}.py").write_text(LOGGED.format(name=name, n=n, sleep=sleep))
+    run = _runner(tmp_path, "test_one.py", LOGGED.format(name="one", n=1, sleep=1.0))
+    log = tmp_path / "order.log"
+    run("-p", "no:xdist", "test_many.py", "test_few.py")  # serial: durations recorded
+    log.unlink()
+    run("-n", "2", "--dist", "loadfile", "test_many.py", "test_few.py")
+    names = [line.split()[1] for line in log.read_text().splitlines()]
+    assert sorted(names) == ["few"] * 3 + ["many"] * 4 + ["one"], names
+    # one (1.0 s) and many (0.8 s) go out first, few (0.6 s) when a worker runs low; with xdist's
+    # reordering (many, few, one) the long test went out last
+    assert names.index("one") < names.index("few"), names
