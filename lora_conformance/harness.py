@@ -410,6 +410,16 @@ class TestContext:
             self._reset.add(id(engine))
         return engine
 
+    # The one small capacity of every test about slot limits (pinning, eviction, more adapters than
+    # slots): two adapters per batch, four held. One setting, so these tests share one engine (an
+    # engine that starts in half a minute, vLLM's on cpu, starts it once per worker, not once per
+    # test); each test sizes its adapters to it (more than the slots, more than the held ones).
+    CAPACITY = {"max_loras_per_batch": 2, "max_loaded_loras": 4}
+
+    def capacity_engine(self, **args):
+        """The shared engine with ``CAPACITY`` (and ``args``) on top of the user's engine args."""
+        return self.engine_with(**self.CAPACITY, **args)
+
     def cold_engine(self, **args):
         """An engine with these args, no adapter loaded and an empty prefix cache: the shared one
         when the engine can empty its cache itself (``Engine.reset_prefix_cache``), else a fresh

@@ -56,15 +56,16 @@ def test_overlap_loading_with_eviction(lora, device, dtype):
 @pytest.mark.feature("combinations/pinning_with_eviction",
                       "a pinned adapter is never evicted while others churn", requires=("pinning", "max_loaded"))
 def test_pinning_with_eviction(lora, device, dtype, tmp_path):
-    """A pinned adapter stays loaded and right while others churn through the remaining slot.
+    """A pinned adapter stays loaded and right while five others churn through the three held
+    places the shared capacity leaves it (four held, one pinned).
 
     Its directory is overwritten with another adapter's files once it is pinned: an engine
     that (wrongly) evicts a pinned adapter and reads it again on demand serves other weights.
     """
     import shutil
 
-    engine = lora.engine_with(max_loras_per_batch=2, max_loaded_loras=3)
-    specs = {f"P{i}": AdapterSpec(seed=700 + i) for i in range(5)}
+    engine = lora.capacity_engine()
+    specs = {f"P{i}": AdapterSpec(seed=700 + i) for i in range(lora.CAPACITY["max_loaded_loras"] + 2)}
     pinned_dir = tmp_path / "P0"
     shutil.copytree(lora.adapter_path(specs["P0"]), pinned_dir)
     lora.load(engine, "P0", pinned_dir, pinned=True)
@@ -72,9 +73,10 @@ def test_pinning_with_eviction(lora, device, dtype, tmp_path):
     shutil.copytree(lora.adapter_path(AdapterSpec(seed=799)), pinned_dir)
     with pytest.raises(CapacityError):
         lora.load(engine, "P1", specs["P1"], pinned=True)
-    for name in ("P1", "P2", "P3", "P4"):
+    churn = [n for n in specs if n != "P0"]
+    for name in churn:
         lora.load(engine, name, specs[name])
-    for other in ("P1", "P2", "P3", "P4", "P2"):
+    for other in churn + ["P2"]:
         reqs = lora.requests(["P0", other, "P0"])
         lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs, specs), reqs, label=f"P0 + {other}")
         assert "P0" in engine.list_adapters(), "the pinned adapter was dropped"

@@ -86,7 +86,7 @@ def test_reloading_a_name_with_new_weights(lora, device, dtype, how):
 @pytest.mark.feature("lifecycle/pinning_every_slot_is_refused",
                       "pinning every device slot is refused", requires=("pinning",))
 def test_pinning_every_slot_is_refused(lora, device, dtype):
-    engine = lora.engine_with(max_loras_per_batch=2, max_loaded_loras=4)
+    engine = lora.capacity_engine()  # two slots per batch: pinning the second pins every one
     lora.load(engine, "A", pinned=True)
     with pytest.raises(CapacityError) as exc:
         lora.load(engine, "B", pinned=True)
@@ -121,17 +121,20 @@ class _Residency:
 @pytest.mark.parametrize("policy", ["lru", "fifo"])
 def test_eviction_and_reload(lora, device, dtype, policy):
     """Fewer loaded slots than adapters: cycling through them must keep every output right,
-    and an evicted adapter reloaded on demand gives the first run's outputs."""
+    and an evicted adapter reloaded on demand gives the first run's outputs. Six adapters for the
+    shared capacity's four held ones; the order makes lru and fifo hold different sets five times
+    in the two rounds (re-using a held name renews it under lru only), with 14 reloads under each."""
     lora.require(f"eviction_{policy}")
-    engine = lora.engine_with(max_loras_per_batch=1, max_loaded_loras=2, eviction=policy)
-    specs = {f"E{i}": AdapterSpec(seed=200 + i) for i in range(4)}
+    engine = lora.capacity_engine(eviction=policy)
+    held = lora.CAPACITY["max_loaded_loras"]
+    specs = {f"E{i}": AdapterSpec(seed=200 + i) for i in range(held + 2)}
     for name, spec in specs.items():
         lora.load(engine, name, spec)
     first = {}
-    expected = _Residency(policy, 2, list(specs))
+    expected = _Residency(policy, held, list(specs))
     reported = engine.resident_adapters()
     for round_ in range(2):
-        for name in ["E0", "E1", "E0", "E2", "E1", "E3", "E0"]:
+        for name in ["E0", "E1", "E0", "E2", "E4", "E1", "E3", "E0", "E5", "E2"]:
             reqs, outs = _run(lora, engine, name)
             expected.use(name)
             if reported is not None:

@@ -101,12 +101,13 @@ def test_slot_saturation(lora, device, dtype):
 @pytest.mark.feature("mixed_batch/more_adapters_than_slots",
                       "more adapters in one call than device slots", requires=("max_loaded",))
 def test_more_adapters_than_slots(lora, device, dtype):
-    """More adapters in one call than device slots: the engine must split or queue, never mis-route."""
-    engine = lora.engine_with(max_loras_per_batch=2, max_loaded_loras=8)
-    specs = _distinct_specs(5)
+    """More adapters in one call than device slots: the engine must split or queue, never mis-route.
+    The shared capacity's two slots per batch and four held: four adapters, twice the slots, all held."""
+    engine = lora.capacity_engine()
+    specs = _distinct_specs(lora.CAPACITY["max_loaded_loras"])
     for name, spec in specs.items():
         lora.load(engine, name, spec)
-    labels = ["S0", "S1", None, "S2", "S3", "S4", None, "S0", "S4", "S1", "S2", "S3"]
+    labels = ["S0", "S1", None, "S2", "S3", "S1", None, "S0", "S3", "S1", "S2", "S0"]
     lora.assert_conforms(engine, labels, specs, label="oversubscribed")
 
 
