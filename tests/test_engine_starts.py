@@ -92,12 +92,44 @@ def test_the_runs_own_engine_is_closed_last(tmp_path):
     h.close()
 
 
-def test_a_close_error_is_raised_not_lost(tmp_path):
+def test_engines_close_on_threads_on_cpu_and_close_waits_for_them(tmp_path):
+    SlowClosingEngine.close_threads = []
+    h = _harness(tmp_path, "SlowClosingEngine")
+    ctx = _context(h, tmp_path)
+    engines = [ctx.engine_with(max_rank=r) for r in (8, 16, 32, 64)]  # the fourth closes the first
+    fresh = ctx.fresh_engine()
+    began = time.perf_counter()
+    ctx.close()  # the fresh engine
+    assert time.perf_counter() - began < 0.25, "the test's teardown waited for its engine to close"
+    began = time.perf_counter()
+    h.close()
+    assert all(e.closed for e in engines + [fresh]), "close() returned before every engine had closed"
+    # the three live at the end close side by side: about one close's time, not three
+    assert time.perf_counter() - began < 0.3 * 2.5, "the engines live at the end closed one after another"
+    assert len(SlowClosingEngine.close_threads) == 5
+    assert all(name.startswith("close ") for name in SlowClosingEngine.close_threads)
+    assert not any(t.name.startswith("close ") and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_close_error_is_raised_by_close_not_lost(tmp_path):
     h = _harness(tmp_path, "FailingCloseEngine")
     ctx = _context(h, tmp_path)
     ctx.fresh_engine()
+    ctx.close()
     with pytest.raises(RuntimeError, match="could not stop the worker"):
-        ctx.close()
+        h.close()
+
+
+def test_on_an_accelerator_a_close_finishes_before_the_next_start(tmp_path):
+    SlowClosingEngine.close_threads = []
+    h = _harness(tmp_path, "SlowClosingEngine")
+    h.settings.device = "cuda"
+    engine = _context(h, tmp_path).fresh_engine()
+    h.retire(engine)
+    assert engine.closed and SlowClosingEngine.close_threads == [threading.current_thread().name]
+    failing = FailingCloseEngine.__new__(FailingCloseEngine)
+    with pytest.raises(RuntimeError, match="could not stop the worker"):
+        h.retire(failing)  # raised at once there: nothing later would join it
 
 
 def _worker_context(tmp_path: Path, worker: str):
