@@ -75,13 +75,11 @@ def test_tensor_parallel_matches_single(lora, device, dtype):
     refs = lora.reference(reqs, specs)
     lora.assert_adapter_visible(refs, reqs, label="tensor-parallel adapters vs base")
     one = single.generate(reqs)
-    single.close()  # tp=1 and tp=2 would otherwise compete for the first device's memory
+    lora.release(single)  # tp=1 and tp=2 would otherwise compete for the first device's memory
     sharded = _engine(lora, TP, specs)
-    try:
-        lora.assert_conforms(sharded, labels, specs, label=f"tp={TP}")
-        two = sharded.generate(reqs)
-    finally:
-        sharded.close()
+    lora.assert_conforms(sharded, labels, specs, label=f"tp={TP}")
+    two = sharded.generate(reqs)
+    lora.release(sharded)
     for i, (a, b) in enumerate(zip(two, one)):
         assert_logprobs_close(a, b, lora.tolerance, label=f"request {i} (adapter={labels[i] or 'base'}): tp={TP} vs tp=1",
                               decode=lora.decode)

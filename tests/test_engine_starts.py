@@ -206,3 +206,17 @@ def test_the_report_shows_the_starts():
     assert engine_starts_summary({"records": [{"nodeid": "x", "phases": {}}]}) == ""
     with pytest.raises(Exception, match="engine_starts"):
         Record.from_dict({"nodeid": "x", "phases": {}, "engine_starts": ["21 s"]})
+
+
+def test_a_released_engine_closes_once_before_the_test_ends(tmp_path):
+    SlowClosingEngine.close_threads = []
+    h = _harness(tmp_path, "SlowClosingEngine")
+    ctx = _context(h, tmp_path)
+    first, second = ctx.fresh_engine(), ctx.fresh_engine()
+    began = time.perf_counter()
+    ctx.release(first)  # on cpu: on a thread, the test goes on
+    assert time.perf_counter() - began < 0.25
+    ctx.close()  # the test's end retires the one not released
+    h.close()
+    assert first.closed and second.closed
+    assert len(SlowClosingEngine.close_threads) == 2, "an engine was closed twice"
