@@ -75,6 +75,7 @@ class Harness:
         self._gone: dict[tuple, str] = {}
         self.prompt_logprobs_probes: dict[tuple, str] = {}  # (model, dtype) -> '' or what broke
         self._closing: list[Any] = []  # threads closing retired engines (cpu), joined by close()
+        self._uses: set[str] = set()  # shared engines other than the run's own asked for since take_uses
         self._close_errors: list[BaseException] = []
         from lora_conformance.adapters import validate
         from lora_conformance.models import tokenizer
@@ -159,6 +160,20 @@ class Harness:
         taken, self._starts = self._starts, []
         return taken
 
+    def take_uses(self) -> list[str]:
+        """The shared engines other than the run's own that were asked for since the last call, as
+        stable labels (model name, dtype, effective settings): the plugin hands them to the
+        controller, which keeps them beside the durations, so that the next run under ``--dist
+        loadfile`` sends files that share such an engine to one worker (``run_order.file_groups``)."""
+        taken, self._uses = sorted(self._uses), set()
+        return taken
+
+    def _own_key(self) -> Optional[tuple]:
+        try:
+            return self.engine_key(self.model_dir(self.model_spec(None)), self.settings.dtype, {})
+        except Exception:  # noqa: BLE001 - a base model that does not resolve has no engine to keep
+            return None
+
     def engine_key(self, model_dir: Path, dtype: str, extra: Mapping[str, Any]) -> tuple:
         """What identifies a shared engine: the model, the dtype and the engine's *effective*
         settings (``Engine.sharing_key`` of the parsed args), so that a test asking for a value
@@ -183,6 +198,8 @@ class Harness:
     def shared_engine(self, model_dir: Path, dtype: str, extra: Mapping[str, Any] = {}):
         """An engine shared by the tests that ask for the same model, dtype and effective settings."""
         key = self.engine_key(model_dir, dtype, extra)
+        if key != self._own_key():
+            self._uses.add(f"{Path(key[0]).name}, {key[1]}, {key[2]}")
         if key in self._engine_failures:
             raise self._engine_failures[key]
         if key in self._engines:
@@ -210,10 +227,7 @@ class Harness:
         """The shared engine to close for a new one: the least recently used, but the run's own
         engine (the run's model, dtype and the user's args, which most tests use) only when every
         live engine is one."""
-        try:
-            own = self.engine_key(self.model_dir(self.model_spec(None)), self.settings.dtype, {})
-        except Exception:  # noqa: BLE001 - a base model that does not resolve has no engine to keep
-            own = None
+        own = self._own_key()
         return next((k for k in self._engines if k != own), next(iter(self._engines)))
 
     def retire(self, engine, swallow: bool = False) -> None:
@@ -471,6 +485,7 @@ class TestContext:
         accelerator the close finishes first (the next engine finds the device memory free), on cpu
         it runs on a thread while the test goes on (``Harness.retire``)."""
         self._own_engines.remove(engine)
+        self._loaded = [(e, name) for e, name in self._loaded if e is not engine]  # nothing to unload at the end
         self.harness.retire(engine)
 
     # ---- adapters ----------------------------------------------------------------------

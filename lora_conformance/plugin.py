@@ -58,6 +58,17 @@ def pytest_configure_node(node: Any) -> None:
     if SETTINGS_KEY in node.config.stash:
         node.workerinput[run_order.WORKERINPUT_KEY] = run_order.node_input(node.config)
         node.workerinput[run_order.DIST_KEY] = node.config.getoption("dist", None)
+        node.workerinput[run_order.GROUPS_KEY] = run_order.groups_input(node.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any):
+    # --dist loadfile: files that shared an engine in the last run go to one worker (run_order).
+    if SETTINGS_KEY not in config.stash:
+        return None
+    from lora_conformance import run_order
+
+    return run_order.make_scheduler(config, log)
 
 
 def _register_subplugins(config: pytest.Config, settings: Settings) -> None:
@@ -137,7 +148,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(str(exc)) from None
     durations = run_order.worker_durations(config)
     if durations:  # pytest-xdist worker: the long tests (files) first, identical in every worker
-        items[:] = run_order.order(items, durations, by_file=run_order.worker_dist(config) == "loadfile")
+        items[:] = run_order.order(items, durations, by_file=run_order.worker_dist(config) == "loadfile",
+                                   groups=run_order.worker_groups(config))
 
 
 def _harness(config: pytest.Config):
@@ -242,6 +254,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         starts = harness.take_starts()
         if starts:  # the engines this phase started, with their seconds and why
             evidence.add(item, evidence.ENGINE_STARTS, starts)
+        uses = harness.take_uses()
+        if uses:  # for the next run's scheduling only (run_order), not the report
+            from lora_conformance import run_order
+
+            item.user_properties.append((run_order.USES_PROPERTY, json.dumps(uses)))
         if call.excinfo is not None:
             from lora_conformance.engines.base import EngineFailure
 

@@ -33,13 +33,59 @@ import pytest
 
 WORKERINPUT_KEY = "lora_durations"
 DIST_KEY = "lora_dist"  # the controller's --dist: a worker's own option reads "no" (xdist resets it)
+GROUPS_KEY = "lora_file_groups"
+USES_PROPERTY = "lora_engine_uses"  # a test's user property: the shared engines it asked for (JSON list)
 LONG_SECONDS = 0.5
 _DURATIONS = pytest.StashKey[dict]()  # the controller's copy of the last run's durations
+_GROUPS = pytest.StashKey[dict]()  # the controller's file -> group, from the last run's engine uses
 
 
 def durations_path(cache_dir: Path, engine: str, device_type: str, dtype: str) -> Path:
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{engine}-{device_type}-{dtype}")
     return Path(cache_dir) / "durations" / f"{name}.json"
+
+
+def uses_path(durations: Path) -> Path:
+    """Where the engine uses of a durations file's runs are kept (beside it)."""
+    return Path(durations).with_suffix(".engines.json")
+
+
+def load_uses(path: Path) -> dict[str, list[str]]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): [str(x) for x in v] for k, v in data.items() if isinstance(v, list)}
+
+
+def file_groups(uses: Mapping[str, list[str]]) -> dict[str, str]:
+    """file -> its group, for the files that share a shared engine (other than the run's own) with
+    another file in the last run: such files go to one pytest-xdist worker under ``--dist
+    loadfile``, so the engine starts once per run, not once per worker that got one of them (the
+    slot-limit tests of three files share the capacity engine). A group is named by its first file
+    (sorted); files in no group are absent."""
+    parent: dict[str, str] = {}
+
+    def find(f: str) -> str:
+        while parent.setdefault(f, f) != f:
+            f = parent[f]
+        return f
+
+    first_file: dict[str, str] = {}
+    for nodeid, labels in sorted(uses.items()):
+        f = nodeid.split("::", 1)[0]
+        find(f)
+        for label in labels:
+            other = first_file.setdefault(label, f)
+            a, b = find(f), find(other)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    members: dict[str, list[str]] = {}
+    for f in parent:
+        members.setdefault(find(f), []).append(f)
+    return {f: min(fs) for fs in members.values() if len(fs) > 1 for f in fs}
 
 
 def load(path: Path) -> dict[str, float]:
@@ -53,17 +99,23 @@ def load(path: Path) -> dict[str, float]:
 
 
 def order(items: list, durations: Mapping[str, float], long_seconds: float = LONG_SECONDS,
-          by_file: bool = False) -> list:
+          by_file: bool = False, groups: Mapping[str, str] = {}) -> list:
     """Tests that took at least ``long_seconds`` first, longest first; the others in their order.
     ``by_file``: files longest first (summed durations), each file's tests grouped by base model
-    and dtype (groups in order of first appearance, collection order inside a group)."""
+    and dtype (groups in order of first appearance, collection order inside a group); files of one
+    ``groups`` group (``file_groups``) are one unit, placed by their summed durations."""
     if by_file:
         files: dict[str, list] = {}
         for item in items:
             files.setdefault(_file(item), []).append(item)
         total = {f: sum(durations.get(i.nodeid, 0.0) for i in its) for f, its in files.items()}
+        unit_total: dict[str, float] = {}
+        for f in files:
+            unit_total[groups.get(f, f)] = unit_total.get(groups.get(f, f), 0.0) + total[f]
+        first = {u: i for i, u in reversed(list(enumerate(groups.get(f, f) for f in files)))}
         out: list = []
-        for f in sorted(files, key=lambda f: -total[f]):  # stable: unknown files keep their order
+        # stable: unknown files keep their order; a group's files together, its longest first
+        for f in sorted(files, key=lambda f: (-unit_total[groups.get(f, f)], first[groups.get(f, f)], -total[f])):
             groups: dict[tuple, list] = {}
             for item in files[f]:
                 groups.setdefault(_engine_group(item), []).append(item)
@@ -94,15 +146,24 @@ def _engine_group(item) -> tuple:
 
 
 class DurationRecorder:
-    """Registered in the controller or a serial run: records durations, writes them at the end."""
+    """Registered in the controller or a serial run: records durations and the shared engines each
+    test asked for (``USES_PROPERTY``), writes them at the end."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.measured: dict[str, float] = {}
+        self.uses: dict[str, set[str]] = {}
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.when in ("setup", "call", "teardown"):
             self.measured[report.nodeid] = self.measured.get(report.nodeid, 0.0) + float(report.duration)
+            used = self.uses.setdefault(report.nodeid, set())
+            for name, value in getattr(report, "user_properties", None) or ():
+                if name == USES_PROPERTY:
+                    try:
+                        used.update(str(x) for x in json.loads(value))
+                    except (TypeError, ValueError):
+                        pass
 
     def pytest_sessionfinish(self, session) -> None:
         if not self.measured:
@@ -110,8 +171,10 @@ class DurationRecorder:
         from lora_conformance.fileio import write_json_atomic
 
         merged = {**load(self.path), **{k: round(v, 3) for k, v in self.measured.items()}}
+        uses = {**load_uses(uses_path(self.path)), **{k: sorted(v) for k, v in self.uses.items()}}
         try:
             write_json_atomic(self.path, merged, indent=0, sort_keys=True)
+            write_json_atomic(uses_path(self.path), uses, indent=0, sort_keys=True)
         except OSError:
             pass  # a read-only cache only costs the ordering next time
 
@@ -127,6 +190,7 @@ def configure(config: pytest.Config, path: Path) -> None:
         return
     config.pluginmanager.register(DurationRecorder(path), "lora-conformance-durations")
     config.stash[_DURATIONS] = load(path)
+    config.stash[_GROUPS] = file_groups(load_uses(uses_path(path)))
     if config.getoption("dist", None) == "loadfile" and getattr(config.option, "loadscopereorder", False):
         config.option.loadscopereorder = False
 
@@ -144,6 +208,34 @@ def worker_durations(config: pytest.Config) -> Optional[dict[str, float]]:
 
 def node_input(config: pytest.Config) -> str:
     return json.dumps(config.stash.get(_DURATIONS, {}))
+
+
+def groups_input(config: pytest.Config) -> str:
+    return json.dumps(config.stash.get(_GROUPS, {}))
+
+
+def worker_groups(config: pytest.Config) -> dict[str, str]:
+    """The controller's file groups, on a worker ({} elsewhere)."""
+    try:
+        return json.loads((getattr(config, "workerinput", None) or {}).get(GROUPS_KEY) or "{}")
+    except ValueError:
+        return {}
+
+
+def make_scheduler(config: pytest.Config, log):
+    """Under ``--dist loadfile`` with file groups from the last run: xdist's file scheduling with a
+    group of files as one unit (a worker gets all of its files); else None (xdist's own)."""
+    groups = config.stash.get(_GROUPS, {})
+    if config.getoption("dist", None) != "loadfile" or not groups:
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            f = nodeid.split("::", 1)[0]
+            return groups.get(f, f)
+
+    return GroupedFiles(config, log)
 
 
 def worker_dist(config: pytest.Config) -> Optional[str]:

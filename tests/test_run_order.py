@@ -182,3 +182,55 @@ def test_under_loadfile_xdist_hands_files_out_longest_first_not_most_tests_first
     # one (1.0 s) and many (0.8 s) go out first, few (0.6 s) when a worker runs low; with xdist's
     # reordering (many, few, one) the long test went out last
     assert names.index("one") < names.index("few"), names
+
+
+def test_files_that_shared_an_engine_form_one_group():
+    uses = {"s/a.py::t1": ["m, float32, cap"], "s/a.py::t2": [], "s/b.py::t": ["m, bfloat16, none"],
+            "s/c.py::t[x]": ["m, float32, cap", "m, float32, chunk"], "s/d.py::t": ["m, float32, chunk"],
+            "s/e.py::t": []}
+    groups = run_order.file_groups(uses)
+    # a and c share cap, c and d share chunk: one group named by its first file; b and e share nothing
+    assert groups == {"s/a.py": "s/a.py", "s/c.py": "s/a.py", "s/d.py": "s/a.py"}
+
+
+def test_a_groups_files_run_together_placed_by_their_summed_durations():
+    its = [_item("a.py::x"), _item("b.py::y"), _item("c.py::z"), _item("d.py::w")]
+    durations = {"a.py::x": 3.0, "b.py::y": 5.0, "c.py::z": 4.0, "d.py::w": 1.0}
+    got = [i.nodeid for i in run_order.order(its, durations, by_file=True, groups={"a.py": "a.py", "d.py": "a.py"})]
+    # units: {a, d} 4.0 (a first: longer), b 5.0, c 4.0 (ties keep collection order: a's unit first)
+    assert got == ["b.py::y", "a.py::x", "d.py::w", "c.py::z"]
+
+
+SHARED = """
+import os, time
+
+def log(name):
+    with open(os.environ["ORDER_LOG"], "a") as f:
+        f.write(os.environ.get("PYTEST_XDIST_WORKER", "serial") + " " + name + "\\n")
+
+def test_{name}(lora):
+    {use}
+    log("{name}"); time.sleep({sleep})
+"""
+
+
+def test_under_loadfile_files_that_shared_an_engine_run_on_one_worker(tmp_path):
+    """Files a and c asked for the same non-default engine (max_rank=16) in the last run: under
+    --dist loadfile they go to one worker, so that engine starts once. Without the groups, files
+    longest first (b 0.9 s, d 0.8 s, a, c) give each worker one of a and c."""
+    files = {"a": ("lora.engine_with(max_rank=16)", 0.3), "b": ("pass", 0.9), "c": ("lora.engine_with(max_rank=16)", 0.2),
+             "d": ("pass", 0.8)}
+    for name, (use, sleep) in files.items():
+        (tmp_path / f"test_{name}.py").write_text(SHARED.format(name=name, use=use, sleep=sleep))
+    run = _runner(tmp_path, "test_a.py", SHARED.format(name="a", use=files["a"][0], sleep=files["a"][1]))
+    log = tmp_path / "order.log"
+    others = ["test_b.py", "test_c.py", "test_d.py"]
+    run("-p", "no:xdist", *others)  # serial: durations and engine uses recorded
+    uses = run_order.load_uses(run_order.uses_path(run_order.durations_path(tmp_path / "cache", "builtin", "cpu",
+                                                                            "float32")))
+    assert uses["test_a.py::test_a"] == uses["test_c.py::test_c"] != [] and uses["test_b.py::test_b"] == []
+    log.unlink()
+    run("-n", "2", "--dist", "loadfile", *others)
+    worker = {n: w for w, n in (line.split() for line in log.read_text().splitlines())}
+    assert sorted(worker) == ["a", "b", "c", "d"]
+    assert worker["a"] == worker["c"], worker
