@@ -18,6 +18,10 @@ longest-processing-time rule) lets the short ones fill the gaps.
   share their engines) a file is the unit handed out: files go longest first by their tests'
   summed durations, and inside a file the tests that use one base model and dtype run together
   (``by_file``), so an engine closed for a newer one is not needed again a test later.
+* Files whose tests asked for the same shared engine other than the run's own in the last run (each
+  test's engine uses, kept beside the durations) are one unit (``file_groups``): ordered by their
+  summed durations, handed to one worker by a file scheduler of ours (``make_scheduler``), so such
+  an engine starts once per run.
 
 A serial run keeps collection order: there is nothing to balance.
 """
