@@ -38,6 +38,12 @@ served with GenAI's own tokenizer. What GenAI offers, and so what this plugin de
   weights files reach GenAI (engine arg ``validate_adapters=1`` runs the shared validator first, a
   configuration, not GenAI's behaviour): what GenAI accepts, refuses or crashes on is what the
   bad-input suite records.
+* Pipelines: GenAI binds LoRA to MatMuls when a pipeline is built. The plugin builds a new one
+  (every loaded adapter in its ``AdapterConfig``) only when an adapter carries LoRA for a module
+  the current pipeline has not bound; otherwise the adapter reaches GenAI per request
+  (``GenerationConfig.adapters``), which GenAI accepts. The two paths differ for ``modules_to_save``:
+  GenAI serves the saved module copy only for an adapter given at the build (the expectations file
+  shows both runs); which path a test meets depends on the adapters loaded before it.
 * ``prefix_cache=1`` turns on GenAI's prefix caching (``SchedulerConfig.enable_prefix_caching``, off by
   default as in GenAI); the capability is declared, and the suites ask for it.
 
