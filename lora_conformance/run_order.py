@@ -54,14 +54,17 @@ def uses_path(durations: Path) -> Path:
     return Path(durations).with_suffix(".engines.json")
 
 
-def load_uses(path: Path) -> dict[str, list[str]]:
+def _json_object(path: Path) -> dict:
+    """The JSON object in ``path``; {} when it is missing, unreadable or not an object."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(data, dict):
-        return {}
-    return {str(k): [str(x) for x in v] for k, v in data.items() if isinstance(v, list)}
+    return data if isinstance(data, dict) else {}
+
+
+def load_uses(path: Path) -> dict[str, list[str]]:
+    return {str(k): [str(x) for x in v] for k, v in _json_object(path).items() if isinstance(v, list)}
 
 
 def file_groups(uses: Mapping[str, list[str]]) -> dict[str, str]:
@@ -93,13 +96,7 @@ def file_groups(uses: Mapping[str, list[str]]) -> dict[str, str]:
 
 
 def load(path: Path) -> dict[str, float]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {str(k): float(v) for k, v in data.items() if isinstance(v, (int, float))}
+    return {str(k): float(v) for k, v in _json_object(path).items() if isinstance(v, (int, float))}
 
 
 def order(items: list, durations: Mapping[str, float], long_seconds: float = LONG_SECONDS,
