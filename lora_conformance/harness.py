@@ -76,6 +76,7 @@ class Harness:
         self.prompt_logprobs_probes: dict[tuple, str] = {}  # (model, dtype) -> '' or what broke
         self._closing: list[Any] = []  # threads closing retired engines (cpu), joined by close()
         self._uses: set[str] = set()  # shared engines other than the run's own asked for since take_uses
+        self._own: Optional[tuple] = None  # _own_key's answer
         self._close_errors: list[BaseException] = []
         from lora_conformance.adapters import validate
         from lora_conformance.models import tokenizer
@@ -169,10 +170,13 @@ class Harness:
         return taken
 
     def _own_key(self) -> Optional[tuple]:
-        try:
-            return self.engine_key(self.model_dir(self.model_spec(None)), self.settings.dtype, {})
-        except Exception:  # noqa: BLE001 - a base model that does not resolve has no engine to keep
-            return None
+        """The run's own engine's key (its model, dtype and the user's args), computed once."""
+        if self._own is None:
+            try:
+                self._own = self.engine_key(self.model_dir(self.model_spec(None)), self.settings.dtype, {})
+            except Exception:  # noqa: BLE001 - a base model that does not resolve has no engine to keep
+                return None
+        return self._own
 
     def engine_key(self, model_dir: Path, dtype: str, extra: Mapping[str, Any]) -> tuple:
         """What identifies a shared engine: the model, the dtype and the engine's *effective*
@@ -240,21 +244,25 @@ class Harness:
         its close failing is no news."""
         from lora_conformance import devices
 
-        def run() -> None:
-            try:
-                engine.close()
-            except Exception as exc:  # noqa: BLE001 - raised by close(), or here on an accelerator
-                if not swallow:
-                    self._close_errors.append(exc)
-
-        if devices.device_type(self.settings.device) != devices.CPU:
-            run()
-            if self._close_errors:
-                raise self._close_errors.pop(0)
+        if devices.device_type(self.settings.device) == devices.CPU:
+            self._close_on_thread(engine, swallow)
             return
+        self._close(engine, swallow)
+        if self._close_errors:
+            raise self._close_errors.pop(0)
+
+    def _close(self, engine, swallow: bool = False) -> None:
+        try:
+            engine.close()
+        except Exception as exc:  # noqa: BLE001 - raised by close(), or by retire on an accelerator
+            if not swallow:
+                self._close_errors.append(exc)
+
+    def _close_on_thread(self, engine, swallow: bool = False) -> None:
         import threading
 
-        thread = threading.Thread(target=run, name=f"close {type(engine).__name__}", daemon=False)
+        thread = threading.Thread(target=self._close, args=(engine, swallow), name=f"close {type(engine).__name__}",
+                                  daemon=False)
         thread.start()
         self._closing.append(thread)
 
@@ -350,19 +358,8 @@ class Harness:
         """Close every engine, the live ones side by side (each close waits for its own processes),
         and wait for the closes ``retire`` started; the first close error is raised once every
         engine had its close."""
-        import threading
-
-        def run(engine) -> None:
-            try:
-                engine.close()
-            except Exception as exc:  # noqa: BLE001 - raised below
-                self._close_errors.append(exc)
-
         while self._engines:
-            _, engine = self._engines.popitem()
-            thread = threading.Thread(target=run, args=(engine,), name=f"close {type(engine).__name__}", daemon=False)
-            thread.start()
-            self._closing.append(thread)
+            self._close_on_thread(self._engines.popitem()[1])
         while self._closing:
             self._closing.pop(0).join()
         if self._close_errors:

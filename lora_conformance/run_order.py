@@ -117,10 +117,10 @@ def order(items: list, durations: Mapping[str, float], long_seconds: float = LON
         out: list = []
         # stable: unknown files keep their order; a group's files together, its longest first
         for f in sorted(files, key=lambda f: (-unit_total[groups.get(f, f)], first[groups.get(f, f)], -total[f])):
-            groups: dict[tuple, list] = {}
+            by_engine: dict[tuple, list] = {}
             for item in files[f]:
-                groups.setdefault(_engine_group(item), []).append(item)
-            out += [i for group in groups.values() for i in group]
+                by_engine.setdefault(_engine_group(item), []).append(item)
+            out += [i for group in by_engine.values() for i in group]
         return out
 
     def key(item) -> float:
