@@ -451,6 +451,25 @@ class TestContext:
             self._reset.add(id(engine))
         return engine
 
+    # The highest adapter rank a test asks of a shared engine (adapter_semantics/rank at 64): an
+    # engine whose default limit is lower (vLLM's 16) is asked for this limit, so those tests share
+    # one engine.
+    HIGH_RANK = 64
+
+    def engine_for_rank(self, rank: int):
+        """The shared engine when it accepts adapters of ``rank``; else the shared engine with the
+        standard arg ``max_rank`` raised to ``max(rank, HIGH_RANK)``, as a user serving such
+        adapters raises the limit. An engine without a ``max_rank`` arg, or whose own limit the
+        user set explicitly (an engine's own arg wins over a standard one), is returned as it is:
+        its ``limits.max_rank`` then tells the test what it cannot serve."""
+        engine = self.engine
+        if rank <= engine.limits.max_rank:
+            return engine
+        cls, _ = self.harness.parsed_engine_args({})
+        if "max_rank" not in (cls.standard_args or {}):
+            return engine
+        return self.engine_with(max_rank=max(rank, self.HIGH_RANK))
+
     # The one small capacity of every test about slot limits (pinning, eviction, more adapters than
     # slots): two adapters per batch, four held. One setting, so these tests share one engine (an
     # engine that starts in half a minute, vLLM's on cpu, starts it once per worker, not once per

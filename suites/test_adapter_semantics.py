@@ -33,7 +33,8 @@ def _check(lora, engine, name, spec, labels=None, prompts=PROMPTS, alternatives=
                       "adapters of rank 1 to the engine's max_rank are served as PEFT serves them")
 @pytest.mark.parametrize("rank", [1, 8, 16, 64, "max"])
 def test_rank(lora, device, dtype, rank):
-    engine = lora.engine
+    """``max``: the limit of the engine as configured (its default, or the user's engine args)."""
+    engine = lora.engine if rank == "max" else lora.engine_for_rank(rank)
     r = engine.limits.max_rank if rank == "max" else rank
     if r > engine.limits.max_rank:
         pytest.skip(f"not applicable: rank {r} above the engine's max_rank {engine.limits.max_rank}")
@@ -63,7 +64,7 @@ def test_rank_above_engine_max_is_refused(lora, device, dtype):
 @pytest.mark.feature("adapter_semantics/mixed_ranks_in_one_batch",
                       "adapters of different ranks in one batch", requires=("mixed_batch",))
 def test_mixed_ranks_in_one_batch(lora, device, dtype):
-    engine = lora.engine
+    engine = lora.engine_for_rank(32)
     specs = {"r2": AdapterSpec(seed=21, rank=2, alpha=4), "r16": AdapterSpec(seed=22, rank=16, alpha=32),
              "r32": AdapterSpec(seed=23, rank=min(32, engine.limits.max_rank), alpha=16)}
     for name, spec in specs.items():

@@ -128,6 +128,26 @@ def test_capabilities_are_known_before_start(tmp_path):
     assert Capability.EMBEDDINGS in enc and Capability.PROMPT_LOGPROBS not in enc
 
 
+def test_max_lora_rank_is_vllms_own_unless_asked():
+    from lora_conformance.engines.vllm_engine import VLLM_DEFAULT_MAX_LORA_RANK
+
+    def limit(args):
+        return VllmEngine.declared_limits(VllmEngine.parse_args(args), None, "cpu").max_rank
+
+    assert limit({}) == VLLM_DEFAULT_MAX_LORA_RANK == 16
+    assert limit({"max_rank": "64"}) == 64 and limit({"max_lora_rank": "32"}) == 32
+    # the engine asked for vLLM's default explicitly is the default engine
+    key = lambda args: VllmEngine.sharing_key(VllmEngine.parse_args(args), None, "cpu")  # noqa: E731
+    assert key({}) == key({"max_rank": "16"}) != key({"max_rank": "64"})
+    if HAVE_VLLM:  # the constant is vLLM's own default
+        import dataclasses
+
+        from vllm.config.lora import LoRAConfig
+
+        default = next(f.default for f in dataclasses.fields(LoRAConfig) if f.name == "max_lora_rank")
+        assert default == VLLM_DEFAULT_MAX_LORA_RANK
+
+
 def test_error_mapping():
     e = _bare()
     assert isinstance(e._map_error(ValueError("LoRA rank 64 is greater than max_lora_rank 8."), "x"),
@@ -237,6 +257,7 @@ def test_real_vllm_settings_are_vllm_defaults(engines):
     assert s["effective"]["enable_prefix_caching"] is True and s["effective"]["enable_chunked_prefill"] is True
     assert "enable_prefix_caching" not in s["differs_from_engine_default"]
     assert s["differs_from_engine_default"]["max_loras"]["why"]
+    assert s["differs_from_engine_default"]["max_lora_rank"]["ours"] == 8  # asked by this test's args
     assert {Capability.PREFIX_CACHE, Capability.CHUNKED_PREFILL, Capability.INFLIGHT_LIFECYCLE} <= ve.capabilities
 
 

@@ -197,3 +197,40 @@ def test_a_capability_not_declared_is_shown_with_the_plugins_evidence():
     with pytest.raises(NotCertified) as info:
         missing_capabilities(["moe", "pinning"], {"moe": "no fused-MoE LoRA on CPU"})
     assert "moe (no fused-MoE LoRA on CPU); pinning" in str(info.value)
+
+
+class RankLimitedEngine(CountingEngine):
+    """Serves ranks up to its max_rank arg, 16 unless asked (vLLM's default), through the standard arg."""
+
+    standard_args = {"max_rank": lambda v: {"max_rank": v}}
+
+    def __init__(self, model_dir, device, dtype, args):
+        super().__init__(model_dir, device, dtype, args)
+        from lora_conformance.engines.base import Limits
+
+        self.limits = Limits(4, 8, int(args.get("max_rank", 16)))
+
+
+class FixedRankEngine(RankLimitedEngine):
+    """A limit of 16 and no max_rank arg to raise it."""
+
+    standard_args = {}
+
+
+def test_a_rank_above_the_default_limit_gets_an_engine_that_allows_it(tmp_path):
+    h = _harness(tmp_path, "RankLimitedEngine")
+    ctx = _context(h, tmp_path)
+    default = ctx.engine
+    assert ctx.engine_for_rank(16) is default and default.limits.max_rank == 16
+    high = ctx.engine_for_rank(64)
+    assert high is not default and high.limits.max_rank == TestContext.HIGH_RANK == 64
+    assert ctx.engine_for_rank(32) is high, "the tests of higher ranks share one engine"
+    assert ctx.engine_for_rank(128).limits.max_rank == 128
+    h.close()
+
+
+def test_an_engine_that_cannot_raise_its_limit_is_returned_as_it_is(tmp_path):
+    h = _harness(tmp_path, "FixedRankEngine")
+    ctx = _context(h, tmp_path)
+    assert ctx.engine_for_rank(64) is ctx.engine and ctx.engine.limits.max_rank == 16
+    h.close()

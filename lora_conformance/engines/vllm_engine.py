@@ -7,7 +7,8 @@ and removed between the engine's steps (capability ``inflight_lifecycle``).
 
 Defaults are vLLM's own for the offline ``LLM`` class (usage context ``LLM_CLASS``): prefix
 caching as vLLM ships it (on for decoders), chunked prefill with vLLM's token budget
-(``max_num_batched_tokens``), vLLM's ``max_num_seqs`` and ``enforce_eager``. ``settings()``
+(``max_num_batched_tokens``), vLLM's ``max_num_seqs``, ``enforce_eager`` and ``max_lora_rank`` (16;
+a test of higher ranks asks for an engine that allows them). ``settings()``
 reports every effective setting read back from the started engine and each of ours that differs
 from vLLM's default, with the reason; the report's environment shows both.
 
@@ -82,6 +83,10 @@ from lora_conformance.engines.base import (
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
+# vLLM's own max_lora_rank (vllm/config/lora.py: LoRAConfig.max_lora_rank = 16): the limit a user who
+# does not set it gets. Tests of higher ranks ask for an engine that allows them (standard arg
+# max_rank, TestContext.engine_for_rank), as a user serving such adapters would.
+VLLM_DEFAULT_MAX_LORA_RANK = 16
 CALL_TIMEOUT = 600.0  # seconds for one call into the engine (start-up excluded)
 
 # Capabilities vLLM has on every device, for any decoder, whatever the args.
@@ -119,7 +124,8 @@ class VllmArgs:
     max_loras: int = arg(4, "adapters in one batch (max_loras)", minimum=1)
     max_cpu_loras: Optional[int] = arg(None, "adapters in vLLM's CPU cache (max_cpu_loras; default "
                                              "max(16, max_loras))", minimum=1)
-    max_lora_rank: int = arg(64, "the largest adapter rank (max_lora_rank)", choices=VLLM_RANKS)
+    max_lora_rank: Optional[int] = arg(None, f"the largest adapter rank (max_lora_rank; default: vLLM's, "
+                                             f"{VLLM_DEFAULT_MAX_LORA_RANK})", choices=VLLM_RANKS)
     prefix_cache: Optional[bool] = arg(None, "enable_prefix_caching (default: vLLM's, on for decoders)")
     enforce_eager: Optional[bool] = arg(None, "enforce_eager: no CUDA graphs (default: vLLM's)")
     gpu_memory_utilization: Optional[float] = arg(None, "gpu_memory_utilization (default: 0.3 on cpu, 0.8 "
@@ -273,13 +279,16 @@ class VllmEngine(Engine):
     @classmethod
     def sharing_key(cls, cfg: VllmArgs, model_dir: Optional[Path], device: str):
         """Unset args that stand for vLLM defaults known here, resolved: prefix caching is on for
-        decoders (what ``settings()`` reads back from the started engine), and a device with one
-        attention backend uses it; an engine asked for either value explicitly is the same engine."""
+        decoders (what ``settings()`` reads back from the started engine), max_lora_rank is vLLM's
+        16, and a device with one attention backend uses it; an engine asked for any of these
+        values explicitly is the same engine."""
         from lora_conformance.engines._hf_common import is_encoder_only
 
         encoder = model_dir is not None and is_encoder_only(Path(model_dir))
         if cfg.prefix_cache is None and not encoder:
             cfg = dataclasses.replace(cfg, prefix_cache=True)
+        if cfg.max_lora_rank is None:
+            cfg = dataclasses.replace(cfg, max_lora_rank=VLLM_DEFAULT_MAX_LORA_RANK)
         only_backend = _BACKENDS.get(devices.device_type(device), ())
         if cfg.attention_backend is None and len(only_backend) == 1:
             cfg = dataclasses.replace(cfg, attention_backend=only_backend[0])
@@ -287,7 +296,8 @@ class VllmEngine(Engine):
 
     @classmethod
     def declared_limits(cls, cfg: VllmArgs, model_dir: Optional[Path], device: str) -> Limits:
-        return Limits(cfg.max_loras, cfg.max_cpu_loras or max(16, cfg.max_loras), cfg.max_lora_rank)
+        return Limits(cfg.max_loras, cfg.max_cpu_loras or max(16, cfg.max_loras),
+                      cfg.max_lora_rank or VLLM_DEFAULT_MAX_LORA_RANK)
 
     @classmethod
     def backends(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
@@ -319,12 +329,13 @@ class VllmEngine(Engine):
             enable_lora=True,
             max_loras=self.max_loras,
             max_cpu_loras=self.max_cpu_loras,
-            max_lora_rank=self.max_lora_rank,
             dtype=dtype,
             gpu_memory_utilization=(0.3 if self.dev_type == "cpu" else 0.8) if a.gpu_memory_utilization is None
             else a.gpu_memory_utilization,
             seed=a.seed,
         )
+        if a.max_lora_rank is not None:
+            kwargs["max_lora_rank"] = a.max_lora_rank
         if self.prefix_cache is not None:
             kwargs["enable_prefix_caching"] = self.prefix_cache
         if a.enforce_eager is not None:
@@ -410,7 +421,8 @@ class VllmEngine(Engine):
         "enable_lora": "LoRA is what is certified",
         "max_loras": "several adapters per batch (vLLM's default is 1); standard arg max_loras_per_batch",
         "max_cpu_loras": "more adapters held than slots, for the eviction features; standard arg max_loaded_loras",
-        "max_lora_rank": "the suites' adapters go up to rank 64; standard arg max_rank",
+        "max_lora_rank": "asked by the engine args: a test of adapters above vLLM's default rank (standard arg "
+                         "max_rank)",
         "max_model_len": "the suites' prompts are short; a small window keeps the KV cache small",
         "gpu_memory_utilization": "several engines and the reference share one device",
         "seed": "reproducible runs",
