@@ -75,6 +75,17 @@ def test_tensor_rank_disagreeing_with_config_names_the_field(llama, good, tmp_pa
     assert exc.value.field == "r" and "has rank 8" in exc.value.problem, str(exc.value)
 
 
+@pytest.mark.parametrize("max_rank,wrong", [(MAX_RANK, 16), (16, 16), (8, 4)])
+def test_config_rank_mismatch_stays_within_the_engines_limit(llama, good, tmp_path, max_rank, wrong):
+    """Wrong in one way only: a config r over the engine's max_rank would be refused for that, and
+    an engine that never compares r with its tensors would pass (vLLM at its default 16)."""
+    d = make_malformed("config_rank_mismatch", good, tmp_path / "d", max_rank)
+    assert json.loads((d / "adapter_config.json").read_text())["r"] == wrong
+    with pytest.raises(AdapterFormatError) as exc:
+        validate_adapter(d, llama, max_rank)
+    assert exc.value.field == "r", str(exc.value)
+
+
 @pytest.mark.parametrize("name", BAD_NAMES)
 def test_bad_adapter_names_are_refused(name):
     with pytest.raises(AdapterFormatError) as exc:

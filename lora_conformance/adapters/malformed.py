@@ -169,10 +169,17 @@ def missing_lora_b(good: Path, out: Path, max_rank: int) -> Path:
 
 
 def config_rank_mismatch(good: Path, out: Path, max_rank: int) -> Path:
-    """adapter_config.json says r=2 x the tensors' rank (PEFT would scale by the wrong r)."""
+    """adapter_config.json says another r than the tensors' rank (PEFT would scale by the wrong r):
+    twice it, or half it where twice would pass ``max_rank``. The adapter is wrong in this one way:
+    a config r over the engine's limit would be refused for that instead, and an engine that never
+    compares r with the tensors would pass."""
     d = _copy(good, out)
     cfg = _config(d)
-    cfg.update(r=2 * int(cfg.get("r", 8)), rank_pattern={})
+    r = int(cfg.get("r", 8))
+    wrong = next((w for w in (2 * r, r // 2, r + 1, r - 1) if 1 <= w <= max_rank and w != r), None)
+    if wrong is None:
+        raise ValueError(f"config_rank_mismatch: no rank other than {r} within max_rank {max_rank}")
+    cfg.update(r=wrong, rank_pattern={})
     _write_config(d, cfg)
     return d
 
