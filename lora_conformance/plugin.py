@@ -59,6 +59,7 @@ def pytest_configure_node(node: Any) -> None:
         node.workerinput[run_order.WORKERINPUT_KEY] = run_order.node_input(node.config)
         node.workerinput[run_order.DIST_KEY] = node.config.getoption("dist", None)
         node.workerinput[run_order.GROUPS_KEY] = run_order.groups_input(node.config)
+        node.workerinput[run_order.LAST_KEY] = run_order.last_input(node.config)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -78,7 +79,7 @@ def _register_subplugins(config: pytest.Config, settings: Settings) -> None:
         from lora_conformance.time_budget import TimeBudget
 
         config.pluginmanager.register(TimeBudget(settings.test_timeout, settings.sources.get("lora_test_timeout", "default"),
-                                                 on_timeout=lambda item: _discard_engines(item.config)),
+                                                 on_timeout=_engines_failed),
                                       "lora-conformance-time-budget")
 
     path = settings.expectations or default_expectations_path(settings.engine, settings.device_type)
@@ -149,7 +150,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     durations = run_order.worker_durations(config)
     if durations:  # pytest-xdist worker: the long tests (files) first, identical in every worker
         items[:] = run_order.order(items, durations, by_file=run_order.worker_dist(config) == "loadfile",
-                                   groups=run_order.worker_groups(config))
+                                   groups=run_order.worker_groups(config), last=run_order.worker_last(config))
 
 
 def _harness(config: pytest.Config):
@@ -159,12 +160,16 @@ def _harness(config: pytest.Config):
     return session_harness(config, run_environment(config))
 
 
-def _discard_engines(config: pytest.Config) -> None:
+def _engines_failed(item: pytest.Item) -> None:
+    """``item``'s engine failed (an EngineFailure, or past its time budget): close every shared
+    engine of this process, and mark the test to run last next time (``run_order``)."""
+    from lora_conformance import run_order
     from lora_conformance.harness import existing_harness
 
-    harness = existing_harness(config)
+    harness = existing_harness(item.config)
     if harness is not None:
         harness.discard_engines()
+    item.user_properties.append((run_order.DIED_PROPERTY, "1"))
 
 
 # ---- fixtures --------------------------------------------------------------------------
@@ -263,7 +268,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             from lora_conformance.engines.base import EngineFailure
 
             if isinstance(call.excinfo.value, EngineFailure):
-                harness.discard_engines()
+                _engines_failed(item)
     yield
 
 

@@ -22,6 +22,11 @@ longest-processing-time rule) lets the short ones fill the gaps.
   test's engine uses, kept beside the durations) are one unit (``file_groups``): ordered by their
   summed durations, handed to one worker by a file scheduler of ours (``make_scheduler``), so such
   an engine starts once per run.
+* A test that killed its engine in the last run (an EngineFailure: every shared engine of its worker
+  is then closed, ``Harness.discard_engines``) runs after every other test under ``--dist
+  loadfile``, a unit of its own, so no test after it on its worker needs those engines started
+  again (vLLM on cpu: its prompt-logprobs feature test kills the engine core; the next test paid
+  a ~30 s restart). Its verdict does not depend on this: it runs on the same shared engine, only later.
 
 A serial run keeps collection order: there is nothing to balance.
 """
@@ -31,7 +36,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 import pytest
 
@@ -39,9 +44,12 @@ WORKERINPUT_KEY = "lora_durations"
 DIST_KEY = "lora_dist"  # the controller's --dist: a worker's own option reads "no" (xdist resets it)
 GROUPS_KEY = "lora_file_groups"
 USES_PROPERTY = "lora_engine_uses"  # a test's user property: the shared engines it asked for (JSON list)
+DIED_PROPERTY = "lora_engine_died"  # a test's user property: its engine failed (its worker's engines closed)
+LAST_KEY = "lora_last_tests"
 LONG_SECONDS = 0.5
 _DURATIONS = pytest.StashKey[dict]()  # the controller's copy of the last run's durations
 _GROUPS = pytest.StashKey[dict]()  # the controller's file -> group, from the last run's engine uses
+_LAST = pytest.StashKey[list]()  # the controller's tests that killed their engine in the last run
 
 
 def durations_path(cache_dir: Path, engine: str, device_type: str, dtype: str) -> Path:
@@ -52,6 +60,15 @@ def durations_path(cache_dir: Path, engine: str, device_type: str, dtype: str) -
 def uses_path(durations: Path) -> Path:
     """Where the engine uses of a durations file's runs are kept (beside it)."""
     return Path(durations).with_suffix(".engines.json")
+
+
+def deaths_path(durations: Path) -> Path:
+    """Where the tests whose engine failed in the last run are kept (beside the durations)."""
+    return Path(durations).with_suffix(".deaths.json")
+
+
+def load_deaths(path: Path) -> list[str]:
+    return sorted(str(k) for k, v in _json_object(path).items() if v is True)
 
 
 def _json_object(path: Path) -> dict:
@@ -100,11 +117,12 @@ def load(path: Path) -> dict[str, float]:
 
 
 def order(items: list, durations: Mapping[str, float], long_seconds: float = LONG_SECONDS,
-          by_file: bool = False, groups: Mapping[str, str] = {}) -> list:
+          by_file: bool = False, groups: Mapping[str, str] = {}, last: Iterable[str] = ()) -> list:
     """Tests that took at least ``long_seconds`` first, longest first; the others in their order.
     ``by_file``: files longest first (summed durations), each file's tests grouped by base model
     and dtype (groups in order of first appearance, collection order inside a group); files of one
-    ``groups`` group (``file_groups``) are one unit, placed by their summed durations."""
+    ``groups`` group (``file_groups``) are one unit, placed by their summed durations; the tests in
+    ``last`` (their engine failed in the last run) after all the others."""
     if by_file:
         files: dict[str, list] = {}
         for item in items:
@@ -121,7 +139,8 @@ def order(items: list, durations: Mapping[str, float], long_seconds: float = LON
             for item in files[f]:
                 by_engine.setdefault(_engine_group(item), []).append(item)
             out += [i for group in by_engine.values() for i in group]
-        return out
+        last = set(last)
+        return [i for i in out if i.nodeid not in last] + [i for i in out if i.nodeid in last]
 
     def key(item) -> float:
         d = durations.get(item.nodeid, 0.0)
@@ -154,12 +173,15 @@ class DurationRecorder:
         self.path = Path(path)
         self.measured: dict[str, float] = {}
         self.uses: dict[str, set[str]] = {}
+        self.died: set[str] = set()
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.when in ("setup", "call", "teardown"):
             self.measured[report.nodeid] = self.measured.get(report.nodeid, 0.0) + float(report.duration)
             used = self.uses.setdefault(report.nodeid, set())
             for name, value in getattr(report, "user_properties", None) or ():
+                if name == DIED_PROPERTY:
+                    self.died.add(report.nodeid)
                 if name == USES_PROPERTY:
                     try:
                         used.update(str(x) for x in json.loads(value))
@@ -173,9 +195,13 @@ class DurationRecorder:
 
         merged = {**load(self.path), **{k: round(v, 3) for k, v in self.measured.items()}}
         uses = {**load_uses(uses_path(self.path)), **{k: sorted(v) for k, v in self.uses.items()}}
+        # a test that ran again keeps its mark only if its engine failed again
+        died = {k: True for k in load_deaths(deaths_path(self.path)) if k not in self.measured}
+        died.update({k: True for k in self.died})
         try:
             write_json_atomic(self.path, merged, indent=0, sort_keys=True)
             write_json_atomic(uses_path(self.path), uses, indent=0, sort_keys=True)
+            write_json_atomic(deaths_path(self.path), died, indent=0, sort_keys=True)
         except OSError:
             pass  # a read-only cache only costs the ordering next time
 
@@ -192,6 +218,7 @@ def configure(config: pytest.Config, path: Path) -> None:
     config.pluginmanager.register(DurationRecorder(path), "lora-conformance-durations")
     config.stash[_DURATIONS] = load(path)
     config.stash[_GROUPS] = file_groups(load_uses(uses_path(path)))
+    config.stash[_LAST] = load_deaths(deaths_path(path))
     if config.getoption("dist", None) == "loadfile" and getattr(config.option, "loadscopereorder", False):
         config.option.loadscopereorder = False
 
@@ -215,6 +242,19 @@ def groups_input(config: pytest.Config) -> str:
     return json.dumps(config.stash.get(_GROUPS, {}))
 
 
+def last_input(config: pytest.Config) -> str:
+    return json.dumps(config.stash.get(_LAST, []))
+
+
+def worker_last(config: pytest.Config) -> list[str]:
+    """The controller's tests to run last (their engine failed in the last run), on a worker."""
+    try:
+        last = json.loads((getattr(config, "workerinput", None) or {}).get(LAST_KEY) or "[]")
+    except ValueError:
+        return []
+    return [str(x) for x in last] if isinstance(last, list) else []
+
+
 def worker_groups(config: pytest.Config) -> dict[str, str]:
     """The controller's file groups, on a worker ({} elsewhere)."""
     try:
@@ -224,15 +264,20 @@ def worker_groups(config: pytest.Config) -> dict[str, str]:
 
 
 def make_scheduler(config: pytest.Config, log):
-    """Under ``--dist loadfile`` with file groups from the last run: xdist's file scheduling with a
-    group of files as one unit (a worker gets all of its files); else None (xdist's own)."""
+    """Under ``--dist loadfile`` with file groups or tests to run last from the last run: xdist's
+    file scheduling with a group of files as one unit (a worker gets all of its files) and each
+    test to run last a unit of its own (``order`` put them at the end of the collection, so their
+    units are handed out last); else None (xdist's own)."""
     groups = config.stash.get(_GROUPS, {})
-    if config.getoption("dist", None) != "loadfile" or not groups:
+    last = set(config.stash.get(_LAST, []))
+    if config.getoption("dist", None) != "loadfile" or not (groups or last):
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class GroupedFiles(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
+            if nodeid in last:
+                return nodeid
             f = nodeid.split("::", 1)[0]
             return groups.get(f, f)
 

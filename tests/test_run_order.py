@@ -234,3 +234,69 @@ def test_under_loadfile_files_that_shared_an_engine_run_on_one_worker(tmp_path):
     worker = {n: w for w, n in (line.split() for line in log.read_text().splitlines())}
     assert sorted(worker) == ["a", "b", "c", "d"]
     assert worker["a"] == worker["c"], worker
+
+
+def test_a_test_whose_engine_failed_is_marked_until_it_runs_without_failing(tmp_path):
+    path = tmp_path / "durations" / "x.json"
+    path.parent.mkdir()
+    deaths = run_order.deaths_path(path)
+    deaths.write_text(json.dumps({"old::t": True, "t::b": True}))
+
+    def run(died: set):
+        rec = run_order.DurationRecorder(path)
+        for nodeid in ("t::a", "t::b"):
+            props = [(run_order.DIED_PROPERTY, "1")] if nodeid in died else []
+            rec.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, when="call", duration=0.1,
+                                                         user_properties=props))
+        rec.pytest_sessionfinish(None)
+        return run_order.load_deaths(deaths)
+
+    assert run({"t::a"}) == ["old::t", "t::a"]  # t::b ran and its engine held: no longer marked
+    assert run(set()) == ["old::t"]  # a test not run this time keeps its mark
+
+
+def test_under_loadfile_tests_whose_engine_failed_go_after_every_other():
+    its = [_item("a.py::x"), _item("a.py::kill"), _item("a.py::y"), _item("b.py::z")]
+    durations = {"a.py::x": 3.0, "a.py::kill": 1.0, "a.py::y": 1.0, "b.py::z": 2.0}
+    got = [i.nodeid for i in run_order.order(its, durations, by_file=True, last=["a.py::kill"])]
+    assert got == ["a.py::x", "a.py::y", "b.py::z", "a.py::kill"]
+
+
+KILLS = """
+import os, time
+from lora_conformance.engines.base import EngineFailure
+
+def log(name):
+    with open(os.environ["ORDER_LOG"], "a") as f:
+        f.write(os.environ.get("PYTEST_XDIST_WORKER", "serial") + " " + name + "\\n")
+
+def test_kill(lora):
+    log("kill")
+    if os.environ.get("KILL") == "1":
+        raise EngineFailure("the engine core died")
+
+def test_after(lora):
+    lora.engine
+    log("after"); time.sleep(0.3)
+"""
+
+
+def test_under_loadfile_a_test_whose_engine_failed_runs_last_on_its_worker(tmp_path, monkeypatch):
+    """test_kill's engine failed in the last run (every shared engine of its worker was closed, and
+    test_after started the run's engine again): under --dist loadfile it now runs after every other
+    test, on whichever worker is free last, so no test after it needs the engine again."""
+    monkeypatch.setenv("KILL", "1")
+    run = _runner(tmp_path, "test_k.py", KILLS)
+    (tmp_path / "test_l.py").write_text(SHARED.format(name="l", use="lora.engine", sleep=0.5))
+    with pytest.raises(AssertionError):  # test_kill fails, and is recorded
+        run("-p", "no:xdist", "test_l.py")
+    durations = run_order.durations_path(tmp_path / "cache", "builtin", "cpu", "float32")
+    assert run_order.load_deaths(run_order.deaths_path(durations)) == ["test_k.py::test_kill"]
+    (tmp_path / "order.log").unlink()
+    with pytest.raises(AssertionError):
+        run("-n", "2", "--dist", "loadfile", "test_l.py")
+    lines = [line.split() for line in (tmp_path / "order.log").read_text().splitlines()]
+    assert sorted(n for _, n in lines) == ["after", "kill", "l"]
+    killer = next(w for w, n in lines if n == "kill")
+    assert [n for w, n in lines if w == killer][-1] == "kill", lines
+    assert lines[-1][1] == "kill", f"the test handed out last: {lines}"
