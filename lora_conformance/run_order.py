@@ -246,21 +246,24 @@ def last_input(config: pytest.Config) -> str:
     return json.dumps(config.stash.get(_LAST, []))
 
 
+def _worker_json(config: pytest.Config, key: str, kind: type):
+    """The controller's JSON value ``key`` in a worker's ``workerinput``: an empty ``kind()``
+    outside workers, or when it is missing, unreadable or not a ``kind``."""
+    try:
+        value = json.loads((getattr(config, "workerinput", None) or {}).get(key) or "null")
+    except ValueError:
+        return kind()
+    return value if isinstance(value, kind) else kind()
+
+
 def worker_last(config: pytest.Config) -> list[str]:
     """The controller's tests to run last (their engine failed in the last run), on a worker."""
-    try:
-        last = json.loads((getattr(config, "workerinput", None) or {}).get(LAST_KEY) or "[]")
-    except ValueError:
-        return []
-    return [str(x) for x in last] if isinstance(last, list) else []
+    return [str(x) for x in _worker_json(config, LAST_KEY, list)]
 
 
 def worker_groups(config: pytest.Config) -> dict[str, str]:
     """The controller's file groups, on a worker ({} elsewhere)."""
-    try:
-        return json.loads((getattr(config, "workerinput", None) or {}).get(GROUPS_KEY) or "{}")
-    except ValueError:
-        return {}
+    return _worker_json(config, GROUPS_KEY, dict)
 
 
 def make_scheduler(config: pytest.Config, log):
