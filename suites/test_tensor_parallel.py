@@ -55,6 +55,8 @@ def _specs(engine) -> dict:
 
 
 def _engine(lora, tp: int, specs: dict):
+    # tp=1 too is the test's own, not the shared engine: the test fills every adapter slot, and an engine
+    # with a slot-table bug would carry this test's adapters into every later test that shares it.
     engine = lora.fresh_engine(tensor_parallel=tp)
     for name, spec in specs.items():
         lora.load(engine, name, spec)
