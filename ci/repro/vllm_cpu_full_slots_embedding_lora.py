@@ -25,7 +25,13 @@ it through their paired design, whose "without any adapter" pass is such a batch
 measured effect is then off (residual 0.05-0.12 against the float32 bound 0.001), at tp=1 and tp=2
 (`parallel/tensor_parallel_matches_single` loads that TE), and on a shared engine in every test
 after it (`adapter_semantics/rank` and 13 more features, when the tensor-parallel test's tp=1
-engine was tried as the shared engine).
+engine was tried as the shared engine). Where, in vLLM's source: a row without LoRA has index -1
+(`vllm/lora/punica_wrapper/utils.py`, `convert_mapping`); the CPU logits LoRA
+(`punica_wrapper/punica_cpu.py`, `add_lora_logits`) has no early return for batches without LoRA, unlike
+the linear paths (`no_lora`), and its torch op picks each row's slot by plain indexing
+(`ops/torch_ops/lora_ops.py`, `bgmv_shrink`: `lora_b_weights[lora_indices_tensor]`), so -1 is the last
+slot; removing an adapter only forgets its slot's id (`model_manager.py`, `_deactivate_adapter`), the
+slot keeps its weights.
 """
 
 import json
