@@ -16,10 +16,11 @@ correct hypothesis by a margin, and name the nearest one when it is not
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from lora_conformance.checkpoints import module_rank_alpha, peft_scaling, scaling_rule
 
 CORRECT = "correct"
 BASE = "base"
@@ -97,7 +98,7 @@ def standard(adapter_dir: Path, others: Sequence[str] = ()) -> list[Hypothesis]:
     targets = _targets(cfg)
     if len(targets) > 1:
         out += [Hypothesis(f"{t} LoRA dropped", f"the {t} LoRA is silently ignored", "drop", module=t) for t in targets]
-    r = cfg.get("r", 8)
+    r = module_rank_alpha(cfg)[0]
     ranks = {r, *(cfg.get("rank_pattern") or {}).values()}
     if ranks != {1}:  # at rank 1, alpha and alpha / r are the same scaling
         out.append(Hypothesis("alpha not over r", "scaling lora_alpha instead of lora_alpha / r", "alpha_not_over_r"))
@@ -130,15 +131,14 @@ def _layer_name(name: str, layer) -> str:
 
 
 def _wrong_scaling(hyp: Hypothesis, layer, adapter: str, cfg: dict) -> float:
+    """The scaling under ``hyp``: PEFT's rule (``checkpoints``) with one of its parts left out."""
     r, alpha = layer.r[adapter], layer.lora_alpha[adapter]
-    rs = cfg.get("use_rslora", False)
     if hyp.kind == "alpha_not_over_r":
         return alpha
     if hyp.kind == "rslora_ignored":
-        return alpha / r
+        return scaling_rule(r, alpha, use_rslora=False)
     if hyp.kind == "patterns_ignored":
-        r0, a0 = cfg.get("r", r), cfg.get("lora_alpha", alpha)
-        return a0 / (math.sqrt(r0) if rs else r0)
+        return peft_scaling(cfg)  # the adapter-wide r and lora_alpha (PEFT's defaults where unset)
     raise ValueError(f"hypothesis kind {hyp.kind!r} does not recompute the scaling")
 
 

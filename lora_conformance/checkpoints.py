@@ -8,6 +8,8 @@ them (they did: a RoBERTa checkpoint was a decoder for the harness and an encode
 * ``read_adapter_config``: ``adapter_config.json`` as a dict, or ``AdapterFormatError`` naming the
   file and what is wrong; ``adapter_info``: the fields that decide whether an engine can serve it.
 * ``split_lora_key``, ``pattern_value``: PEFT's tensor names and rank/alpha pattern matching.
+* ``module_rank_alpha``, ``scaling_rule``, ``peft_scaling``: PEFT's LoRA scaling (its defaults,
+  patterns and rsLoRA), the one copy every engine plugin, converter and hypothesis uses.
 * ``DTYPE_NAMES``, ``torch_dtype``: the dtype names the project accepts.
 
 Stdlib only at import time (torch is imported inside ``torch_dtype``): the plugin, the option
@@ -17,6 +19,7 @@ table and the engine plugins that run without torch import it.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +126,35 @@ def pattern_value(patterns: Mapping[str, Any], module: str, default, matcher=Non
     return (matcher or PatternMatcher()).value_for(patterns, module, default)
 
 
+# PEFT's LoraConfig defaults (peft/tuners/lora/config.py): a config without ``r`` or ``lora_alpha``
+# gets these, so a missing ``lora_alpha`` is 8 whatever the rank.
+PEFT_DEFAULT_R = 8
+PEFT_DEFAULT_ALPHA = 8
+
+
+def module_rank_alpha(cfg: Mapping[str, Any], module: str | None = None, matcher=None) -> tuple[int, float]:
+    """PEFT's ``(r, lora_alpha)`` for ``module``: the first ``rank_pattern`` / ``alpha_pattern`` key
+    that matches it (``pattern_value``), else ``r`` / ``lora_alpha``, else PEFT's defaults (8, 8).
+    ``module=None``: the adapter-wide values, patterns not applied."""
+    r = cfg.get("r", PEFT_DEFAULT_R)
+    alpha = cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+    if module is not None:
+        r = pattern_value(cfg.get("rank_pattern") or {}, module, r, matcher)
+        alpha = pattern_value(cfg.get("alpha_pattern") or {}, module, alpha, matcher)
+    return int(r), float(alpha)
+
+
+def scaling_rule(rank: int, alpha: float, use_rslora: bool) -> float:
+    """PEFT's rule (``LoraLayer.update_layer``): ``alpha / sqrt(rank)`` with rsLoRA, else ``alpha / rank``."""
+    return alpha / (math.sqrt(rank) if use_rslora else rank)
+
+
+def peft_scaling(cfg: Mapping[str, Any], module: str | None = None, matcher=None) -> float:
+    """The scaling PEFT gives ``module``'s LoRA (``LoraLayer.scaling``) under adapter config ``cfg``;
+    ``module=None``: the adapter-wide one (patterns not applied)."""
+    return scaling_rule(*module_rank_alpha(cfg, module, matcher), bool(cfg.get("use_rslora", False)))
+
+
 def read_adapter_config(path: PathLike) -> dict:
     """``<path>/adapter_config.json`` as a dict; ``AdapterFormatError(file, field, problem)`` where
     the directory or file is missing, not UTF-8, not JSON or not an object."""
@@ -183,7 +215,7 @@ def adapter_info(path: PathLike) -> AdapterInfo:
     cfg = read_adapter_config(path)
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterFormatError(path / ADAPTER_CONFIG, "peft_type", f"{cfg.get('peft_type')!r} is not LORA")
-    r = int(cfg.get("r", 8))
+    r = module_rank_alpha(cfg)[0]
     pattern = cfg.get("rank_pattern") or {}
     return AdapterInfo(
         path=path,

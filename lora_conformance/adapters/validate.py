@@ -34,7 +34,8 @@ from lora_conformance.patterns import PatternError, PatternMatcher
 from lora_conformance.checkpoints import ADAPTER_CONFIG as CONFIG
 from lora_conformance.checkpoints import ADAPTER_WEIGHTS as WEIGHTS
 from lora_conformance.checkpoints import PEFT_PREFIX as PREFIX
-from lora_conformance.checkpoints import is_encoder, pattern_value, read_adapter_config, split_lora_key
+from lora_conformance.checkpoints import (PEFT_DEFAULT_ALPHA, PEFT_DEFAULT_R, is_encoder, module_rank_alpha,
+                                          pattern_value, read_adapter_config, scaling_rule, split_lora_key)
 from lora_conformance.engines.base import AdapterFormatError
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -163,10 +164,10 @@ def check_config(cfg: dict, f: Path, base: BaseShapes, matcher: Optional[Pattern
 
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         bad("peft_type", f"{cfg.get('peft_type')!r}; expected LORA")
-    r = cfg.get("r", 8)
+    r = cfg.get("r", PEFT_DEFAULT_R)
     if not _is_int(r) or r < 1:
         bad("r", f"{r!r}; expected an integer >= 1")
-    if not _is_number(cfg.get("lora_alpha", 8)):
+    if not _is_number(cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)):
         bad("lora_alpha", f"{cfg.get('lora_alpha')!r}; expected a finite number")
     for key in ("use_rslora", "use_dora", "lora_bias"):
         if key in cfg and cfg[key] is not None and not isinstance(cfg[key], bool):
@@ -311,7 +312,7 @@ def check_tensors(tensors: dict, f: Path, cfg: dict, base: BaseShapes, max_rank:
             _check_other(key, lk.module, t, base, bad)
     if not pairs:
         bad("tensors", "no lora_A / lora_B tensors")
-    r0 = cfg.get("r", 8)
+    r0 = cfg.get("r", PEFT_DEFAULT_R)
     rank_pattern = cfg.get("rank_pattern") or {}
     targets = cfg.get("target_modules")
     for (mod, depth), ts in sorted(pairs.items()):
@@ -362,13 +363,11 @@ def check_tensors(tensors: dict, f: Path, cfg: dict, base: BaseShapes, max_rank:
 
 def module_params(pairs: dict, cfg: dict, f: Path, matcher: PatternMatcher) -> dict:
     """module -> (rank, alpha) as PEFT resolves them (rank_pattern / alpha_pattern, first key wins)."""
-    r0, alpha0 = cfg.get("r", 8), cfg.get("lora_alpha", 8)
     out = {}
     for mod, _ in pairs:
         hf_mod = _hf_name(mod)
         try:
-            out[hf_mod] = (int(matcher.value_for(cfg.get("rank_pattern") or {}, hf_mod, r0)),
-                           float(matcher.value_for(cfg.get("alpha_pattern") or {}, hf_mod, alpha0)))
+            out[hf_mod] = module_rank_alpha(cfg, hf_mod, matcher)
         except PatternError as exc:
             raise AdapterFormatError(f.parent / CONFIG, "alpha_pattern", str(exc)) from None
     return out
@@ -401,8 +400,8 @@ def check_values(tensors: dict, pairs: dict, params: dict, cfg: dict, f: Path, d
     for (mod, _), ts in pairs.items():
         hf_mod = _hf_name(mod)
         r, alpha = params[hf_mod]
-        scale = alpha / (math.sqrt(r) if rs else r)
-        field = "alpha_pattern" if alpha != float(cfg.get("lora_alpha", 8)) else "lora_alpha"
+        scale = scaling_rule(r, alpha, rs)
+        field = "alpha_pattern" if alpha != module_rank_alpha(cfg)[1] else "lora_alpha"
         if not math.isfinite(float(torch.tensor(scale, dtype=torch.float64).to(cd))):
             raise AdapterFormatError(cfg_file, field, f"{alpha!r} gives {hf_mod} the scaling {scale:.3g} "
                                                       f"(alpha/{'sqrt(r)' if rs else 'r'}), not finite in the "

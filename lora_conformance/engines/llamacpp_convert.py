@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -227,10 +226,8 @@ def convert_model(model_dir: Path, cache_dir: Path, weight_type: str) -> Path:
 
 
 def module_scaling(cfg: Mapping, module: str) -> tuple[int, float]:
-    """PEFT's (rank, scaling) of ``module``: rank/alpha patterns, rsLoRA."""
-    r = int(checkpoints.pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", 8)))
-    alpha = float(checkpoints.pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", 8)))
-    return r, alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    """PEFT's (rank, scaling) of ``module`` (``checkpoints.peft_scaling``: rank/alpha patterns, rsLoRA)."""
+    return checkpoints.module_rank_alpha(cfg, module)[0], checkpoints.peft_scaling(cfg, module)
 
 
 def convert_adapter(adapter_dir: Path, model_dir: Path, cache_dir: Path, max_rank: int | None = None,
@@ -272,7 +269,7 @@ def convert_adapter(adapter_dir: Path, model_dir: Path, cache_dir: Path, max_ran
                 raise UnsupportedFeatureError(f"engine 'llamacpp': {weights}: tensor {key} is not a plain LoRA factor")
             factors.setdefault(k.module, {})[k.factor] = value.astype(np.float32)
             factors[k.module]["embedding"] = k.embedding
-        alpha = float(cfg.get("lora_alpha", 8)) or 1.0
+        alpha = checkpoints.module_rank_alpha(cfg)[1] or 1.0  # GGUF's one alpha (PEFT's default 8 if unset)
         w = gguf.GGUFWriter(str(tmp), arch)
         w.add_string("general.type", "adapter")
         w.add_string("adapter.type", "lora")
@@ -292,7 +289,7 @@ def convert_adapter(adapter_dir: Path, model_dir: Path, cache_dir: Path, max_ran
             r, scaling = module_scaling(cfg, module)
             if (a.shape[1] if f["embedding"] else a.shape[0]) != r:
                 raise AdapterFormatError(weights, module, f"rank {a.shape[0]} but the config says r={r}")
-            b = b * np.float32(scaling / (alpha / r))
+            b = b * np.float32(scaling / checkpoints.scaling_rule(r, alpha, use_rslora=False))  # llama.cpp: alpha / r
             heads = _heads_to_interleave(config, arch, target)
             if heads is not None:
                 b = interleave_heads(b, heads)

@@ -52,14 +52,13 @@ Engine args: ``OpenVINOArgs`` below (``lora-conformance engines describe openvin
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from lora_conformance import devices
-from lora_conformance.checkpoints import ADAPTER_CONFIG
+from lora_conformance.checkpoints import ADAPTER_CONFIG, peft_scaling
 from lora_conformance.engines._hf_common import AdapterInfo, read_adapter_info
 from lora_conformance.engines.args import Ignore, Rename, arg
 from lora_conformance.engines.base import (
@@ -100,8 +99,7 @@ def adapter_scaling(info: AdapterInfo) -> float:
     if info.rank <= 0:
         raise AdapterFormatError(info.path / ADAPTER_CONFIG, "r",
                                  f"{info.rank}: the blend weight passed to GenAI is lora_alpha / r, which needs r > 0")
-    alpha = float(info.raw.get("lora_alpha", info.rank))
-    return alpha / (math.sqrt(info.rank) if info.use_rslora else info.rank)
+    return peft_scaling(info.raw)  # a missing lora_alpha is PEFT's default, 8
 
 
 def adapter_modules(path: Path) -> set[str]:

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from lora_conformance.checkpoints import pattern_value, split_lora_key
+from lora_conformance.checkpoints import module_rank_alpha, pattern_value, split_lora_key
 from lora_conformance.engines.base import AdapterIncompatibleError, UnsupportedFeatureError
 from lora_conformance.engines.builtin.engine.plan import AdapterRules
 from lora_conformance.engines.builtin.variants import Variant
@@ -79,7 +79,7 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
     if any(k.endswith("lora_magnitude_vector") for k in tensors):
         raise UnsupportedFeatureError(f"DoRA magnitude vectors in {path} are not supported by the builtin engine")
 
-    r0, alpha0, rs = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8)), bool(cfg.get("use_rslora", False))
+    (r0, alpha0), rs = module_rank_alpha(cfg), bool(cfg.get("use_rslora", False))
     rank_pat, alpha_pat = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
     targets = cfg.get("target_modules")
     tparams = list(cfg.get("target_parameters") or [])
@@ -120,8 +120,7 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
                 f"adapter {path}: rank {r} of {target} ({field_} in adapter_config.json) exceeds max_rank={max_rank}"
             )
         key_for_patterns = mod if kind_m == "expert" else target
-        rm, am = checked.module_params.get(key_for_patterns) or (
-            int(pattern_value(rank_pat, key_for_patterns, r0)), float(pattern_value(alpha_pat, key_for_patterns, alpha0)))
+        rm, am = checked.module_params.get(key_for_patterns) or module_rank_alpha(cfg, key_for_patterns)
         scale = rules.scaling.of(r0, alpha0, rm, am, rs)
         A, B = _stored_factors(A.float(), B.float(), rules.variant, dtype)
         packed = _pack(kind_m, module, A, B, r, E, scale, max_rank, dtype, path, target)

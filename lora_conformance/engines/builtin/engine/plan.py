@@ -11,11 +11,11 @@ catalogue's names (``faults.py``) are read here only.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from lora_conformance import devices
+from lora_conformance.checkpoints import scaling_rule
 from lora_conformance.engines.builtin.faults import DROPPABLE_LINEAR_MODULES, Faults
 from lora_conformance.engines.builtin.engine.sharding import ShardRules
 from lora_conformance.engines.builtin.layers.lora import ExpertLora
@@ -51,7 +51,8 @@ class Routing:
 
 @dataclass(frozen=True)
 class Scaling:
-    """How an adapter module's scaling is computed from its config (correct: every field default)."""
+    """How an adapter module's scaling is computed from its config (correct: every field default:
+    PEFT's rule, ``checkpoints.scaling_rule``; each fault leaves out one of its parts)."""
 
     patterns: bool = True  # rank_pattern / alpha_pattern honoured
     rslora: bool = True  # use_rslora honoured
@@ -61,8 +62,7 @@ class Scaling:
     def of(self, r0: int, alpha0: float, rm: int, am: float, use_rslora: bool) -> float:
         if not self.patterns:
             rm, am = r0, alpha0
-        rs = use_rslora and self.rslora
-        scale = am / (math.sqrt(rm) if rs else rm) if self.over_rank else am
+        scale = scaling_rule(rm, am, use_rslora and self.rslora) if self.over_rank else am
         return scale * self.factor if self.factor != 1.0 else scale
 
 
