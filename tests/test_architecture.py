@@ -203,6 +203,64 @@ def test_the_ownership_check_catches_what_it_should(tmp_path):
     assert "engines/adapter.py:2" not in bad  # a message naming the file is not a reader of it
 
 
+# ---- PEFT's scaling rule: one copy ---------------------------------------------------------------
+
+SCALING_OWNER = "lora_conformance.checkpoints"  # module_rank_alpha / scaling_rule / peft_scaling
+
+
+def _mentions_alpha(node: ast.AST) -> bool:
+    return any((isinstance(n, ast.Name) and "alpha" in n.id.lower())
+               or (isinstance(n, ast.Attribute) and "alpha" in n.attr.lower())
+               or (isinstance(n, ast.Constant) and n.value == "lora_alpha") for n in ast.walk(node))
+
+
+def _rslora_denominator(node: ast.AST) -> bool:
+    """``(sqrt(r) if rs else r)``: the rsLoRA choice, whatever the numerator is called."""
+    def is_sqrt(n):
+        f = getattr(n, "func", None)
+        return isinstance(n, ast.Call) and getattr(f, "id", getattr(f, "attr", None)) == "sqrt"
+    return isinstance(node, ast.IfExp) and (is_sqrt(node.body) or is_sqrt(node.orelse))
+
+
+def scaling_rule_violations(root: Path) -> list[str]:
+    """Divisions that compute PEFT's scaling outside its owner: an alpha divided by anything, or
+    anything divided by the rsLoRA choice ``(sqrt(r) if rs else r)`` (its defaults and patterns were
+    copied with it, and one copy got the default of a missing lora_alpha wrong)."""
+    out = []
+    for module, path, tree in _modules(root):
+        if module == SCALING_OWNER:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and (
+                    _mentions_alpha(node.left) or _rslora_denominator(node.right)):
+                out.append(f"{path.relative_to(root)}:{node.lineno}: computes a LoRA scaling itself "
+                           f"({ast.unparse(node)[:80]}; use {SCALING_OWNER})")
+    return out
+
+
+def test_peft_s_scaling_rule_has_one_owner():
+    bad = scaling_rule_violations(ROOT)
+    assert not bad, "PEFT's scaling rule outside its owner:\n" + "\n".join(bad)
+
+
+def test_the_scaling_rule_check_catches_what_it_should(tmp_path):
+    root = _tree(tmp_path, {
+        "lora_conformance/__init__.py": "",
+        "lora_conformance/checkpoints.py": "def scaling_rule(r, a, rs):\n    return a / (sqrt(r) if rs else r)\n",
+        "lora_conformance/engines/ov.py": "def s(info):\n    return float(info.raw.get('lora_alpha', 8)) / info.rank\n",
+        "lora_conformance/engines/plan.py": "import math\ndef of(am, rm, rs):\n"
+                                            "    return am / (math.sqrt(rm) if rs else rm)\n",
+        "lora_conformance/engines/cpp.py": "def f(s, alpha, r):\n    return s / (alpha / r)\n",
+        "lora_conformance/models/norm.py": "import math\ndef f(x, n):\n    return x / math.sqrt(n) + x.mean() / n\n",
+    })
+    bad = "\n".join(scaling_rule_violations(root))
+    assert "engines/ov.py:2: computes a LoRA scaling itself" in bad
+    assert "engines/plan.py:3: computes a LoRA scaling itself" in bad
+    assert "engines/cpp.py:2: computes a LoRA scaling itself" in bad
+    assert "checkpoints.py" not in bad and "norm.py" not in bad  # the owner; a norm's sqrt is no scaling
+    assert len(bad.splitlines()) == 3, bad
+
+
 # ---- no history in the product --------------------------------------------------------------
 
 # Where the product lives; reports/ is the lab notebook and may carry dates and runs.

@@ -5,6 +5,7 @@ reference and the engines all follow; adapter configs and LoRA tensor names are 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -207,3 +208,155 @@ def test_build_directory_once_failure_leaves_nothing(tmp_path):
         fileio.build_directory_once(final, lambda d: (d / "done").is_file(), build)
     assert not final.exists()
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+# ---- PEFT's scaling, one copy ------------------------------------------------------------
+
+# Adapter configs as adapter_config.json may hold them: lora_alpha or r missing (PEFT's defaults,
+# 8 and 8), rsLoRA, and rank / alpha patterns.
+SCALING_CONFIGS = {
+    "no-r-no-alpha": {},
+    "no-alpha": {"r": 4},
+    "no-alpha-rslora": {"r": 16, "use_rslora": True},
+    "alpha": {"r": 4, "lora_alpha": 12},
+    "rslora": {"r": 4, "lora_alpha": 6, "use_rslora": True},
+    "patterns": {"r": 4, "lora_alpha": 16, "rank_pattern": {"v_proj": 2},
+                 "alpha_pattern": {"layers.1.q_proj": 3}},
+    "patterns-no-alpha-rslora": {"r": 4, "use_rslora": True, "rank_pattern": {"layers.0.v_proj": 16},
+                                 "alpha_pattern": {"q_proj": 5}},
+}
+
+
+def _tiny_peft_model(cfg: dict):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.v_proj = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block(), Block()])
+
+    return get_peft_model(Tiny(), LoraConfig(target_modules=["q_proj", "v_proj"], **cfg))
+
+
+def test_peft_s_defaults_are_the_shared_ones():
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    assert (LoraConfig().r, LoraConfig().lora_alpha) == (checkpoints.PEFT_DEFAULT_R, checkpoints.PEFT_DEFAULT_ALPHA)
+
+
+@pytest.mark.parametrize("name", sorted(SCALING_CONFIGS))
+def test_peft_scaling_is_peft_s_own_per_module(name):
+    """checkpoints.peft_scaling / module_rank_alpha against PEFT's LoraLayer.scaling / r / lora_alpha."""
+    pytest.importorskip("peft")
+    from peft.tuners.lora.layer import LoraLayer
+
+    cfg = SCALING_CONFIGS[name]
+    layers = [(n.removeprefix("base_model.model."), m) for n, m in _tiny_peft_model(cfg).named_modules()
+              if isinstance(m, LoraLayer)]
+    assert len(layers) == 4
+    for module, layer in layers:
+        assert checkpoints.module_rank_alpha(cfg, module) == (layer.r["default"], layer.lora_alpha["default"]), module
+        assert checkpoints.peft_scaling(cfg, module) == pytest.approx(layer.scaling["default"], rel=1e-12), module
+    if name.startswith("no-alpha"):  # PEFT's 8, not r (what the OpenVINO plugin once assumed)
+        assert checkpoints.module_rank_alpha(cfg)[1] == 8 != cfg["r"]
+
+
+def _no_alpha_config(tmp_path: Path, **cfg) -> Path:
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "target_modules": ["q_proj", "v_proj"], **cfg}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("rslora, want", [(False, 8 / 4), (True, 8 / 2)])
+def test_openvino_blend_weight_without_lora_alpha_is_peft_s(tmp_path, rslora, want):
+    """GenAI never reads adapter_config.json: the plugin's blend weight must be PEFT's scaling,
+    lora_alpha defaulting to 8 (it was r: 1.0 here, half of PEFT's)."""
+    from lora_conformance.engines._hf_common import read_adapter_info
+    from lora_conformance.engines.openvino_engine import adapter_scaling
+
+    info = read_adapter_info(_no_alpha_config(tmp_path, r=4, use_rslora=rslora))
+    assert adapter_scaling(info) == pytest.approx(want)
+
+
+def test_llamacpp_converter_scaling_without_lora_alpha_is_peft_s():
+    from lora_conformance.engines.llamacpp_convert import module_scaling
+
+    cfg = {"r": 4, "rank_pattern": {"v_proj": 2}}
+    assert module_scaling(cfg, "model.layers.0.self_attn.q_proj") == (4, 8 / 4)
+    assert module_scaling(cfg, "model.layers.0.self_attn.v_proj") == (2, 8 / 2)
+    assert module_scaling({**cfg, "use_rslora": True}, "model.layers.0.self_attn.q_proj") == (4, 8 / 2)
+
+
+def test_llamacpp_gguf_of_an_adapter_without_lora_alpha(tmp_path):
+    """The converted GGUF LoRA, as llama.cpp applies it (GGUF alpha / tensor rank x lora_b @ lora_a),
+    is PEFT's delta: lora_alpha 8 where the config has none."""
+    pytest.importorskip("peft")
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tiny_models import build_adapter, build_llama
+
+    from lora_conformance.engines.llamacpp_convert import convert_adapter
+
+    base = build_llama(tmp_path / "llama")
+    ad = build_adapter(base, tmp_path / "ad", seed=1, r=4, target_modules=["v_proj", "o_proj"],
+                       rank_pattern={"o_proj": 2})
+    cfg = json.loads((ad / "adapter_config.json").read_text())
+    del cfg["lora_alpha"]
+    (ad / "adapter_config.json").write_text(json.dumps(cfg))
+    reader = gguf.GGUFReader(str(convert_adapter(ad, base, tmp_path / "gguf")))
+    alpha = float(reader.fields["adapter.lora.alpha"].parts[-1][0])
+    got = {t.name: np.array(t.data).reshape([int(n) for n in reversed(t.shape)]) for t in reader.tensors}
+    peft = load_file(str(ad / "adapter_model.safetensors"))
+    assert alpha == 8
+    for module, target, scaling in (("model.layers.1.self_attn.v_proj", "blk.1.attn_v", 8 / 4),
+                                    ("model.layers.1.self_attn.o_proj", "blk.1.attn_output", 8 / 2)):
+        a, b = got[f"{target}.weight.lora_a"], got[f"{target}.weight.lora_b"]
+        A, B = (peft[f"base_model.model.{module}.lora_{f}.weight"] for f in "AB")
+        want = scaling * (B @ A)
+        np.testing.assert_allclose(alpha / a.shape[0] * (b @ a), want, rtol=1e-5, atol=1e-6)
+
+
+def test_builtin_engine_serves_an_adapter_without_lora_alpha_as_the_reference(tmp_path):
+    """An adapter_config.json without lora_alpha, through the built-in engine and through the
+    reference (HF + PEFT): the same logprobs; and different from the adapter with lora_alpha = r
+    (the wrong default), so the check can tell them apart."""
+    pytest.importorskip("peft")
+    from lora_conformance.adapters import AdapterSpec, synthesize_adapter
+    from lora_conformance.compare import ConformanceAssertionError, assert_logprobs_close
+    from lora_conformance.engines import create_engine
+    from lora_conformance.models import resolve_base_model
+    from lora_conformance.reference import ReferenceRunner
+    from lora_conformance.types import GenerationRequest
+
+    model = resolve_base_model("synthetic:llama", tmp_path / "models")
+    dirs = {}
+    for name, alpha in (("missing", None), ("alpha_r", 4)):
+        d = synthesize_adapter(model, AdapterSpec(seed=1, rank=4), tmp_path / name)
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        cfg.pop("lora_alpha")
+        if alpha is not None:
+            cfg["lora_alpha"] = alpha
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+        dirs[name] = d
+    requests = [GenerationRequest("once upon a time there was a dragon who", adapter=a, max_new_tokens=6, top_k=5)
+                for a in dirs]
+    references = ReferenceRunner(model).generate(requests, dirs)
+    engine = create_engine("builtin", model, "cpu", "float32", {})
+    try:
+        engine.load_adapter("missing", dirs["missing"])
+        out = engine.generate(requests[:1])[0]
+    finally:
+        engine.close()
+    assert_logprobs_close(out, references[0], "float32")
+    with pytest.raises(ConformanceAssertionError):
+        assert_logprobs_close(out, references[1], "float32")
