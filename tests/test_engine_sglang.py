@@ -1,14 +1,20 @@
-"""The sglang engine plugin against a stand-in ``sglang`` module (tests/_sglang_standin.py).
+"""The sglang engine plugin, against a stand-in ``sglang`` module and against real SGLang.
 
-SGLang does not run here (PyPI's 0.5.23 pins torch 2.14.1 and ships CUDA kernels). The
-stand-in follows SGLang's offline API and enforces SGLang's LoRA limits with its error texts;
-these tests check the plugin's mapping, its per-release capabilities, its up-front validation,
-and how it types SGLang's answers.
+The stand-in (tests/_sglang_standin.py) follows SGLang's offline API and enforces SGLang's LoRA
+limits with its error texts, for every release the plugin maps: these tests check the plugin's
+mapping, its per-release capabilities, its up-front validation and how it types SGLang's answers.
+
+The ``real`` tests start SGLang 0.5.15.post1 itself on cpu, offline and served, and compare it
+with the peft engine; they run where SGLang is importable (the venv of ci/install_sglang_cpu.sh:
+``/work/venv-sglang/bin/python -m pytest tests/test_engine_sglang.py``) and skip elsewhere. The
+pin_memory workaround's tests need only torch.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _sglang_standin as standin  # noqa: E402
-from _tiny_models import build_bert, build_llama  # noqa: E402
+from _tiny_models import build_adapter, build_bert, build_llama  # noqa: E402
 
 from lora_conformance.engines.base import (  # noqa: E402
     AdapterIncompatibleError,
@@ -91,7 +97,7 @@ def test_standard_args_in_sglangs_words(fake_sglang, model_dir):
 
 
 def test_defaults_pass_sglangs_own_checks(fake_sglang, model_dir):
-    e = SGLangEngine(model_dir, "cpu", "float32", {"overlap_loading": "1", "max_loras_per_batch": "2"})
+    e = SGLangEngine(model_dir, "cuda", "bfloat16", {"overlap_loading": "1", "max_loras_per_batch": "2"})
     kw = server(e).kwargs  # the stand-in asserts SGLang's start-up rules on these
     assert kw["enable_lora_overlap_loading"] is True and kw["max_loaded_loras"] == 6  # <= 2 x 3 (base counted)
     assert "disable_radix_cache" not in kw and "lora_eviction_policy" not in kw and "tp_size" not in kw
@@ -160,7 +166,7 @@ def test_release_rows():
 ])
 def test_capabilities_follow_the_release(sglang_release, model_dir, version, present, absent):
     sglang_release(version)
-    caps = {c.value for c in SGLangEngine(model_dir, "cpu", "float32", {}).capabilities}
+    caps = {c.value for c in SGLangEngine(model_dir, "cuda", "bfloat16", {}).capabilities}
     assert present <= caps, f"{version}: missing {present - caps}"
     assert not (absent & caps), f"{version}: declares {absent & caps}"
     assert not ({"rslora", "rank_pattern", "dora", "modules_to_save", "lora_bias"} & caps)  # no release reads these
@@ -310,3 +316,232 @@ def test_embeddings(fake_sglang, tmp_path):
     assert e.embed(["a", "b"]) == [[0.6, 0.8], [0.6, 0.8]]
     assert e.embed(["a"], "enc") == [[0.0, 1.0]]
     assert server(e).calls[-1] == ("encode", ["a"], ["enc"])
+
+
+# ---- the pin_memory workaround (sgl-project/sglang#31894) -------------------------------------------
+
+from lora_conformance.engines import sglang_cpu_workaround as workaround  # noqa: E402
+
+PIN = "import torch; t = torch.empty(3, pin_memory=True); print(t.pin_memory() is t, torch.tensor([1], pin_memory=True).sum().item())"
+
+
+def _python(code, env_extra=None, workaround_on=False):
+    env = {k: v for k, v in os.environ.items() if k != workaround.ENV}
+    env.update(env_extra or {})
+    if workaround_on:
+        env = workaround.environment(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def _have_accelerator() -> bool:
+    import torch
+
+    return workaround.accelerator_present(torch)
+
+
+@pytest.mark.skipif(_have_accelerator(), reason="this host has an accelerator: pinned memory works, nothing to work around")
+def test_workaround_makes_pin_memory_a_no_op_only_where_switched_on():
+    plain = _python(PIN)
+    assert plain.returncode != 0, "pinned memory worked without an accelerator: the workaround has nothing to do"
+    on = _python(PIN, workaround_on=True)
+    assert on.returncode == 0, on.stderr[-2000:]
+    assert on.stdout.split() == ["True", "1"]
+    # The directory on PYTHONPATH alone does nothing: the switch is needed too.
+    path_only = _python(PIN, {"PYTHONPATH": str(workaround.DIR)})
+    assert path_only.returncode != 0
+    assert workaround.applies("cpu")
+
+
+def test_workaround_never_applies_where_pinned_memory_exists(monkeypatch):
+    import torch
+
+    assert not workaround.applies("cuda") and not workaround.applies("xpu")
+    monkeypatch.setattr(workaround, "accelerator_present", lambda t: True)
+    assert not workaround.applies("cpu")
+    # The sitecustomize checks again in SGLang's process: with an accelerator it patches nothing.
+    from lora_conformance.engines.sglang_cpu_workaround import sitecustomize
+
+    monkeypatch.setenv(workaround.ENV, "1")
+    monkeypatch.setattr(sitecustomize, "accelerator_present", lambda t: True)
+    before = torch.Tensor.pin_memory
+    assert sitecustomize.apply() is False and torch.Tensor.pin_memory is before
+
+
+def test_workaround_shown_in_version_and_not_on_accelerators(fake_sglang, model_dir):
+    cpu = SGLangEngine(model_dir, "cpu", "float32", {})
+    if not _have_accelerator():
+        assert cpu.workaround and cpu.version() == "sglang 0.5.23 + pin_memory workaround (sglang#31894)"
+        shown = cpu.settings()["effective"]["pin_memory workaround"]
+        assert shown.startswith("on:") and "31894" in shown
+    off = SGLangEngine(model_dir, "cpu", "float32", {"pin_memory_workaround": "off"})
+    assert not off.workaround and off.version() == "sglang 0.5.23"
+    gpu = SGLangEngine(model_dir, "cuda", "bfloat16", {})
+    assert not gpu.workaround and gpu.version() == "sglang 0.5.23"
+
+
+def test_cpu_declares_what_sglang_runs_there(fake_sglang, model_dir):
+    """On cpu: torch_native attention and LoRA (ours, with the reason), a bounded KV pool; no MoE,
+    tensor parallel, overlap loading or graphs, each with the source line that says why."""
+    e = SGLangEngine(model_dir, "cpu", "float32", {"overlap_loading": "1", "max_loras_per_batch": "2"})
+    kw = server(e).kwargs
+    assert (kw["lora_backend"], kw["attention_backend"], kw["max_total_tokens"]) == ("torch_native", "torch_native",
+                                                                                      32768)
+    absent = {Capability.MOE, Capability.TENSOR_PARALLEL, Capability.OVERLAP_LOADING, Capability.GRAPHS,
+              Capability.INFLIGHT_LIFECYCLE, Capability.RSLORA, Capability.RANK_PATTERN}
+    assert not (absent & e.capabilities)
+    reasons = SGLangEngine.not_declared_reasons(e.cfg, model_dir, "cpu")
+    assert absent <= set(reasons) and all(".py" in reasons[c] for c in absent - {Capability.GRAPHS,
+                                                                                   Capability.TENSOR_PARALLEL})
+    assert SGLangEngine.backends("cpu") == {"lora_backend": ("torch_native",)}
+    differs = e.settings()["differs_from_engine_default"]
+    assert {"lora_backend", "attention_backend", "max_total_tokens"} <= set(differs)
+    assert all(differs[k]["why"] for k in ("lora_backend", "attention_backend", "max_total_tokens"))
+    served = SGLangEngine.parse_args({"mode": "served"})
+    assert Capability.INFLIGHT_LIFECYCLE not in SGLangEngine.not_declared_reasons(served, model_dir, "cpu")
+
+
+# ---- SGLang for real (0.5.15.post1 on cpu) ------------------------------------------------------------
+
+def _real_sglang() -> bool:
+    from importlib import metadata
+
+    try:
+        return bool(metadata.version("sglang"))
+    except metadata.PackageNotFoundError:
+        return False
+
+
+needs_sglang = pytest.mark.skipif(
+    not _real_sglang(),
+    reason="SGLang is not installed here; create its venv with ci/install_sglang_cpu.sh and run "
+           "`/work/venv-sglang/bin/python -m pytest tests/test_engine_sglang.py`",
+)
+PROMPTS = ["the cat sat on the mat", "a dog", "one two three four five six seven"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang_real")
+    base = build_llama(root / "llama")
+    mk = lambda name, **kw: build_adapter(base, root / name, **kw)  # noqa: E731
+    return {
+        "base": base,
+        "a1": mk("a1", seed=1),
+        "a2": mk("a2", seed=2, r=4, alpha=8),
+        "emb": mk("emb", seed=3, target_modules=["embed_tokens", "lm_head", "v_proj"]),
+        "rs": mk("rs", seed=4, r=4, alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
+        "rs_plain": mk("rs_plain", seed=4, r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
+        "dora": mk("dora", seed=5, target_modules=["q_proj"], use_dora=True),
+    }
+
+
+@pytest.fixture(scope="module", params=["offline", "served"])
+def real(request, ckpt):
+    import importlib
+
+    sys.modules.pop("sglang", None)
+    importlib.import_module("sglang")  # the real package, not a stand-in left by another test
+    from lora_conformance.engines.peft_engine import PeftEngine
+
+    se = SGLangEngine(ckpt["base"], "cpu", "float32", {"mode": request.param, "max_loras_per_batch": "3",
+                                                        "max_loaded_loras": "6", "max_rank": "8"})
+    pe = PeftEngine(ckpt["base"], "cpu", "float32", {})
+    yield se, pe
+    se.close()
+    se.close()  # twice is safe
+
+
+def _assert_same(s, p, where, atol=1e-4):
+    assert s.token_ids == p.token_ids, f"{where}: sglang {s.token_ids} != peft {p.token_ids}"
+    for i, (a, b) in enumerate(zip(s.logprobs, p.logprobs)):
+        assert a.keys() == b.keys(), f"{where} step {i}: top-k ids {sorted(a)} != {sorted(b)}"
+        assert max(abs(a[t] - b[t]) for t in a) < atol, f"{where} step {i}: {a} vs {b}"
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_real_sglang_matches_peft(ckpt, real):
+    se, pe = real
+    assert se.version().startswith("sglang 0.5.15.post1")
+    if not _have_accelerator():
+        assert se.version().endswith("+ pin_memory workaround (sglang#31894)")
+    assert {Capability.MIXED_BATCH, Capability.PINNING, Capability.LM_HEAD, Capability.PREFIX_CACHE} <= se.capabilities
+    assert (Capability.INFLIGHT_LIFECYCLE in se.capabilities) == se.served
+    base = [GenerationRequest(p, None, 5, 4) for p in PROMPTS]
+    for s, p in zip(se.generate(base), pe.generate(base)):
+        _assert_same(s, p, "base")
+    for n in ("a1", "a2", "emb"):
+        se.load_adapter(n, ckpt[n])
+        pe.load_adapter(n, ckpt[n])
+    assert se.list_adapters() == se.engine_adapters() == ["a1", "a2", "emb"]
+    for adapters in (["a1", "a2", "emb"], ["emb", None, "a1"]):
+        reqs = [GenerationRequest(p, a, 6, 4) for p, a in zip(PROMPTS, adapters)]
+        for s, p, r in zip(se.generate(reqs), pe.generate(reqs), reqs):
+            _assert_same(s, p, f"adapter {r.adapter}")
+    req = [GenerationRequest(PROMPTS[0], "emb", 2, 3, prompt_logprobs=True)]
+    s, p = se.generate(req)[0], pe.generate(req)[0]
+    assert s.prompt_token_ids == p.prompt_token_ids and len(s.prompt_logprobs) == len(s.prompt_token_ids) - 1
+    for x, y in zip(s.prompt_logprobs, p.prompt_logprobs):
+        assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-4
+    for n in ("a1", "a2", "emb"):
+        se.unload_adapter(n)
+    assert se.engine_adapters() == []
+    assert se.reset_prefix_cache()
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_real_sglang_serves_rslora_as_plain_lora(ckpt, real):
+    """Why rslora is not declared: SGLang serves a use_rslora adapter exactly as the same weights
+    without it (scaling alpha / r, srt/lora/lora.py:71), where PEFT scales by alpha / sqrt(r)."""
+    se, pe = real
+    se.load_adapter("rs", ckpt["rs"])
+    pe.load_adapter("rs_plain", ckpt["rs_plain"])
+    pe.load_adapter("rs", ckpt["rs"])
+    req = [GenerationRequest(PROMPTS[2], "rs", 6, 4)]
+    got = se.generate(req)[0]
+    _assert_same(got, pe.generate([GenerationRequest(PROMPTS[2], "rs_plain", 6, 4)])[0], "rslora served as plain")
+    rs = pe.generate(req)[0]
+    assert got.logprobs != rs.logprobs, "the rsLoRA and plain scalings must differ for this check to mean anything"
+    se.unload_adapter("rs")
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_real_sglang_refuses_dora_itself(ckpt, real):
+    se, _ = real
+    with pytest.raises(UnsupportedFeatureError, match="DoRA"):
+        se.load_adapter("dora", ckpt["dora"])
+    assert "dora" not in se.list_adapters() and "dora" not in (se.engine_adapters() or [])
+    se.generate([GenerationRequest(PROMPTS[0], None, 2, 1)])
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_real_sglang_served_unload_drains_running_requests(ckpt, real):
+    """mode=served: SGLang's registry waits for the requests holding an adapter before it unloads it."""
+    se, pe = real
+    if not se.served:
+        pytest.skip("the offline Engine serves one call at a time (not declared)")
+    se.load_adapter("w", ckpt["a1"])
+    pe.load_adapter("w", ckpt["a1"])
+    req = [GenerationRequest(PROMPTS[2], "w", 48, 2, ignore_eos=True)]
+    handle = se.submit(req)
+    assert handle.wait_started(120)
+    assert not handle.done()
+    se.unload_adapter("w")
+    out = handle.result(120)[0]
+    assert out.token_ids == pe.generate(req)[0].token_ids
+    assert "w" not in se.engine_adapters()
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_real_sglang_settings_name_every_change(real):
+    se, _ = real
+    s = se.settings()
+    eff, differs = s["effective"], s["differs_from_engine_default"]
+    assert eff["mode"] == ("served" if se.served else "offline")
+    assert eff["attention_backend (SGLang's)"] == "torch_native" and eff["lora_backend (SGLang's)"] == "torch_native"
+    assert eff["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert {"attention_backend", "lora_backend", "max_total_tokens"} <= set(differs)

@@ -1,19 +1,43 @@
-"""The ``sglang`` engine: SGLang's offline ``sglang.Engine`` with LoRA enabled.
+"""The ``sglang`` engine: SGLang with LoRA enabled, offline (``sglang.Engine``) or served.
 
-NOT YET RUN ON REAL HARDWARE by this project: PyPI's SGLang (0.5.23) pins torch 2.14.1 and
-ships CUDA kernels, so it runs neither on the CPU machines this project is developed on nor
-beside the torch 2.11 of the H200 lent to it. What it declares and how it maps requests were
-read from SGLang's source (``sglang_releases.py`` lists the files and releases) and are
-tested against a stand-in that enforces SGLang's limits and answers with its error texts
-(tests/_sglang_standin.py, tests/test_engine_sglang.py). Treat the first real run as a test
-of this plugin too.
+Run for real on SGLang 0.5.15.post1 on a CPU-only host (``ci/install_sglang_cpu.sh``;
+docs/sglang.md has the runs, what is declared and the evidence for what is not); the
+stand-in of tests/_sglang_standin.py checks the mapping for the other releases the table in
+``sglang_releases.py`` maps.
+
+Two modes (engine arg ``mode``):
+
+- ``offline`` (default): ``sglang.Engine(**server_args)`` in this process; its scheduler and
+  detokenizer are processes SGLang spawns.
+- ``served``: ``python -m sglang.launch_server`` (the interpreter of ``python``, default this one)
+  bound to 127.0.0.1 on a free port, started and stopped (its whole process group) by the
+  plugin; requests go to SGLang's native routes ``POST /generate`` (the same fields as
+  ``Engine.generate``), ``/load_lora_adapter``, ``/unload_lora_adapter``, ``/flush_cache``, and
+  ``GET /v1/models`` (the adapters SGLang holds). Only here is the in-flight lifecycle declared:
+  ``submit`` streams each request (``"stream": true``) on a thread of its own while adapters
+  load and unload through the server, and SGLang itself drains an adapter before unloading it
+  (``srt/lora/lora_registry.py``: ``unregister`` then ``wait_for_unload`` until no request
+  holds it); the plugin does not wait in its place. The offline ``Engine`` runs every call
+  with ``loop.run_until_complete`` on one event loop (``srt/entrypoints/engine.py``), so it
+  cannot take a load while a generate runs: not declared there.
+
+On a host without an accelerator, and only there, the plugin applies the one change it makes
+to SGLang's environment: ``pin_memory`` is a no-op in SGLang's processes
+(``lora_conformance/engines/sglang_cpu_workaround``; sgl-project/sglang#31894: every LoRA
+backend asks for pinned memory per batch, which PyTorch refuses without an accelerator). The
+version string, the report's engine settings and the matrix row name it. On cpu the plugin also
+sets ``SGLANG_USE_CPU_ENGINE=1`` (SGLang's own switch for a host without sgl_kernel) and, where
+the run does not choose, ``attention_backend=torch_native`` and ``lora_backend=torch_native``:
+SGLang's cpu defaults (``intel_amx`` attention, ``csgmv`` LoRA) need sgl_kernel's CPU ops and
+Triton, neither of which exists on such a host (``settings()`` lists them as ours).
 
 Capabilities come from the installed release's row in ``sglang_releases.RELEASES``
-(``sglang.__version__``) and the configuration: the radix cache (prefix_cache) unless turned
-off, pinning, host-cache eviction past max_loaded_loras (max_loaded, 0.5.8+), the configured
-pool eviction policy, overlap loading, embed_tokens / lm_head (0.5.8+, when targeted), MoE
-(0.5.13+), graphs unless disabled, tensor parallel. Never rslora or rank_pattern: no release
-reads ``use_rslora`` or the patterns.
+(``sglang.__version__``), the configuration and the device: the radix cache (prefix_cache)
+unless turned off, pinning, host-cache eviction past max_loaded_loras (max_loaded, 0.5.8+), the
+configured pool eviction policy, overlap loading, embed_tokens / lm_head (0.5.8+, when
+targeted), MoE (0.5.13+, not on cpu), graphs unless disabled, tensor parallel (not on cpu).
+Never rslora, rank_pattern, DoRA, modules_to_save or LoRA biases (``NOT_DECLARED`` has the
+source lines).
 
 Standard args in SGLang's words: max_loras_per_batch -> max_loras_per_batch + 1 (SGLang
 counts the base model as a slot), max_loaded_loras, max_rank -> max_lora_rank, eviction ->
@@ -26,29 +50,40 @@ What the plugin does in SGLang's place (nothing else is refused or repaired; SGL
 adapter as it is): a start-up configuration SGLang refuses is refused first with SGLang's own
 message (its checks run in ``ServerArgs.__post_init__`` inside a subprocess, whose traceback would
 otherwise be the only trace); a name loaded again is unloaded first (SGLang answers "already
-loaded"); the first prompt-logprob entry (None) is dropped and top-k lists become dicts (format).
+loaded"); a request naming an adapter the plugin has not loaded is refused before sending
+(SGLang would load it again from its ``lora_ref_cache``); the first prompt-logprob entry (None)
+is dropped and top-k lists become dicts (format).
 
-Requests: one ``generate`` call per batch: ``prompt=[...]``, one sampling-params dict per
-request (``temperature=0``, ``max_new_tokens``, ``ignore_eos``), ``lora_path=[name or None]``,
-``return_logprob=True``, ``top_logprobs_num=[k]``, ``logprob_start_len=[0 or -1]``;
-``meta_info["output_top_logprobs"]`` per step a list of ``(logprob, token_id, text)``;
-``meta_info["input_top_logprobs"]`` the same per prompt position, the first one None (dropped,
-so entry i predicts token i+1); token ids from ``output_ids``.
-
-Engine args: the standard ones, and max_lora_rank, lora_target_modules, lora_backend,
-lora_eviction_policy, enable_lora_overlap_loading, attention_backend, mem_fraction_static,
-context_length, disable_cuda_graph, disable_radix_cache, chunked_prefill_size, tp_size,
-random_seed, capabilities (an explicit list overriding the declared set, for a verified
-deployment).
+Requests: one ``generate`` call (offline) or one ``/generate`` body (served) per batch:
+``text``/``prompt=[...]``, one sampling-params dict per request (``temperature=0``,
+``max_new_tokens``, ``ignore_eos``), ``lora_path=[name or None]``, ``return_logprob=True``,
+``top_logprobs_num=[k]``, ``logprob_start_len=[0 or -1]``; ``meta_info["output_top_logprobs"]``
+per step a list of ``(logprob, token_id, text)``; ``meta_info["input_top_logprobs"]`` the same per
+prompt position, the first one None (dropped, so entry i predicts token i+1); token ids from
+``output_ids``.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from lora_conformance import devices
+from lora_conformance.engines import sglang_cpu_workaround as workaround
 from lora_conformance.engines._hf_common import is_encoder_only, load_tokenizer, trim_topk
 from lora_conformance.engines.args import Rename, Via, arg, capability_list
 from lora_conformance.engines.base import (
@@ -60,18 +95,60 @@ from lora_conformance.engines.base import (
     EngineError,
     EngineFailure,
     Limits,
+    RequestHandle,
     UnsupportedFeatureError,
 )
 from lora_conformance.engines.sglang_releases import ConfigRefused, Release, ServerConfig, release_for, validate
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
 EVICTION = {"lru": Capability.EVICTION_LRU, "fifo": Capability.EVICTION_FIFO}
+MODES = ("offline", "served")
+CPU_BACKEND = "torch_native"  # the attention and LoRA backend SGLang can run on a host without sgl_kernel
+# On cpu SGLang sizes its KV pool from mem_fraction_static of the host's free memory (two engines of
+# the synthetic model held 12 GB on a 23 GB host); the suites need a few thousand tokens at most.
+CPU_MAX_TOTAL_TOKENS = 32768
+# The largest answer read from the server (a batch with prompt logprobs is a few MiB).
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 
 # SGLang's error texts (srt/lora/lora_manager.py, lora_registry.py, managers/tokenizer_*) -> our types.
 CAPACITY_TEXTS = ("not allowed to pin all slots", "maximum number of loaded lora adapters",
                   "didn't find any lora adapters when trying to evict", "unique loras requested")
 NOT_LOADED_TEXTS = ("never been loaded", "does not exist", "are not loaded")
 UNSUPPORTED_TEXTS = ("doesn't support dora", "add tokens to the vocabulary", "not support")
+
+_V = "sglang 0.5.15.post1 python/sglang/"  # where the lines below were read
+# Why a capability is not declared, with the source lines (read in the installed 0.5.15.post1).
+NOT_DECLARED = {
+    Capability.RSLORA: f"{_V}srt/lora/lora_config.py:42-45 reads only target_modules, r, lora_alpha and use_dora "
+                       "from adapter_config.json, and srt/lora/lora.py:71 sets scaling = lora_alpha / r: "
+                       "use_rslora is never read",
+    Capability.RANK_PATTERN: f"{_V}srt/lora/lora_config.py:42-45: rank_pattern / alpha_pattern are never read; "
+                             "every module of an adapter gets r and lora_alpha (srt/lora/lora.py:71)",
+    Capability.DORA: f"{_V}srt/lora/lora_manager.py:212 refuses an adapter with use_dora",
+    Capability.MODULES_TO_SAVE: f"{_V}srt/lora/lora.py:_process_weight keeps layer weights, embed_tokens / lm_head "
+                                "LoRA and added-token embeddings; no modules_to_save copy is read",
+    Capability.LORA_BIAS: f"{_V}srt/lora/lora.py, srt/lora/layers.py: the LoRA layers compute B(A(x)) * scaling "
+                          "with no lora_B bias term",
+    Capability.GRAPHS: "on cpu SGLang runs no CUDA graphs (srt/server_args.py: 'Cuda graph is disabled because of "
+                       "using torch native attention backend'; the plugin starts it with disable_cuda_graph): there is "
+                       "no second runtime mode to compare",
+    Capability.OVERLAP_LOADING: f"{_V}srt/lora/lora_overlap_loader.py:6-8 and 75 wait on torch.cuda streams "
+                                "(torch.cuda.current_stream().wait_event(event)), which a cpu-only host lacks; "
+                                "srt/server_args.py:6760-6768: it exists to overlap pinned H2D copies with compute, "
+                                "and a cpu run has no such copy",
+    Capability.MOE: f"{_V}srt/layers/moe: MoE LoRA runs in the fused MoE runners (srt/lora/lora_moe_runners.py, "
+                    "Triton / Marlin kernels); the cpu fused MoE path is sgl_kernel's, which this host cannot install",
+    Capability.TENSOR_PARALLEL: "tensor parallelism on cpu needs sgl_kernel's shared-memory all-reduce "
+                                "(srt/distributed, SGLANG_USE_CPU_ENGINE path); not available on a host without "
+                                "sgl_kernel",
+    Capability.INFLIGHT_LIFECYCLE: f"mode=offline: {_V}srt/entrypoints/engine.py:407-414 runs every Engine call with "
+                                   "self.loop.run_until_complete on one event loop, so no load or unload can run "
+                                   "while a generate call does (mode=served declares it)",
+    Capability.CHUNKED_PREFILL: "not mapped to a capability yet: chunked_prefill_size is passed on, but no run of "
+                                "the chunked-prefill suite against SGLang has been checked",
+}
+# On cpu the backends SGLang can run (engine-arg key -> values): the others need Triton or sgl_kernel.
+_CPU_BACKENDS = {"lora_backend": (CPU_BACKEND,)}
 
 
 def map_sglang_error(message: str, what: str) -> EngineError:
@@ -94,17 +171,29 @@ class SGLangArgs:
     """SGLang's own server arguments, passed on as named. Their values are checked by SGLang's
     own rules (``sglang_releases.validate``, with SGLang's messages) before it starts."""
 
+    mode: str = arg("offline", "offline: sglang.Engine in this process; served: a launched sglang.launch_server "
+                               "on 127.0.0.1, through /generate, /load_lora_adapter and /unload_lora_adapter",
+                    choices=MODES)
+    python: Optional[str] = arg(None, "mode=served: the interpreter that runs sglang.launch_server (default: this "
+                                      "one)")
+    startup_timeout: float = arg(600.0, "mode=served: seconds the server may take to answer /health", minimum=0)
+    request_timeout: float = arg(300.0, "mode=served: seconds for one whole HTTP exchange", minimum=0)
+    pin_memory_workaround: str = arg("auto", "auto: pin_memory is a no-op in SGLang's processes on a cpu run where "
+                                             "no accelerator exists (sglang#31894), never elsewhere; off: never",
+                                     choices=("auto", "off"))
     max_loras_per_batch: int = arg(8, "SGLang max_loras_per_batch, the base model counted as one (the standard "
                                       "arg, which does not count it, sets this to its value + 1)", minimum=1)
     max_loaded_loras: Optional[int] = arg(None, "SGLang max_loaded_loras (default: 2 x max_loras_per_batch with "
                                                 "overlap loading, else max(16, max_loras_per_batch))")
     max_lora_rank: int = arg(64, "SGLang max_lora_rank")
     lora_target_modules: str = arg("all", "SGLang lora_target_modules, comma or space separated")
-    lora_backend: Optional[str] = arg(None, "SGLang lora_backend (default: SGLang's)")
+    lora_backend: Optional[str] = arg(None, "SGLang lora_backend (default: SGLang's; torch_native on cpu)")
     lora_eviction_policy: Optional[str] = arg(None, "SGLang lora_eviction_policy (default: SGLang's, lru)")
     enable_lora_overlap_loading: bool = arg(False, "SGLang enable_lora_overlap_loading")
-    attention_backend: Optional[str] = arg(None, "SGLang attention_backend (default: SGLang's)")
+    attention_backend: Optional[str] = arg(None, "SGLang attention_backend (default: SGLang's; torch_native on cpu)")
     mem_fraction_static: Optional[float] = arg(None, "SGLang mem_fraction_static (default: SGLang's)")
+    max_total_tokens: Optional[int] = arg(None, f"SGLang max_total_tokens, the KV pool in tokens (default: "
+                                                f"{CPU_MAX_TOTAL_TOKENS} on cpu, SGLang's elsewhere)", minimum=1)
     context_length: Optional[int] = arg(None, "SGLang context_length (default: the model's)")
     disable_cuda_graph: Optional[bool] = arg(None, "SGLang disable_cuda_graph (default: on for cpu)")
     disable_radix_cache: Optional[bool] = arg(None, "SGLang disable_radix_cache (default: off where the release "
@@ -124,7 +213,6 @@ def _batch_with_base(value: str) -> dict[str, str]:
 
 def installed_release() -> Optional[Release]:
     """The release row of the SGLang that ``import sglang`` would give (None: none, or unmapped)."""
-    import sys
     from importlib import metadata
 
     mod = sys.modules.get("sglang")
@@ -137,6 +225,14 @@ def installed_release() -> Optional[Release]:
 
 def _disable_cuda_graph(a: SGLangArgs, device: str) -> bool:
     return devices.device_type(device) == "cpu" if a.disable_cuda_graph is None else a.disable_cuda_graph
+
+
+def _on_cpu(device: str) -> bool:
+    return devices.device_type(device) == "cpu"
+
+
+def _workaround_on(a: SGLangArgs, device: str) -> bool:
+    return a.pin_memory_workaround == "auto" and workaround.applies(devices.device_type(device))
 
 
 class SGLangEngine(Engine):
@@ -158,32 +254,72 @@ class SGLangEngine(Engine):
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
         self.cfg = self.parse_args(self.args)
-        try:
-            import sglang
-        except ImportError as exc:
-            raise EngineFailure(f"engine 'sglang' needs SGLang installed ({exc}): pip install 'lora-conformance[sglang]'") from exc
-        self._version = str(getattr(sglang, "__version__", "unknown"))
+        self.served = self.cfg.mode == "served"
+        self.engine = None
+        self._server: Optional[_Server] = None
+        self._adapters: dict[str, str] = {}
+        self._tokenizer = None
+        self._tok_lock = threading.Lock()
+        self.workaround = _workaround_on(self.cfg, device)
+        if _on_cpu(device):
+            # SGLang's own switch for a cpu host without sgl_kernel (srt/platforms/__init__.py); read
+            # where SGLang is imported, so set before the import (offline) or in the server's environment.
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        if self.served:
+            self._version = self._served_version()
+        else:
+            try:
+                import sglang
+            except ImportError as exc:
+                raise EngineFailure(f"engine 'sglang' needs SGLang installed ({exc}): pip install "
+                                    "'lora-conformance[sglang]' (cpu: ci/install_sglang_cpu.sh)") from exc
+            self._version = str(getattr(sglang, "__version__", "unknown"))
         try:
             self.release = release_for(self._version)
         except ValueError as exc:
             raise EngineFailure(f"engine 'sglang': {exc}") from None
         self.is_encoder = is_encoder_only(self.model_dir)
-        self.config = self._server_config(self.cfg, self.release)
+        self.config = self._server_config(self.cfg, self.release, device)
         try:
             validate(self.release, self.config)
         except ConfigRefused as exc:
             raise UnsupportedFeatureError(f"engine 'sglang' ({self._version}): {exc}") from None
-        kwargs = self._server_args(self.config)
-        devices.set_start_method_for(device)  # SGLang on accelerators needs spawn
-        try:
-            self.engine = sglang.Engine(**kwargs)
-        except Exception as exc:  # start-up failures come in many types; all mean "cannot serve"
-            raise EngineFailure(f"SGLang failed to start for {self.model_dir}: {type(exc).__name__}: {exc}") from exc
-        self._adapters: dict[str, str] = {}
-        self._tokenizer = None
+        self.kwargs = self._server_args(self.config)
         self.capabilities = self._capabilities(self.cfg, self.release, self.config, self.is_encoder, device)
         c = self.config
         self.limits = Limits(max(1, c.max_loras_per_batch - 1), c.max_loaded_loras, c.max_lora_rank)
+        if self.served:
+            self._server = _Server(self, self.kwargs)
+            return
+        devices.set_start_method_for(device)  # SGLang on accelerators needs spawn
+        saved = {k: os.environ.get(k) for k in ("PYTHONPATH", workaround.ENV)}
+        try:
+            if self.workaround:
+                # The scheduler and detokenizer SGLang spawns read these at their start; this
+                # process (the reference's, the tests') never gets the workaround.
+                os.environ.update(workaround.environment(dict(os.environ)))
+            self.engine = sglang.Engine(**self.kwargs)
+        except Exception as exc:  # start-up failures come in many types; all mean "cannot serve"
+            raise EngineFailure(f"SGLang failed to start for {self.model_dir}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _served_version(self) -> str:
+        """The SGLang version of the interpreter that will run the server."""
+        python = self.cfg.python or sys.executable
+        try:
+            out = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+                                 capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise EngineFailure(f"engine 'sglang' (served): cannot run {python!r}: {exc}") from exc
+        if out.returncode != 0:
+            raise EngineFailure(f"engine 'sglang' (served): {python} has no SGLang installed: "
+                                f"{out.stderr.strip().splitlines()[-1:]}")
+        return out.stdout.strip()
 
     @classmethod
     def declared_capabilities(cls, cfg: SGLangArgs, model_dir: Optional[Path], device: str):
@@ -192,7 +328,7 @@ class SGLangEngine(Engine):
         release = installed_release()
         if release is None:
             return None
-        config = cls._server_config(cfg, release)
+        config = cls._server_config(cfg, release, device)
         try:
             validate(release, config)
         except ConfigRefused:
@@ -201,26 +337,45 @@ class SGLangEngine(Engine):
         return cls._capabilities(cfg, release, config, encoder, device)
 
     @classmethod
+    def not_declared_reasons(cls, cfg: SGLangArgs, model_dir: Optional[Path], device: str):
+        declared = cls.declared_capabilities(cfg, model_dir, device) or frozenset()
+        if cfg.capabilities:
+            return {}
+        reasons = {c: why for c, why in NOT_DECLARED.items() if c not in declared}
+        if cfg.mode == "served":
+            reasons.pop(Capability.INFLIGHT_LIFECYCLE, None)
+        if not _on_cpu(device):  # the cpu-only reasons do not hold elsewhere
+            for c in (Capability.GRAPHS, Capability.OVERLAP_LOADING, Capability.MOE, Capability.TENSOR_PARALLEL):
+                reasons.pop(c, None)
+        return reasons
+
+    @classmethod
     def declared_limits(cls, cfg: SGLangArgs, model_dir: Optional[Path], device: str) -> Optional[Limits]:
         release = installed_release()
         if release is None:
             return None
-        c = cls._server_config(cfg, release)
+        c = cls._server_config(cfg, release, device)
         return Limits(max(1, c.max_loras_per_batch - 1), c.max_loaded_loras, c.max_lora_rank)
 
+    @classmethod
+    def backends(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
+        """On cpu only torch_native runs (triton and csgmv are Triton kernels; ascend is an NPU's)."""
+        return dict(_CPU_BACKENDS) if device_type == "cpu" else {}
+
     @staticmethod
-    def _server_config(a: SGLangArgs, release: Release) -> ServerConfig:
+    def _server_config(a: SGLangArgs, release: Release, device: str = "cpu") -> ServerConfig:
         per_batch = a.max_loras_per_batch
         overlap = a.enable_lora_overlap_loading
         # With overlap loading SGLang allows at most 2 x max_loras_per_batch loaded adapters.
         loaded = a.max_loaded_loras if a.max_loaded_loras is not None else (
             2 * per_batch if overlap else max(16, per_batch))
+        backend = a.lora_backend or (CPU_BACKEND if _on_cpu(device) and CPU_BACKEND in release.lora_backends else None)
         return ServerConfig(
             max_loras_per_batch=per_batch,
             max_loaded_loras=loaded,
             max_lora_rank=a.max_lora_rank,
             lora_target_modules=tuple(a.lora_target_modules.replace(",", " ").split()),
-            lora_backend=a.lora_backend or None,
+            lora_backend=backend,
             lora_eviction_policy=a.lora_eviction_policy or None,
             enable_lora_overlap_loading=overlap,
             disable_radix_cache=not release.radix_cache if a.disable_radix_cache is None else a.disable_radix_cache,
@@ -242,6 +397,7 @@ class SGLangEngine(Engine):
             disable_cuda_graph=_disable_cuda_graph(a, self.device),
             random_seed=a.random_seed,
         )
+        attention = a.attention_backend or (CPU_BACKEND if _on_cpu(self.device) else None)
         optional = {
             "lora_backend": c.lora_backend,
             "lora_eviction_policy": c.lora_eviction_policy,
@@ -249,8 +405,9 @@ class SGLangEngine(Engine):
             "disable_radix_cache": c.disable_radix_cache or None,
             "chunked_prefill_size": c.chunked_prefill_size,
             "tp_size": c.tp_size if c.tp_size != 1 else None,
-            "attention_backend": a.attention_backend or None,
+            "attention_backend": attention,
             "mem_fraction_static": a.mem_fraction_static,
+            "max_total_tokens": a.max_total_tokens or (CPU_MAX_TOTAL_TOKENS if _on_cpu(self.device) else None),
             "context_length": a.context_length,
             "is_embedding": True if self.is_encoder else None,
             "base_gpu_id": int(self.device.split(":", 1)[1]) if ":" in self.device else None,
@@ -271,18 +428,20 @@ class SGLangEngine(Engine):
             return {Capability.parse(x) for x in a.capabilities.replace(",", " ").split()}
         if is_encoder:
             return {Capability.EMBEDDINGS, Capability.DYNAMIC_LOADING} | evicts
-        caps = {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.PROMPT_LOGPROBS,
-                Capability.TENSOR_PARALLEL} | evicts
+        cpu = _on_cpu(device)
+        caps = {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.PROMPT_LOGPROBS} | evicts
         targets = set(c.lora_target_modules)
         flags = {
             Capability.PINNING: release.pinning,
             Capability.MAX_LOADED: release.beyond_max_loaded == "evict",
-            Capability.OVERLAP_LOADING: c.enable_lora_overlap_loading,
+            Capability.OVERLAP_LOADING: c.enable_lora_overlap_loading and not cpu,
             Capability.PREFIX_CACHE: release.radix_cache and not c.disable_radix_cache,
             Capability.GRAPHS: not _disable_cuda_graph(a, device),
             Capability.EMBED_TOKENS: release.embed_tokens and bool(targets & {"all", "embed_tokens"}),
             Capability.LM_HEAD: release.lm_head and bool(targets & {"all", "lm_head"}),
-            Capability.MOE: release.moe,
+            Capability.MOE: release.moe and not cpu,
+            Capability.TENSOR_PARALLEL: not cpu,
+            Capability.INFLIGHT_LIFECYCLE: a.mode == "served",
         }
         return caps | {cap for cap, on in flags.items() if on}
 
@@ -291,14 +450,21 @@ class SGLangEngine(Engine):
     def load_adapter(self, name: str, path: Path, pinned: bool = False) -> None:
         if name in self._adapters:
             self.unload_adapter(name)  # SGLang refuses a loaded name ("already loaded")
-        out = self._call("load_lora_adapter", name, str(path), pinned)
+        if self.served:
+            out = self._server.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path),
+                                                           "pinned": bool(pinned)}, update=True)
+        else:
+            out = self._call("load_lora_adapter", name, str(path), pinned)
         self._check_update(out, f"loading adapter {name!r} from {path}")
         self._adapters[name] = str(path)
 
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
             raise AdapterNotLoadedError(name, self.list_adapters())
-        out = self._call("unload_lora_adapter", name)
+        if self.served:
+            out = self._server.post("/unload_lora_adapter", {"lora_name": name}, update=True)
+        else:
+            out = self._call("unload_lora_adapter", name)
         try:
             self._check_update(out, f"unloading adapter {name!r}")
         except EngineError as exc:
@@ -312,6 +478,37 @@ class SGLangEngine(Engine):
     def list_adapters(self) -> list[str]:
         return sorted(self._adapters)
 
+    def engine_adapters(self) -> Optional[list[str]]:
+        """The adapters SGLang's tokenizer-side registry holds (``LoRARegistry``; served: the
+        ``/v1/models`` entries with a parent). Past max_loaded_loras SGLang unregisters the least
+        recently used one (it loads it again when a request names it)."""
+        if self.served:
+            body = self._server.request("GET", "/v1/models")
+            data = body.get("data") if isinstance(body, dict) else None
+            if not isinstance(data, list):
+                raise EngineFailure(f"SGLang /v1/models: expected an object with a 'data' list, got {str(body)[:300]}")
+            return sorted(m["id"] for m in data if isinstance(m, dict) and m.get("parent") and "id" in m)
+        if self.engine is None:
+            raise EngineFailure("SGLang engine is closed")
+        registry = getattr(getattr(self.engine, "tokenizer_manager", None), "lora_registry", None)
+        if registry is None:
+            return None
+        return sorted(registry.get_all_adapters())
+
+    def reset_prefix_cache(self) -> bool:
+        """SGLang's own flush of the radix cache (``Engine.flush_cache`` / ``POST /flush_cache``);
+        it refuses while requests run, as none do between tests."""
+        if self.served:
+            try:
+                self._server.request("POST", "/flush_cache")
+                return True
+            except EngineError:
+                return False
+        if self.engine is None or not hasattr(self.engine, "flush_cache"):
+            return False
+        out = self._call("flush_cache")
+        return bool(out.get("success", True) if isinstance(out, dict) else getattr(out, "success", True))
+
     def _check_update(self, out: Any, what: str) -> None:
         """SGLang answers LoRA updates with an object (success, error_message), not an exception."""
         ok = out.get("success", True) if isinstance(out, dict) else getattr(out, "success", True)
@@ -322,13 +519,8 @@ class SGLangEngine(Engine):
 
     # ---- generation -----------------------------------------------------------------
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        self.require_loaded(requests)
-        if not requests:
-            return []
-        outs = self._call(
-            "generate",
-            prompt=[r.prompt for r in requests],
+    def _generate_fields(self, requests: Sequence[GenerationRequest]) -> dict[str, Any]:
+        return dict(
             sampling_params=[{"temperature": 0.0, "max_new_tokens": r.max_new_tokens, "ignore_eos": r.ignore_eos}
                              for r in requests],
             lora_path=[r.adapter for r in requests],
@@ -336,11 +528,52 @@ class SGLangEngine(Engine):
             top_logprobs_num=[r.top_k for r in requests],
             logprob_start_len=[0 if r.prompt_logprobs else -1 for r in requests],
         )
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        self.require_loaded(requests)
+        if not requests:
+            return []
+        if self.served:
+            outs = self._server.post("/generate", {"text": [r.prompt for r in requests],
+                                                   **self._generate_fields(requests)})
+        else:
+            outs = self._call("generate", prompt=[r.prompt for r in requests], **self._generate_fields(requests))
         if isinstance(outs, dict):
             outs = [outs]
-        if len(outs) != len(requests):
-            raise EngineFailure(f"SGLang returned {len(outs)} outputs for {len(requests)} requests")
+        if not isinstance(outs, list) or len(outs) != len(requests):
+            raise EngineFailure(f"SGLang returned {len(outs) if isinstance(outs, list) else type(outs).__name__} "
+                                f"outputs for {len(requests)} requests")
         return [self._result(r, o) for r, o in zip(requests, outs)]
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> RequestHandle:
+        """mode=served: each request streams from ``/generate`` on a thread of its own, so the handle
+        knows when its first token came; adapters load and unload meanwhile through the server,
+        whose registry drains a name before unloading it (the plugin does not wait in its place)."""
+        if Capability.INFLIGHT_LIFECYCLE not in self.capabilities or not self.served:
+            return super().submit(requests)
+        self.require_loaded(requests)
+        started = [threading.Event() for _ in requests]
+        pool = ThreadPoolExecutor(max_workers=max(1, len(requests)))
+        futures = [pool.submit(self._one_streamed, r, ev) for r, ev in zip(requests, started)]
+        pool.shutdown(wait=False)
+        return _StreamHandle(futures, started)
+
+    def _one_streamed(self, req: GenerationRequest, started: threading.Event) -> GenerationResult:
+        body = {"text": req.prompt, "stream": True,
+                **{k: v[0] if isinstance(v, list) else v for k, v in self._generate_fields([req]).items()}}
+        last = None
+        try:
+            for chunk in self._server.stream("/generate", body):
+                if "error" in chunk:
+                    raise map_sglang_error(str((chunk.get("error") or {}).get("message", chunk)), "generate (stream)")
+                last = chunk
+                if chunk.get("output_ids") or (chunk.get("meta_info") or {}).get("completion_tokens"):
+                    started.set()
+        finally:
+            started.set()
+        if last is None:
+            raise EngineFailure("SGLang's streamed /generate ended without an answer")
+        return self._result(req, last)
 
     @staticmethod
     def _top(entries: Optional[Sequence], k: int) -> TopK:
@@ -370,7 +603,10 @@ class SGLangEngine(Engine):
             raise UnsupportedFeatureError(f"engine 'sglang': {self.model_dir} is not an embedding model")
         if adapter is not None and adapter not in self._adapters:
             raise AdapterNotLoadedError(adapter, self.list_adapters())
-        outs = self._call("encode", prompt=list(texts), lora_path=[adapter] * len(texts))
+        if self.served:
+            outs = self._server.post("/encode", {"text": list(texts), "lora_path": [adapter] * len(texts)})
+        else:
+            outs = self._call("encode", prompt=list(texts), lora_path=[adapter] * len(texts))
         if isinstance(outs, dict):
             outs = [outs]
         vectors = []
@@ -399,12 +635,17 @@ class SGLangEngine(Engine):
             raise EngineFailure(f"SGLang {method}: {type(exc).__name__}: {exc}") from exc
 
     def _tok(self):
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.model_dir)
+        # Called from submit's threads too; transformers' lazy imports are not thread-safe.
+        with self._tok_lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self.model_dir)
         return self._tokenizer
 
     def close(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None
+        server, self._server = getattr(self, "_server", None), None
+        if server is not None:
+            server.stop()
         if engine is not None:
             try:
                 engine.shutdown()
@@ -412,4 +653,306 @@ class SGLangEngine(Engine):
                 pass  # already gone
 
     def version(self) -> str:
-        return f"sglang {self._version}"
+        base = f"sglang {self._version}"
+        return f"{base} + {workaround.LABEL}" if self.workaround else base
+
+    # Why a setting of ours differs from SGLang's default.
+    WHY = {
+        "attention_backend": "SGLang's cpu default, intel_amx, needs sgl_kernel's CPU ops, which a host without "
+                             "sgl_kernel lacks; torch_native is SGLang's own PyTorch attention",
+        "lora_backend": "SGLang's default, csgmv, is Triton kernels, which do not run on cpu; torch_native is "
+                        "SGLang's own PyTorch LoRA backend",
+        "max_loras_per_batch": "the suites' standard max_loras_per_batch + 1 (SGLang counts the base model)",
+        "max_loaded_loras": "given explicitly: SGLang's default is unbounded (None)",
+        "max_lora_rank": "given explicitly, so adapters load at run time without --lora-paths",
+        "lora_target_modules": "given explicitly ('all'), so adapters load at run time without --lora-paths",
+        "enable_lora": "LoRA on, the feature under test",
+        "random_seed": "a fixed seed (greedy decoding does not use it)",
+        "disable_cuda_graph": "no CUDA graphs on cpu",
+        "max_total_tokens": "on cpu SGLang sizes the KV pool from the host's free memory (mem_fraction_static): two "
+                            "engines of the synthetic model held 12 GB of a 23 GB host shared with other work; the "
+                            "suites' requests need a few thousand tokens",
+    }
+
+    def settings(self) -> dict:
+        """SGLang's effective server args for LoRA and the run (read back from SGLang where it
+        tells), the environment changes the plugin made, and each of our args that differs from
+        SGLang's default, with the reason."""
+        effective: dict[str, Any] = {"mode": self.cfg.mode}
+        effective.update({k: (" ".join(v) if isinstance(v, list) else v) for k, v in self.kwargs.items()
+                          if k != "model_path"})
+        read_back = self._read_back()
+        effective.update(read_back)
+        effective["SGLANG_USE_CPU_ENGINE"] = os.environ.get("SGLANG_USE_CPU_ENGINE") if _on_cpu(self.device) else None
+        effective["pin_memory workaround"] = (f"on: pin_memory is a no-op in SGLang's processes, no accelerator on "
+                                              f"this host ({workaround.LINK})" if self.workaround else "off")
+        defaults = _sglang_defaults()
+        differs = {}
+        for k, v in self.kwargs.items():
+            if k in ("model_path", "device", "dtype", "is_embedding", "base_gpu_id"):
+                continue
+            default = defaults.get(k, "?")
+            shown = " ".join(v) if isinstance(v, list) else v
+            if default != v and not (isinstance(default, (set, list, tuple)) and sorted(default) == sorted(v)):
+                differs[k] = {"ours": shown, "engine_default": default if not isinstance(default, set) else
+                              sorted(default), "why": self.WHY.get(k, "")}
+        return {"effective": {k: v for k, v in effective.items() if v is not None},
+                "differs_from_engine_default": differs}
+
+    def _read_back(self) -> dict:
+        keys = ("attention_backend", "lora_backend", "sampling_backend", "chunked_prefill_size", "max_running_requests",
+                "disable_radix_cache", "lora_eviction_policy", "max_loaded_loras", "mem_fraction_static",
+                "context_length", "schedule_policy")
+        try:
+            if self.served:
+                info = self._server.request("GET", "/server_info")
+            else:
+                info = vars(self.engine.server_args) if self.engine is not None else {}
+        except Exception:  # noqa: BLE001 - the settings table is informative; the run goes on
+            return {}
+        if not isinstance(info, dict):
+            return {}
+        return {f"{k} (SGLang's)": info[k] for k in keys if k in info and not isinstance(info[k], (dict, list))}
+
+
+def _sglang_defaults() -> dict:
+    """ServerArgs' field defaults of the installed SGLang ({} where it cannot be imported here)."""
+    try:
+        import dataclasses as dc
+
+        from sglang.srt.server_args import ServerArgs
+    except Exception:  # noqa: BLE001 - not installed here (served from another interpreter)
+        return {}
+    return {f.name: f.default for f in dc.fields(ServerArgs) if f.default is not dc.MISSING}
+
+
+class _StreamHandle(RequestHandle):
+    def __init__(self, futures, started):
+        self._futures, self._started = futures, started
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait_started(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(ev.wait(max(0.0, deadline - time.monotonic())) for ev in self._started)
+
+    def result(self, timeout: float) -> list[GenerationResult]:
+        deadline = time.monotonic() + timeout
+        out = []
+        for f in self._futures:
+            try:
+                out.append(f.result(max(0.0, deadline - time.monotonic())))
+            except TimeoutError as exc:
+                raise EngineFailure(f"streamed requests did not finish within {timeout:g} s") from exc
+        return out
+
+
+def _cli(kwargs: Mapping[str, Any]) -> list[str]:
+    """``sglang.launch_server``'s argument list for the same server args ``sglang.Engine`` takes."""
+    argv: list[str] = []
+    for k, v in kwargs.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            if v:
+                argv.append(flag)
+        elif isinstance(v, (list, tuple)):
+            argv += [flag, *map(str, v)]
+        else:
+            argv += [flag, str(v)]
+    return argv
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """``python -m sglang.launch_server`` on 127.0.0.1, its log, and HTTP to it (standard library,
+    never a proxy; one deadline per exchange)."""
+
+    def __init__(self, engine: SGLangEngine, kwargs: Mapping[str, Any]):
+        cfg = engine.cfg
+        self.timeout = cfg.request_timeout
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        python = cfg.python or sys.executable
+        self.argv = [python, "-m", "sglang.launch_server", *_cli(kwargs), "--host", "127.0.0.1",
+                     "--port", str(self.port)]
+        env = dict(os.environ)
+        if _on_cpu(engine.device):
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if engine.workaround:
+            env = workaround.environment(env)
+        log = tempfile.NamedTemporaryFile("wb", prefix="lora-conformance-sglang-", suffix=".log", delete=False)
+        self.log_path = Path(log.name)
+        self.keep_log = False
+        try:
+            self.proc: Optional[subprocess.Popen] = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        except OSError as exc:
+            raise EngineFailure(f"engine 'sglang': cannot start {shlex.join(self.argv)}: {exc}") from exc
+        finally:
+            log.close()
+        try:
+            self._wait_ready(cfg.startup_timeout)
+        except BaseException:
+            self.keep_log = True
+            self.stop()
+            raise
+
+    def _wait_ready(self, startup_timeout: float) -> None:
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineFailure(f"SGLang server exited with code {self.proc.returncode} during start-up "
+                                    f"({shlex.join(self.argv)}); log {self.log_path}:\n{self.log_tail()}")
+            try:
+                self.request("GET", "/health", timeout=5)
+                return
+            except (EngineError, OSError):
+                time.sleep(1.0)
+        raise EngineFailure(f"SGLang server not healthy on {self.url}/health after {startup_timeout:.0f} s; "
+                            f"log {self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)  # our own session: the server and its scheduler processes
+                proc.wait(timeout=30)
+            except (ProcessLookupError, PermissionError):
+                pass
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+        elif proc is not None and proc.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL):
+            self.keep_log = True  # it died on its own: the log says why
+        if not self.keep_log:
+            self.log_path.unlink(missing_ok=True)
+
+    def _died(self) -> Optional[EngineFailure]:
+        if self.proc is None:
+            return EngineFailure("SGLang engine is closed")
+        if self.proc.poll() is not None:
+            self.keep_log = True
+            return EngineFailure(f"SGLang server exited with code {self.proc.returncode}; log {self.log_path}:\n"
+                                 f"{self.log_tail()}")
+        return None
+
+    def post(self, route: str, body: Any, update: bool = False) -> Any:
+        """POST a JSON body. ``update``: SGLang answers LoRA updates with 400 and a body
+        ``{"success": false, "error_message": ...}``, which is returned for the caller to read."""
+        return self.request("POST", route, body, update=update)
+
+    def request(self, method: str, route: str, body: Any = None, timeout: Optional[float] = None,
+                update: bool = False) -> Any:
+        died = self._died()
+        if died is not None:
+            raise died
+        status, raw = self._exchange(method, route, body, timeout or self.timeout)
+        text = raw.decode("utf-8", errors="replace")
+        try:
+            parsed = json.loads(text) if text.strip() else None
+        except ValueError:
+            parsed = text  # some routes (flush_cache) answer in plain text
+        if status >= 400:
+            if update and isinstance(parsed, dict) and "success" in parsed:
+                return parsed
+            message = parsed
+            if isinstance(parsed, dict):
+                err = parsed.get("error", parsed)
+                message = err.get("message", err) if isinstance(err, dict) else err
+            raise map_sglang_error(str(message), f"{method} {route} answered {status}")
+        if not 200 <= status < 300:
+            raise EngineFailure(f"SGLang {method} {route}: answered {status}; expected 2xx")
+        return parsed
+
+    def _exchange(self, method: str, route: str, body: Any, budget: float) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=budget)
+        expired = threading.Event()
+
+        def expire():  # unblocks a recv() that a trickling server keeps alive
+            expired.set()
+            if conn.sock is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(budget, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            conn.request(method, route, body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            chunks, size = [], 0
+            while not expired.is_set():
+                chunk = resp.read1(65536)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > MAX_RESPONSE_BYTES:
+                    raise EngineFailure(f"SGLang {method} {route}: answer over {MAX_RESPONSE_BYTES} bytes refused")
+                chunks.append(chunk)
+            if expired.is_set():
+                raise TimeoutError()
+            return resp.status, b"".join(chunks)
+        except EngineError:
+            raise
+        except (http.client.HTTPException, OSError, ValueError) as exc:
+            died = self._died()
+            if died is not None:
+                raise died from None
+            if expired.is_set() or isinstance(exc, (socket.timeout, TimeoutError)):
+                raise EngineFailure(f"SGLang {method} {route}: no complete answer within {budget:g} s") from None
+            raise EngineFailure(f"SGLang {method} {route}: {type(exc).__name__}: {exc}") from None
+        finally:
+            timer.cancel()
+            conn.close()
+
+    def stream(self, route: str, body: Any):
+        """The JSON objects of a server-sent-event answer (``data: {...}`` lines) until ``[DONE]``."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
+        deadline = time.monotonic() + self.timeout
+        try:
+            conn.request("POST", route, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status >= 400:
+                raw = resp.read().decode("utf-8", errors="replace")
+                raise map_sglang_error(raw, f"POST {route} (stream) answered {resp.status}")
+            while True:
+                if time.monotonic() > deadline:
+                    raise EngineFailure(f"SGLang streamed {route} did not finish within {self.timeout:g} s")
+                line = resp.readline()
+                if not line:
+                    return
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                yield json.loads(data)
+        except EngineError:
+            raise
+        except (http.client.HTTPException, OSError, ValueError) as exc:
+            died = self._died()
+            if died is not None:
+                raise died from None
+            raise EngineFailure(f"SGLang streamed {route}: {type(exc).__name__}: {exc}") from None
+        finally:
+            conn.close()
