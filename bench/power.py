@@ -41,9 +41,12 @@ from pathlib import Path
 
 from lora_conformance import paired_effects
 from lora_conformance.adapters import AdapterSpec, synthesize_cached
+from lora_conformance import checkpoints
 from lora_conformance.compare import tolerance_for
 from lora_conformance.compare.logprobs import assert_logprobs_close, assert_prompt_logprobs_close
 from lora_conformance.compare.errors import ConformanceAssertionError
+from lora_conformance.compare.rouge import assert_rouge_l
+from lora_conformance.compare.routing import IndistinctReferencesError, assert_nearest_reference_routing
 from lora_conformance.engines import create_engine
 from lora_conformance.models import default_prompts, resolve_base_model
 from lora_conformance.reference import ReferenceCache, ReferenceRunner
@@ -80,7 +83,10 @@ REWRITES = ("rescale:3", "rescale:0.25", "fold:A", "fold:B", "svd", "permute", "
 VARIATIONS = ("default",) + REWRITES + ("merged", "reverse", "one_at_a_time", "peft")
 # decode_default: the free-running decode at the default per-step bounds (decode_atol, tie_margin), as the
 # suites that compare an engine's decode with the reference directly judge it (lifecycle, prefix cache, ...).
-CHECKS = ("effects", "prompt", "free_running", "decode_default")
+# routing: the nearest-reference routing assertion of mixed_batch::nearest_reference_routing (one prompt,
+# every row a different adapter or none), run on the mixed family. free_running and decode_default include
+# the ROUGE-L floor where the decode did not end at a tie, as lora.assert_matches_reference judges them.
+CHECKS = ("effects", "prompt", "free_running", "decode_default", "routing")
 # The expert-level faults of the built-in engine's catalogue, run on the moe family.
 MOE_FAULTS = ("moe_lora_unweighted", "moe_lora_weight_of_next_expert", "moe_lora_first_expert_only",
               "moe_expert_mismatch", "moe_down_proj_dropped")
@@ -160,14 +166,12 @@ def merged_model(model_dir: Path, adapter: Path, root: Path) -> Path:
 
 
 def _module_scaling(cfg: dict, module: str) -> tuple[int, float, bool]:
-    from lora_conformance.engines.builtin.engine.adapter import pattern_value
-
-    r = int(pattern_value(cfg.get("rank_pattern") or {}, module, cfg.get("r", 8)))
-    alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", 8)))
+    r, alpha = checkpoints.module_rank_alpha(cfg, module)
     return r, alpha, bool(cfg.get("use_rslora", False))
 
 
 def _unit_alpha(r: int, rs: bool) -> float:
+    """The alpha whose scaling is 1 (checkpoints.scaling_rule's divisor, exact)."""
     return math.sqrt(r) if rs else float(r)
 
 
@@ -320,17 +324,43 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None)
             try:
                 ag = assert_logprobs_close(o, r, gross, label=str(q.adapter), check_prompt=False)
                 stats["free_running"] = max(stats["free_running"], ag.max_decode_diff / gross.decode_atol)
+                if ag.tie_at is None:
+                    assert_rouge_l(o.text, r.text, gross.rouge_l_min, label=str(q.adapter))
             except ConformanceAssertionError as exc:
                 failures["free_running"].append(f"free-running: {str(exc).splitlines()[0]}")
             try:
                 ag = assert_logprobs_close(o, r, tol, label=str(q.adapter), check_prompt=False)
                 stats["decode_default"] = max(stats.get("decode_default", 0.0), ag.max_decode_diff / tol.decode_atol)
+                if ag.tie_at is None:
+                    assert_rouge_l(o.text, r.text, tol.rouge_l_min, label=str(q.adapter))
             except ConformanceAssertionError as exc:
                 failures["decode_default"].append(f"decode at default bounds: {str(exc).splitlines()[0]}")
+        if shape == "mixed":
+            routing_check(rng, names, paths, prompts, engine, runner, failures, defects)
         return failures, stats, defects
     finally:
         for n in loaded:
             engine.unload_adapter(n)
+
+
+def routing_check(rng, names, paths, prompts, engine, runner, failures, defects) -> None:
+    """mixed_batch::nearest_reference_routing as the suite runs it: one prompt, each row one of the
+    run's adapters or none (every label twice or more, in a random order), each output nearest its own
+    label's isolated reference. Identical references are a suite defect (the test cannot check routing
+    on that prompt), not an alarm."""
+    labels = names * 3 + [None] * 2
+    rng.shuffle(labels)
+    prompt = rng.choice(prompts)
+    outs = engine.generate([GenerationRequest(prompt, l, 16, 5) for l in labels])
+    iso = list(names) + [None]
+    refs = dict(zip([n or "__base__" for n in iso], runner.generate([GenerationRequest(prompt, l, 16, 5) for l in iso],
+                                                                      paths)))
+    try:
+        assert_nearest_reference_routing(outs, labels, refs)
+    except IndistinctReferencesError as exc:
+        defects.append(f"routing: {exc}")
+    except ConformanceAssertionError as exc:
+        failures["routing"].append(f"routing: {str(exc).splitlines()[0]}")
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ PROMPTS = ["the cat sat on the mat and the dog ran fast", "one two three four fi
            "the sun and the moon and the big red tree", "a small blue sea"]
 LABELS = ["a1", None, "a2", "a1"]
 # rescale by factors that are not powers of two (those only move exponents: bit-identical)
-VARIANT_ARGS = ["rescale:3", "rescale:0.3", "preround", "reverse", "one_at_a_time", "fp32_delta"]
+VARIANT_ARGS = ["rescale:3", "rescale:0.3", "preround", "svd", "reverse", "one_at_a_time", "fp32_delta"]
 LOGPROB_ATOL = 1e-4
 
 
@@ -88,7 +88,7 @@ def _packed(eng, name):
     return {k: (m.A.clone(), m.Bt.clone()) for k, m in ad.modules.items()}
 
 
-@pytest.mark.parametrize("variant", ["rescale:3", "preround", "reverse", "one_at_a_time", "fp32_delta"])
+@pytest.mark.parametrize("variant", ["rescale:3", "preround", "svd", "reverse", "one_at_a_time", "fp32_delta"])
 def test_variant_changes_its_own_observable(world, variant, monkeypatch):
     """Each variant's mechanism, seen directly (the outputs may legitimately agree)."""
     with BuiltinEngine(world["base"], "cpu", "bfloat16", {}) as plain, \
@@ -96,7 +96,7 @@ def test_variant_changes_its_own_observable(world, variant, monkeypatch):
         for e in (plain, eng):
             for n in ("a1", "a2"):
                 e.load_adapter(n, world[n])
-        if variant in ("rescale:3", "preround"):
+        if variant in ("rescale:3", "preround", "svd"):
             a, b = _packed(plain, "a1"), _packed(eng, "a1")
             assert any(not torch.equal(a[k][i], b[k][i]) for k in a for i in (0, 1)), f"{variant}: packed weights unchanged"
             return

@@ -13,6 +13,7 @@ from lora_conformance.compare import (
     assert_embeddings_close,
     assert_logprobs_close,
     assert_nearest_reference_routing,
+    output_distance,
     assert_rouge_l,
     assert_same_output,
     rouge_l,
@@ -164,8 +165,26 @@ REFS = {"A": result([1, 2, 3, 4]), "B": result([5, 6, 7, 8]), BASE: result([9, 1
 
 
 def test_routing_passes_when_each_slot_is_nearest_its_own():
-    outs = [result([1, 2, 3, 4]), result([9, 10, 11, 12]), result([5, 6, 7, 9])]
+    # slot 2 leaves B's decode at step 3 for B's runner-up there (a gap of 1.0): still nearest B
+    near_b = result([5, 6, 7, 903])
+    near_b.logprobs[3] = {903: -0.1, 8: -0.3, 990: -2.0}
+    outs = [result([1, 2, 3, 4]), result([9, 10, 11, 12]), near_b]
     assert assert_nearest_reference_routing(outs, ["A", None, "B"], REFS) == ["A", BASE, "B"]
+
+
+def test_routing_compares_only_steps_with_the_same_context():
+    """A's output breaks a near-tie of A's reference at step 1 (gap 0.05) and goes on as C's
+    reference does: it shares 5 of 6 tokens with C (ROUGE-L 0.83) and 1 with A, but the only steps
+    it saw A's context on agree with A, and C's reference was decided against its first token. The
+    seed's ROUGE-L distance called it C's (the bfloat16 false alarm of correct engines)."""
+    a_ref, c_ref = result([1, 2, 3, 4, 5, 6]), result([7, 8, 21, 22, 23, 24])
+    a_ref.logprobs[1] = {2: -0.6, 8: -0.65, 99: -3.0}
+    out = result([1, 8, 21, 22, 23, 24])
+    out.logprobs[1] = {8: -0.62, 2: -0.64, 99: -3.0}
+    refs = {"A": a_ref, "C": c_ref, BASE: result([9, 10, 11, 12, 13, 14])}
+    assert output_distance(out, a_ref) == pytest.approx(0.05)
+    assert output_distance(out, c_ref) >= 2.0
+    assert assert_nearest_reference_routing([out], ["A"], refs) == ["A"]
 
 
 def test_routing_catches_base_row_receiving_an_adapter():

@@ -16,6 +16,8 @@ from typing import Optional
 
 VARIANTS: dict[str, str] = {
     "rescale:C": "adapter factors stored as (C*A, B/C), C a positive number: the same delta, other rounding",
+    "svd": "lora_A and lora_B rebuilt from an SVD of B @ A (B = U sqrt(S), A = sqrt(S) V^T, per expert): the same "
+           "delta from other factors, as an engine that re-factors or compresses adapters at load",
     "preround": "lora_A and lora_B rounded to the model dtype before the scaling is folded into B "
                 "(the default's result where the scaling is a power of two)",
     "reverse": "the requests of a generate call admitted, and prefill rows ordered, in reverse",
@@ -31,6 +33,7 @@ NEGATIVE_CONTROLS: list[dict[str, str]] = [
     {"variant": "rescale:3"},
     {"variant": "rescale:0.3"},  # (a power of two would only move exponents: bit-identical)
     {"variant": "preround"},
+    {"variant": "svd"},
     {"variant": "reverse"},
     {"variant": "one_at_a_time"},
     {"variant": "fp32_delta"},
