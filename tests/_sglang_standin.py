@@ -35,7 +35,7 @@ SERVER_ARGS = {"model_path", "enable_lora", "max_loras_per_batch", "max_loaded_l
                "lora_target_modules", "lora_backend", "device", "dtype", "disable_cuda_graph", "random_seed",
                "disable_radix_cache", "chunked_prefill_size", "tp_size", "attention_backend", "mem_fraction_static",
                "context_length", "is_embedding", "base_gpu_id", "lora_eviction_policy", "enable_lora_overlap_loading",
-               "max_total_tokens"}
+               "max_total_tokens", "custom_sigquit_handler", "sleep_on_idle"}
 SINCE_0_5_8 = {"lora_eviction_policy", "enable_lora_overlap_loading"}
 
 

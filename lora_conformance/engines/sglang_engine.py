@@ -151,6 +151,19 @@ NOT_DECLARED = {
 _CPU_BACKENDS = {"lora_backend": (CPU_BACKEND,)}
 
 
+# Set when an SGLang child process of an offline engine sent SIGQUIT (its scheduler hit an exception).
+_CHILD_FAILED = threading.Event()
+
+
+def _sglang_child_failed(signum=None, frame=None) -> None:
+    """SGLang's children send SIGQUIT to the process that started them when they fail, and SGLang's
+    own handlers then kill that process's whole tree (srt/entrypoints/engine.py:1319-1332,
+    srt/managers/tokenizer_manager.py:1833-1841 and 3128-3137). Offline, that process is the test
+    run's (a pytest worker): the plugin records the failure instead, and the engine's next call is
+    an EngineFailure that says so (the failure stays a failure; only the test run survives it)."""
+    _CHILD_FAILED.set()
+
+
 def map_sglang_error(message: str, what: str) -> EngineError:
     """One of our typed errors for an SGLang error message (SGLang answers with text only)."""
     full = f"SGLang {what}: {message}"
@@ -298,7 +311,9 @@ class SGLangEngine(Engine):
                 # The scheduler and detokenizer SGLang spawns read these at their start; this
                 # process (the reference's, the tests') never gets the workaround.
                 os.environ.update(workaround.environment(dict(os.environ)))
-            self.engine = sglang.Engine(**self.kwargs)
+            _CHILD_FAILED.clear()
+            self.engine = sglang.Engine(**self.kwargs, custom_sigquit_handler=_sglang_child_failed)
+            self._guard_sigquit()
         except Exception as exc:  # start-up failures come in many types; all mean "cannot serve"
             raise EngineFailure(f"SGLang failed to start for {self.model_dir}: {type(exc).__name__}: {exc}") from exc
         finally:
@@ -408,6 +423,7 @@ class SGLangEngine(Engine):
             "attention_backend": attention,
             "mem_fraction_static": a.mem_fraction_static,
             "max_total_tokens": a.max_total_tokens or (CPU_MAX_TOTAL_TOKENS if _on_cpu(self.device) else None),
+            "sleep_on_idle": True if _on_cpu(self.device) else None,
             "context_length": a.context_length,
             "is_embedding": True if self.is_encoder else None,
             "base_gpu_id": int(self.device.split(":", 1)[1]) if ":" in self.device else None,
@@ -618,21 +634,57 @@ class SGLangEngine(Engine):
 
     # ---- plumbing ---------------------------------------------------------------------
 
+    def _guard_sigquit(self) -> None:
+        """Offline: SGLang's tokenizer manager installs, on its event loop, a SIGQUIT handler that
+        kills this process's tree when a child fails; put ``_sglang_child_failed`` in its place
+        (and stop the loop, so the call waiting for the dead scheduler returns)."""
+        tm = getattr(self.engine, "tokenizer_manager", None)
+        if tm is None or not hasattr(tm, "auto_create_handle_loop"):
+            return  # not SGLang's Engine (the stand-in)
+        if threading.current_thread() is not threading.main_thread():
+            return  # SGLang installs no handler off the main thread either
+        loop = self.engine.loop
+
+        async def create_handle_loop():  # on the Engine's loop, as SGLang's own first request would
+            tm.auto_create_handle_loop()
+
+        loop.run_until_complete(create_handle_loop())
+        if tm.event_loop is not loop:
+            return  # not the layout this guard was written for (0.5.15.post1): leave SGLang's handler
+
+        def failed():
+            _sglang_child_failed()
+            if loop.is_running():
+                loop.stop()
+
+        loop.remove_signal_handler(signal.SIGQUIT)
+        loop.add_signal_handler(signal.SIGQUIT, failed)
+
     def _call(self, method: str, *args, **kwargs):
         engine = getattr(self, "engine", None)
         if engine is None:
             raise EngineFailure("SGLang engine is closed")
+        if _CHILD_FAILED.is_set():
+            raise EngineFailure("SGLang's scheduler process failed earlier (it sent SIGQUIT; its traceback is in "
+                                "the captured output of the test that met it); the engine cannot serve")
         try:
             return getattr(engine, method)(*args, **kwargs)
         except EngineError:
             raise
-        except (ValueError, TypeError) as exc:
+        except Exception as exc:
+            if _CHILD_FAILED.is_set():
+                raise EngineFailure(f"SGLang {method}: its scheduler process failed (SIGQUIT; traceback in the "
+                                    f"captured output): {type(exc).__name__}: {exc}") from exc
+            return self._raise_typed(method, exc)
+
+    @staticmethod
+    def _raise_typed(method: str, exc: Exception):
+        if isinstance(exc, (ValueError, TypeError)):
             text = str(exc).lower()
             if "lora" in text or "adapter" in text:
                 raise map_sglang_error(str(exc), method) from exc
             raise EngineError(f"SGLang {method}: {type(exc).__name__}: {exc}") from exc
-        except Exception as exc:
-            raise EngineFailure(f"SGLang {method}: {type(exc).__name__}: {exc}") from exc
+        raise EngineFailure(f"SGLang {method}: {type(exc).__name__}: {exc}") from exc
 
     def _tok(self):
         # Called from submit's threads too; transformers' lazy imports are not thread-safe.
@@ -669,6 +721,8 @@ class SGLangEngine(Engine):
         "enable_lora": "LoRA on, the feature under test",
         "random_seed": "a fixed seed (greedy decoding does not use it)",
         "disable_cuda_graph": "no CUDA graphs on cpu",
+        "sleep_on_idle": "an idle SGLang scheduler otherwise polls (and checks its pools) without pause, a whole "
+                         "core each on a cpu host where the reference and other engines need the cores",
         "max_total_tokens": "on cpu SGLang sizes the KV pool from the host's free memory (mem_fraction_static): two "
                             "engines of the synthetic model held 12 GB of a 23 GB host shared with other work; the "
                             "suites' requests need a few thousand tokens",
@@ -681,6 +735,9 @@ class SGLangEngine(Engine):
         effective: dict[str, Any] = {"mode": self.cfg.mode}
         effective.update({k: (" ".join(v) if isinstance(v, list) else v) for k, v in self.kwargs.items()
                           if k != "model_path"})
+        if not self.served:
+            effective["custom_sigquit_handler"] = ("the plugin's: a failed SGLang child makes the engine's next call an "
+                                                   "EngineFailure instead of killing the test process")
         read_back = self._read_back()
         effective.update(read_back)
         effective["SGLANG_USE_CPU_ENGINE"] = os.environ.get("SGLANG_USE_CPU_ENGINE") if _on_cpu(self.device) else None
