@@ -3,6 +3,8 @@
 # engine's real-engine runs (offline sglang.Engine and the served /generate API).
 #
 # Usage: ci/install_sglang_cpu.sh [VENV_DIR]   (default: /work/venv-sglang, or $SGLANG_VENV)
+#        ci/install_sglang_cpu.sh --current   (into the running Python's environment: CI runners,
+#                                              ci/workflows/sglang-cpu.yml; nothing is created)
 #
 # Why this release: 0.5.15.post1 is the one release that starts on a CPU-only host without
 # sgl_kernel (SGLANG_USE_CPU_ENGINE=1, --device cpu); later releases import sgl_kernel's CPU ops
@@ -30,9 +32,15 @@ TORCHVISION_VERSION="${TORCHVISION_VERSION:-0.26.0}"
 TORCHAUDIO_VERSION="${TORCHAUDIO_VERSION:-2.11.0}"
 
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
-echo "[install_sglang_cpu] venv: $VENV (python: $($PYTHON --version 2>&1))"
-"$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+if [ "$VENV" = "--current" ]; then
+    PY="$(command -v python)"
+    echo "[install_sglang_cpu] into the current environment (python: $($PY --version 2>&1), $PY)"
+else
+    echo "[install_sglang_cpu] venv: $VENV (python: $($PYTHON --version 2>&1))"
+    "$PYTHON" -m venv "$VENV"
+    PY="$VENV/bin/python"
+fi
+PIP=("$PY" -m pip --disable-pip-version-check)
 
 "${PIP[@]}" install --upgrade pip setuptools wheel
 "${PIP[@]}" install "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" \
@@ -63,7 +71,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
     "regex>=2022.1" "pytest-xdist>=3.5" "pyyaml>=6" "rouge-score>=0.1.2" nltk "cryptography>=42"
 
 # Smoke check: the imports the engine needs must work in the new venv, or the install is useless.
-"$VENV/bin/python" - <<'PY'
+"$PY" - <<'PY'
 import torch, transformers, peft, sglang
 import sglang.srt.entrypoints.engine  # noqa: F401  (the offline Engine's module)
 import lora_conformance.engines.sglang_engine  # noqa: F401
@@ -71,4 +79,4 @@ print(f"[install_sglang_cpu] ok: sglang {sglang.__version__}, torch {torch.__ver
       f"transformers {transformers.__version__}, peft {peft.__version__}, "
       f"cuda available: {torch.cuda.is_available()}")
 PY
-du -sh "$VENV" | sed 's/^/[install_sglang_cpu] size: /'
+if [ "$VENV" != "--current" ]; then du -sh "$VENV" | sed 's/^/[install_sglang_cpu] size: /'; fi

@@ -32,7 +32,8 @@ def newest_reports(reports_dir: Path) -> list[tuple[Path, dict, bool]]:
             report, checked = load_report(path), True
         except ReportDigestError:
             report, checked = load_report(path, check_digest=False), False
-        key = column_key(report.get("environment") or {})
+        env = report.get("environment") or {}
+        key = column_key(env) + "|" + engine_args(env)  # an engine run in another mode (args) keeps its own row
         date = str((report.get("environment") or {}).get("date") or "")
         if key not in best or date >= str(best[key][1]["environment"].get("date") or ""):
             best[key] = (path, report, checked)
@@ -58,8 +59,7 @@ def table(reports_dir: Path = ROOT / "reports") -> str:
         device = env["device"].get("type", "?")
         if device != "cpu" and env["device"].get("device_name"):
             device += f" ({env['device']['device_name']})"
-        name = env["engine"]["name"] + "".join(f", {k}={shown_arg(k, v)}"
-                                               for k, v in sorted((env["engine"].get("args") or {}).items()))
+        name = engine_label(env)
         rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         lines.append(f"| {name} @ {device} / {env.get('dtype')} | {column['score'].replace('/', ' / ')} "
                      f"| {by_status.get('xfail', 0)} | {by_status.get('failed', 0) + by_status.get('error', 0)} "
@@ -67,6 +67,22 @@ def table(reports_dir: Path = ROOT / "reports") -> str:
                      f"| {tree(env.get('git_commit'))} "
                      f"| [{rel}]({rel}){'' if checked else ' (no records digest)'} |")
     return "\n".join(lines)
+
+
+def engine_args(env: dict) -> str:
+    """The engine args as the table shows them: ``, key=value`` each."""
+    return "".join(f", {k}={shown_arg(k, v)}" for k, v in sorted(((env.get("engine") or {}).get("args") or {}).items()))
+
+
+def engine_label(env: dict) -> str:
+    """The engine's name and args; an engine that ran with a workaround of its environment (a
+    setting named "... workaround" that is on, e.g. SGLang's pin_memory one on a cpu host) shows
+    its version instead of its name, which names the workaround: a row never hides it."""
+    engine = env.get("engine") or {}
+    effective = (engine.get("settings") or {}).get("effective") or {}
+    worked_around = any("workaround" in str(k) and str(v).startswith("on") for k, v in effective.items())
+    name = engine.get("version") if worked_around and engine.get("version") else engine.get("name")
+    return f"{name}{engine_args(env)}"
 
 
 def shown_arg(key: str, value) -> str:
