@@ -85,21 +85,28 @@ def test_pinning_with_eviction(lora, device, dtype, tmp_path):
 # All-linear adapters with B std 0.09: stale K and V of the other weights move every later position
 # well past bfloat16's noise (with the default q/v adapters a cache keyed by name hid in it).
 STRONG = {name: AdapterSpec(seed=seed, targets="all-linear", b_std=0.09) for name, seed in (("A", 421), ("B", 422))}
+# The same pair, B of another configuration: rank 16, alpha 16 with rsLoRA (scaling 16 / sqrt(16) = 4
+# where A's is 16 / 8 = 2) on the attention modules only.
+RECONFIGURED = {"A": STRONG["A"], "B": AdapterSpec(seed=422, targets="attention", b_std=0.09, rank=16, alpha=16,
+                                                   use_rslora=True)}
 
 
 @pytest.mark.feature("combinations/dynamic_loading_with_prefix_cache",
                       "reloading a name with new weights while its prompt's KV is cached", requires=("dynamic_loading", "prefix_cache"))
-def test_dynamic_loading_with_prefix_cache(lora, device, dtype):
-    """Unload and reload a name with other weights while its prompts' KV is cached: each load's effect
-    must be the new weights', and nearer them than the old ones' ("served as" the previous weights)."""
+@pytest.mark.parametrize("change", ["weights", "configuration"])
+def test_dynamic_loading_with_prefix_cache(lora, device, dtype, change):
+    """Unload and reload a name with other weights (or another configuration: rank, alpha, rsLoRA,
+    target set) while its prompts' KV is cached: each load's effect must be the new adapter's, and
+    nearer it than the old one's ("served as" the previous load)."""
     engine = lora.engine_with(prefix_cache=1)
     ps = lora.prompts
     prompts = [" ".join(ps[i:i + 4]) for i in (6, 9, 12, 2)]  # several KV blocks long: mostly cached
     previous = {"A": "B", "B": "A"}
+    specs = STRONG if change == "weights" else RECONFIGURED
     for step, weights in enumerate(("A", "B", "A", "B")):
-        lora.load(engine, "X", STRONG[weights])  # odd steps load over the loaded name, even steps after an unload
-        old = Alternatives(old={f"old {previous[weights]}": STRONG[previous[weights]]})
-        lora.assert_conforms(engine, ["X"] * len(prompts), {"X": STRONG[weights]}, prompts=prompts, alternatives=old,
+        lora.load(engine, "X", specs[weights])  # odd steps load over the loaded name, even steps after an unload
+        old = Alternatives(old={f"old {previous[weights]}": specs[previous[weights]]})
+        lora.assert_conforms(engine, ["X"] * len(prompts), {"X": specs[weights]}, prompts=prompts, alternatives=old,
                              label=f"X = {weights}")
         if step % 2 == 1:
             engine.unload_adapter("X")

@@ -83,6 +83,38 @@ def test_reloading_a_name_with_new_weights(lora, device, dtype, how):
     lora.assert_matches_reference(outs, lora.reference(reqs, {"X": "B"}), reqs, label="X reloaded with B")
 
 
+# A name reloaded with an adapter of another configuration: one field of the first load's config
+# changed at a time (the scaling alpha / r, or alpha / sqrt(r), or the modules), the weights drawn
+# from the same seed. An engine that keeps anything of the first load's config (its scaling, its
+# target modules) serves something between the two; the old adapter is a hypothesis of its own
+# ("served as" the first load), so such a reload is named as what it is.
+FIRST = AdapterSpec(seed=61)  # rank 8, alpha 16, q_proj / v_proj
+RECONFIGURED = {
+    "rank": AdapterSpec(seed=61, rank=16),  # scaling 1 instead of 2
+    "alpha": AdapterSpec(seed=61, alpha=64),  # the same factors, scaling 8 instead of 2
+    "rslora": AdapterSpec(seed=61, use_rslora=True),  # alpha / sqrt(r): 5.66 instead of 2
+    "targets": AdapterSpec(seed=61, targets="mlp"),  # gate / up / down instead of q / v
+}
+
+
+@pytest.mark.feature("lifecycle/reloading_a_name_with_a_new_configuration",
+                      "a name reloaded with another rank, alpha, rsLoRA or target set serves the new configuration")
+@pytest.mark.parametrize("how", ["unload-then-load", "load-over"])
+@pytest.mark.parametrize("change", list(RECONFIGURED))
+def test_reloading_a_name_with_a_new_configuration(lora, device, dtype, change, how):
+    from lora_conformance.paired_effects import Alternatives
+
+    engine = lora.engine_with()
+    lora.load(engine, "X", FIRST)
+    _run(lora, engine, "X")  # serve once with the first configuration, so any cache is warm
+    if how == "unload-then-load":
+        engine.unload_adapter("X")
+    new = RECONFIGURED[change]
+    lora.load(engine, "X", new)
+    lora.assert_conforms(engine, ["X"] * 4, {"X": new}, prompts=lora.prompts[PROMPTS],
+                         alternatives=Alternatives(old={"the first load": FIRST}), label=f"X reloaded, {change} changed")
+
+
 @pytest.mark.feature("lifecycle/pinning_every_slot_is_refused",
                       "pinning every device slot is refused", requires=("pinning",))
 def test_pinning_every_slot_is_refused(lora, device, dtype):

@@ -87,6 +87,31 @@ def test_base_rows_equal_a_run_without_adapters(lora, device, dtype):
         assert_logprobs_close(row, ref, lora.tolerance, label=f"base row {i} vs the run with no adapter loaded", decode=lora.decode)
 
 
+# Adapters on embed_tokens or lm_head alone (as adapter_semantics judges them one at a time), here
+# beside linear-only adapters and base rows: loaded after a linear-only adapter and first met in
+# the batch after its rows, so an engine that gives slots in load or batch order holds them in a
+# slot other than the first; an engine that reads these modules' LoRA from the first slot's
+# weights is right only where the adapter is alone.
+EMBEDDING_SPECS = {"embed_tokens": {"seed": 71, "targets": "embed_tokens"},
+                   "lm_head": {"seed": 72, "targets": "lm_head", "b_std": 0.15}}
+
+
+@pytest.mark.feature("mixed_batch/embedding_and_lm_head_adapters_beside_others",
+                      "embed_tokens and lm_head adapters in a mixed batch, in slots other than the first")
+@pytest.mark.parametrize("module", list(EMBEDDING_SPECS))
+def test_embedding_and_lm_head_adapters_beside_others(lora, device, dtype, module):
+    from lora_conformance.adapters import AdapterSpec
+
+    lora.require(module)
+    engine = lora.engine
+    lora.require_loaded(engine, 3)
+    specs = {"A": "A", "E": AdapterSpec(**EMBEDDING_SPECS[module]), "B": "B"}
+    for name, ref in specs.items():  # load order: A, then E, then B
+        lora.load(engine, name, ref)
+    labels = ["A", "E", None, "B", "E", "A", None, "E", "B"]
+    lora.assert_conforms(engine, labels, specs, label=f"{module} beside A, B and base rows")
+
+
 def _distinct_specs(n, rank=8):
     from lora_conformance.adapters import AdapterSpec
 

@@ -25,6 +25,7 @@ def world(tmp_path_factory):
         "e2": build_adapter(bert, d / "e2", 8, encoder=True),
         "a1": build_adapter(base, d / "a1", 1, r=8, alpha=16),
         "a2": build_adapter(base, d / "a2", 2, r=4, alpha=8),
+        "a1_alpha64": build_adapter(base, d / "a1_alpha64", 1, r=8, alpha=64),
         "rs": build_adapter(base, d / "rs", 3, r=16, alpha=8, use_rslora=True),
         "pat": build_adapter(base, d / "pat", 4, r=8, alpha=8, rank_pattern={"q_proj": 2}, alpha_pattern={"o_proj": 64}),
         "emb": build_adapter(base, d / "emb", 5, r=4, alpha=8, target_modules=["embed_tokens", "lm_head"]),
@@ -55,7 +56,9 @@ def scenario(w, fault, active: bool):
                 "moe_lora_first_expert_only": ["moe_ad"],
                 "embedding_adapter_misrouted": ["e1", "e2"],
                 "chunk_continuation_drops_adapter": ["a1"], "masked_prefill_padded_rows": ["a1", "a2"],
-                "inflight_no_drain": ["a1"], **{f"drop_{m}": ["a1"] for m in DROPPABLE_LINEAR_MODULES}}.get(fault, [])
+                "inflight_no_drain": ["a1"], "embed_tokens_lora_from_first_slot": ["a1", "emb"],
+                "lm_head_lora_from_first_slot": ["a1", "emb"],
+                **{f"drop_{m}": ["a1"] for m in DROPPABLE_LINEAR_MODULES}}.get(fault, [])
         for n in load:
             eng.load_adapter(n, w[n])
         names = {"base_gets_last_adapter": [None, "a1"], "adapter_index_off_by_one": ["a1", "a2"]}.get(fault, load)
@@ -79,6 +82,13 @@ def scenario(w, fault, active: bool):
             gen(["x"])
             eng.load_adapter("x", w["a2"])
             return gen(["x"])
+        if fault == "reload_keeps_first_scaling":  # the same factors under another alpha
+            eng.load_adapter("x", w["a1"])
+            gen(["x"])
+            eng.load_adapter("x", w["a1_alpha64"])
+            return gen(["x"])
+        if fault in ("embed_tokens_lora_from_first_slot", "lm_head_lora_from_first_slot"):
+            return gen(["a1", "emb"])  # emb in the second slot
         if fault == "prefix_cache_ignores_adapter":
             gen([None])  # fills the cache with base KV for PROMPT
             return gen(["a1"])
@@ -134,7 +144,7 @@ def test_fault_changes_behaviour(world, fault):
 
 
 def test_catalogue():
-    assert len(FAULTS) == 36 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait"}
+    assert len(FAULTS) == 39 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait"}
     assert Faults(None).name is None and Faults("").name is None
     assert not any(Faults(None).on(f) for f in FAULTS)
     with pytest.raises(ValueError, match="unknown fault"):

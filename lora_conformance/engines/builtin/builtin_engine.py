@@ -51,7 +51,7 @@ class BuiltinEngine(Engine):
         self.cfg = self.parse_args(self.args)
         import torch
 
-        from lora_conformance.engines.builtin.engine.adapter import load_adapter_dir, model_lora_modules
+        from lora_conformance.engines.builtin.engine.adapter import SCALING_FIELDS, load_adapter_dir, model_lora_modules
         from lora_conformance.engines.builtin.engine.adapter_pool import AdapterPool
         from lora_conformance.engines.builtin.engine.block_manager import BlockManager
         from lora_conformance.engines.builtin.engine.inflight import InflightServer
@@ -84,12 +84,20 @@ class BuiltinEngine(Engine):
         bs = self.cfg.kv_block_size
         self._modules = model_lora_modules(self.model)
         pin = devices.pin_memory_supported(self.device)
-        self.pool = AdapterPool(
-            self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction,
-            lambda n, p, pinned: load_adapter_dir(n, p, self._modules, self.cfg.max_rank, plan.adapters,
-                                                  self.torch_dtype, pin, self.model_dir),
-            plan.reload_reads_weights, plan.evict_pinned,
-        )
+        first_scaling: dict[str, dict] = {}  # name -> its first load's scaling fields (read only under a fault)
+
+        def read(n, p, pinned):
+            keep = None
+            if not plan.reload_reads_scaling:  # the fault reload_keeps_first_scaling
+                from lora_conformance.checkpoints import read_adapter_config
+
+                cfg = read_adapter_config(p)
+                keep = first_scaling.setdefault(n, {k: cfg[k] for k in SCALING_FIELDS if k in cfg})
+            return load_adapter_dir(n, p, self._modules, self.cfg.max_rank, plan.adapters, self.torch_dtype, pin,
+                                    self.model_dir, keep)
+
+        self.pool = AdapterPool(self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction, read,
+                                plan.reload_reads_weights, plan.evict_pinned)
         self.runner = runner
         self.blocks = BlockManager(num_blocks, bs, self.cfg.prefix_cache, plan.prefix_salt)
         eos = set(self.spec.eos_token_ids)

@@ -21,6 +21,8 @@ FAULTS: dict[str, str] = {
     "lm_head_dropped": "lm_head LoRA is silently dropped",
     "embed_tokens_dropped": "embed_tokens LoRA is silently dropped",
     "stale_reload": "reloading an adapter name keeps the old weights",
+    "reload_keeps_first_scaling": "a name loaded again (unloaded first or loaded over) gets the new weights but "
+                                  "the scaling of its first load's config (r, lora_alpha, use_rslora, patterns)",
     "prefix_cache_ignores_adapter": "prefix cache blocks are keyed by tokens only, not by adapter identity",
     "evict_pinned": "eviction (host cache and device slots) may evict a pinned adapter",
     "lora_fp16": "the LoRA delta is computed in float16 whatever the model dtype",
@@ -36,6 +38,10 @@ FAULTS: dict[str, str] = {
     "delta_twice": "the LoRA delta is added twice",
     "delta_x1_1": "the LoRA delta is scaled by 1.1 (a 10% mis-scale)",
     "moe_down_proj_dropped": "the MoE experts' down_proj LoRA is silently dropped (gate_up_proj kept)",
+    "embed_tokens_lora_from_first_slot": "embed_tokens LoRA of every adapter token is gathered from the first "
+                                         "slot's weights (right when the adapter sits in slot 0)",
+    "lm_head_lora_from_first_slot": "lm_head LoRA of every adapter row is read from the first slot's weights "
+                                    "(right when the adapter sits in slot 0)",
     "embedding_adapter_misrouted": "an embedding batch's rows get the adapter of the next request in the batch",
     "prefix_cache_keyed_by_name": "prefix cache blocks are keyed by adapter name: a name reloaded with new weights hits stale KV",
     "chunk_continuation_drops_adapter": "prefill chunks after a prompt's first run without its adapter",

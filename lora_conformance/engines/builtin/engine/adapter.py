@@ -59,10 +59,16 @@ def _check_config(cfg: dict, path: Path) -> None:
         raise UnsupportedFeatureError(f"trainable_token_indices in {where} is not supported by the builtin engine")
 
 
+# The adapter config fields PEFT's scaling is computed from.
+SCALING_FIELDS = ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern")
+
+
 def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, rules: AdapterRules, dtype,
-                     pin: bool, model_dir: Path) -> HostAdapter:
+                     pin: bool, model_dir: Path, scaling_config: Optional[dict] = None) -> HostAdapter:
     """model_modules: our module name -> ('linear'|'embedding'|'expert', module); rules: how the
-    scaling is computed, which modules are packed and how the factors are stored (engine/plan.py).
+    scaling is computed, which modules are packed and how the factors are stored (engine/plan.py);
+    scaling_config: the ``SCALING_FIELDS`` the scaling is read from (None: the adapter's own; another
+    adapter's only under the fault reload_keeps_first_scaling).
 
     The shared validator (adapters/validate.py) runs first: malformed files, shapes of another
     model, non-finite values, config/tensor rank mismatches and ranks over max_rank are refused
@@ -79,8 +85,10 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
     if any(k.endswith("lora_magnitude_vector") for k in tensors):
         raise UnsupportedFeatureError(f"DoRA magnitude vectors in {path} are not supported by the builtin engine")
 
-    (r0, alpha0), rs = module_rank_alpha(cfg), bool(cfg.get("use_rslora", False))
-    rank_pat, alpha_pat = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    scfg = cfg if scaling_config is None else {**{k: v for k, v in cfg.items() if k not in SCALING_FIELDS},
+                                               **scaling_config}
+    (r0, alpha0), rs = module_rank_alpha(scfg), bool(scfg.get("use_rslora", False))
+    rank_pat, alpha_pat = scfg.get("rank_pattern") or {}, scfg.get("alpha_pattern") or {}
     targets = cfg.get("target_modules")
     tparams = list(cfg.get("target_parameters") or [])
     if isinstance(targets, list):
@@ -120,9 +128,10 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
                 f"adapter {path}: rank {r} of {target} ({field_} in adapter_config.json) exceeds max_rank={max_rank}"
             )
         key_for_patterns = mod if kind_m == "expert" else target
-        rm, am = checked.module_params.get(key_for_patterns) or module_rank_alpha(cfg, key_for_patterns)
+        rm, am = ((checked.module_params.get(key_for_patterns) if scaling_config is None else None)
+                  or module_rank_alpha(scfg, key_for_patterns))
         scale = rules.scaling.of(r0, alpha0, rm, am, rs)
-        A, B = _stored_factors(A.float(), B.float(), rules.variant, dtype)
+        A, B = _stored_factors(A.float(), B.float(), rules.variant, dtype, E)
         packed = _pack(kind_m, module, A, B, r, E, scale, max_rank, dtype, path, target)
         for what, t in (("lora_A", packed.A), ("lora_B x scaling", packed.Bt)):
             if not bool(torch.isfinite(t).all()):
@@ -158,15 +167,33 @@ def _expert_target(mod: str, ts: dict, tparams: list[str], model_modules: dict) 
     return mod
 
 
-def _stored_factors(A: torch.Tensor, B: torch.Tensor, variant: Variant, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _stored_factors(A: torch.Tensor, B: torch.Tensor, variant: Variant, dtype,
+                    experts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 factors to pack. Variants (benign: B @ A is unchanged in exact arithmetic):
     rescale:C stores (C*A, B/C); preround rounds both to the model dtype first, so B is rounded
-    again once the scaling is folded in."""
+    again once the scaling is folded in; svd rebuilds both from an SVD of B @ A (per expert:
+    lora_A (r*E, in) is grouped by expert, lora_B (out, r*E) by rank)."""
+    if variant.on("svd"):
+        return _svd_factors(A, B, experts)
     if variant.on("rescale"):
         return A * variant.factor, B / variant.factor
     if variant.on("preround"):
         return A.to(dtype).float(), B.to(dtype).float()
     return A, B
+
+
+def _svd_factors(A: torch.Tensor, B: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r = A.shape[0] // E
+    Ae, Be = A.double().view(E, r, -1), B.double().view(B.shape[0], r, E).permute(2, 0, 1)  # (E, r, in), (E, out, r)
+    outA, outB = [], []
+    for a, b in zip(Ae, Be):
+        U, S, Vh = torch.linalg.svd(b @ a, full_matrices=False)
+        root = S[:r].sqrt()
+        outA.append(root[:, None] * Vh[:r])
+        outB.append(U[:, :r] * root)
+    A2 = torch.cat(outA)
+    B2 = torch.stack(outB).permute(1, 2, 0).reshape(B.shape[0], r * E)
+    return A2.float(), B2.float()
 
 
 def _pack(kind, module, A, B, r, E, scale, R, dtype, path, target) -> PackedLora:

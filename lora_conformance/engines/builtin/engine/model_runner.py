@@ -127,9 +127,23 @@ class ModelRunner:
 
     def lora_batch(self, token_slots: torch.Tensor, segments) -> LoraBatch:
         """The batch description every LoRA layer of the forward reads (routing and the plan's delta rules)."""
+        embed = _first_slot(token_slots) if self.plan.routing.embed_tokens_first_slot else None
         return LoraBatch.build(token_slots, self.num_slots, self.dtype, segments,
                                delta_dtype=self.delta_dtype, times=self.plan.delta_times,
-                               col_slots=self.col_slots, col_rank=self.rank, experts=self.plan.experts)
+                               col_slots=self.col_slots, col_rank=self.rank, experts=self.plan.experts,
+                               embed_slots=embed)
+
+    def logits_batch(self, lora: LoraBatch, rows: Optional[torch.Tensor] = None,
+                     row_slots: Optional[list[int]] = None) -> LoraBatch:
+        """The routing the lm_head reads: ``lora``'s rows ``rows`` (None: every row; ``row_slots``
+        their slots, given for a segmented batch), the slots moved to slot 0 under the fault
+        lm_head_lora_from_first_slot."""
+        if not self.plan.routing.lm_head_first_slot:
+            if rows is None:
+                return lora
+            return lora.rows(rows, None if row_slots is None else segments_of(row_slots))
+        slots = _first_slot(lora.token_slots if rows is None else lora.token_slots[rows])
+        return self.lora_batch(slots, None if row_slots is None else segments_of([0 if x >= 0 else x for x in row_slots]))
 
     def _t(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -181,8 +195,7 @@ class ModelRunner:
         slots_t = self._t(tok_slots)
         rows_t = self._t(logit_rows)
         lora = self.lora_batch(slots_t, segments_of(tok_slots) if seg else None)
-        row_slot_list = [tok_slots[r] for r in logit_rows]
-        lora_logits = lora.rows(rows_t, segments_of(row_slot_list) if seg else None)
+        lora_logits = self.logits_batch(lora, rows_t, [tok_slots[r] for r in logit_rows] if seg else None)
         logits = self.model(self._t(ids), self._t(pos), meta, lora, rows_t, lora_logits)
         k = max(max(s.top_k for s in seqs), 1)
         top_ids, top_lp = [], []
@@ -225,7 +238,7 @@ class ModelRunner:
         mask = decode_mask(ctx_lens, tables.shape[1] * self.block_size, self.dtype)
         meta = AttentionMetadata(smap, tables, None, None, mask)
         lora = self.lora_batch(slots, None)
-        return self.model(ids, pos, meta, lora, None, lora)
+        return self.model(ids, pos, meta, lora, None, self.logits_batch(lora))
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> dict[int, StepOutput]:
@@ -278,3 +291,8 @@ def build_rank(model_dir, device: str, dtype: str, cfg, tp=None):
     bs = cfg.kv_block_size
     num_blocks = cfg.num_kv_blocks or 1 + cfg.max_batch_size * ((min(max_len, 1024) + bs - 1) // bs)
     return plan, spec, fused, num_blocks, ModelRunner(model, spec, cfg, plan, device, tdt, num_blocks)
+
+
+def _first_slot(slots: torch.Tensor) -> torch.Tensor:
+    """Every adapter row's slot replaced by slot 0 (base rows, -1, stay base)."""
+    return torch.where(slots >= 0, torch.zeros_like(slots), slots)

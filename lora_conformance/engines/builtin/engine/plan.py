@@ -31,6 +31,8 @@ class Routing:
     embed_rotated: bool = False  # an embedding batch's rows read the next text's slot
     chunk_continuation_base: bool = False  # prefill chunks after a prompt's first run as base
     masked_by_padded_row: bool = False  # masked prefill reads packed token t's slot at padded row t // longest
+    embed_tokens_first_slot: bool = False  # the token embedding's LoRA reads slot 0 for every adapter token
+    lm_head_first_slot: bool = False  # the lm_head LoRA reads slot 0 for every adapter row
 
     def route(self, slots: list[int]) -> list[int]:
         """Each row's adapter slot as the LoRA layers read it (-1: base), from the rows' own slots."""
@@ -93,6 +95,7 @@ class EnginePlan:
     rope_exponent_dim: int = 0  # the dimension in rotary theta's exponent (0: the head dim)
     prefix_salt: str = "identity"  # the prefix cache's adapter key: identity | name | none
     reload_reads_weights: bool = True  # reloading a name reads the new weights
+    reload_reads_scaling: bool = True  # reloading a name reads the new config's scaling
     evict_pinned: bool = False  # eviction may take a pinned adapter
     drain_before_change: bool = True  # adapter changes wait for the requests that use the name
     graphs_refresh_slots: bool = True  # graph replay writes the rows' slots every step
@@ -123,7 +126,9 @@ class EnginePlan:
                             base_takes_last=f.on("base_gets_last_adapter"),
                             embed_rotated=f.on("embedding_adapter_misrouted"),
                             chunk_continuation_base=f.on("chunk_continuation_drops_adapter"),
-                            masked_by_padded_row=f.on("masked_prefill_padded_rows")),
+                            masked_by_padded_row=f.on("masked_prefill_padded_rows"),
+                            embed_tokens_first_slot=f.on("embed_tokens_lora_from_first_slot"),
+                            lm_head_first_slot=f.on("lm_head_lora_from_first_slot")),
             adapters=AdapterRules(Scaling(patterns=not f.on("patterns_ignored"), rslora=not f.on("rslora_ignored"),
                                           over_rank=not f.on("scaling_alpha_not_over_r"),
                                           factor=1.1 if f.on("delta_x1_1") else 1.0),
@@ -139,6 +144,7 @@ class EnginePlan:
             prefix_salt=("none" if f.on("prefix_cache_ignores_adapter") else
                          "name" if f.on("prefix_cache_keyed_by_name") else "identity"),
             reload_reads_weights=not f.on("stale_reload"),
+            reload_reads_scaling=not f.on("reload_keeps_first_scaling"),
             evict_pinned=f.on("evict_pinned"),
             drain_before_change=not f.on("inflight_no_drain"),
             graphs_refresh_slots=not f.on("graph_stale_indices"),

@@ -34,12 +34,15 @@ class LoraEmbedding(nn.Module):
         if self.lora_At is None or batch is None or not any(self.slot_rank):
             return e
         S, _, R = self.lora_At.shape
-        slots = batch.token_slots.clamp(0, S - 1)
+        own = batch.embed_slots if batch.embed_slots is not None else batch.token_slots
+        slots = own.clamp(0, S - 1)
         h = self._lora_rows(slots, ids)  # (T, R); rows of base tokens are zeroed by the one-hot below
         bt = self.lora_Bt.reshape(S * R, -1)
         if batch.delta_dtype is not None:
             h, bt = h.to(batch.delta_dtype), bt.to(batch.delta_dtype)
-        h = (batch.onehot.to(h.dtype).unsqueeze(2) * h.unsqueeze(1)).reshape(h.shape[0], S * R)
+        onehot = batch.onehot if batch.embed_slots is None else (
+            own.unsqueeze(1) == torch.arange(S, device=own.device).unsqueeze(0))
+        h = (onehot.to(h.dtype).unsqueeze(2) * h.unsqueeze(1)).reshape(h.shape[0], S * R)
         d = (h @ bt).to(e.dtype)
         return e + d * batch.times
 

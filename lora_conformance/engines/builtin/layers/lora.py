@@ -52,12 +52,17 @@ class LoraBatch:
     col_slots: Optional[torch.Tensor] = None  # slot of each column of a part-major layout (column_slots)
     col_rank: int = 0  # the pool rank col_slots was made for
     experts: ExpertLora = ExpertLora()
+    # The slots the token embedding's LoRA reads (None: token_slots; other only under the fault
+    # embed_tokens_lora_from_first_slot).
+    embed_slots: Optional[torch.Tensor] = None
     _masks: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, num_slots: int, dtype, segments=None, delta_dtype=None, times=1,
-              col_slots: Optional[torch.Tensor] = None, col_rank: int = 0, experts: ExpertLora = ExpertLora()):
-        return cls(token_slots, num_slots, dtype, segments, delta_dtype, times, col_slots, col_rank, experts)
+              col_slots: Optional[torch.Tensor] = None, col_rank: int = 0, experts: ExpertLora = ExpertLora(),
+              embed_slots: Optional[torch.Tensor] = None):
+        return cls(token_slots, num_slots, dtype, segments, delta_dtype, times, col_slots, col_rank, experts,
+                   embed_slots)
 
     @property
     def path(self) -> str:
