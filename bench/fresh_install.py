@@ -3,8 +3,11 @@ virtual environment, and certify from a directory outside the checkout.
 
     python bench/fresh_install.py [--work DIR] [--keep] [-- CERTIFY_ARGS...]
 
-The environment is made with ``--system-site-packages`` so torch, transformers and PEFT come from
-this machine (nothing is downloaded), but lora-conformance itself comes from the wheel: the script
+The new environment sees the packages of the environment that runs this script (torch,
+transformers and PEFT are not downloaded): a ``.pth`` file in its site-packages adds the running
+interpreter's own site directories, whether that is a virtual environment, a conda environment or
+the system Python (``python -m venv --system-site-packages`` would give the *base* interpreter's
+packages inside a venv, not the venv's). lora-conformance itself comes from the wheel: the script
 checks that ``lora_conformance`` imports from inside the new environment, not from the checkout or
 an editable install. Prints what each step took, the package's location, the certify command and
 its badge line; exits with certify's status. tests/test_wheel_install.py runs the same steps on a
@@ -17,8 +20,10 @@ import argparse
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -45,16 +50,53 @@ def build_wheel(out_dir: Path) -> Path:
         else:
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-                    "-w", str(out_dir / "dist"), str(src)], check=True, env=clean_env(), cwd=out_dir)
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out_dir / "dist"), str(src)]
+    try:
+        # With this environment's setuptools: nothing is fetched.
+        subprocess.run([*cmd, "--no-build-isolation", "--no-index"], check=True, env=clean_env(), cwd=out_dir)
+    except subprocess.CalledProcessError:
+        # This environment cannot build it (no setuptools that builds wheels): as `pip install .`
+        # would, with the build requirements of pyproject.toml from the configured index.
+        subprocess.run(cmd, check=True, env=clean_env(), cwd=out_dir)
     [wheel] = (out_dir / "dist").glob("lora_conformance-*.whl")
     return wheel
 
 
+def site_dirs() -> list[str]:
+    """The directories the running interpreter imports installed packages from, in ``sys.path``
+    order: its site-packages (a venv's own; the base installation's too where the venv includes
+    them; a conda environment's; the system Python's), sysconfig's purelib/platlib, and the user
+    site where it is enabled. Only directories that exist and are on ``sys.path``."""
+    candidates = [*site.getsitepackages(), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    if site.ENABLE_USER_SITE:
+        candidates.append(site.getusersitepackages())
+    norm = lambda p: os.path.normcase(os.path.realpath(p))  # noqa: E731
+    position: dict[str, int] = {}
+    for i, entry in enumerate(sys.path):
+        if entry:
+            position.setdefault(norm(entry), i)
+    found: dict[str, str] = {}
+    for path in candidates:
+        if path and os.path.isdir(path) and norm(path) in position:
+            found.setdefault(norm(path), path)
+    return sorted(found.values(), key=lambda p: position[norm(p)])
+
+
+PTH_NAME = "_lora_conformance_running_env.pth"
+
+
 def make_venv(path: Path, wheel: Path) -> Path:
-    """A fresh environment seeing this machine's packages, with lora-conformance installed from the wheel."""
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)], check=True)
+    """A fresh environment seeing the running environment's packages, with lora-conformance
+    installed from the wheel."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
     python = path / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True, env=clean_env()).stdout.strip()
+    # A line that starts with "import" in a .pth file is run at start-up: site.addsitedir appends
+    # each directory after the new environment's own site-packages and processes the .pth files
+    # there too (what --system-site-packages does for the base installation).
+    (Path(purelib) / PTH_NAME).write_text(
+        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs()) + "\n")
     # This interpreter's pip, run by the new environment's python, installs into the new environment.
     subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], check=True,
                    env=clean_env(), cwd=path)

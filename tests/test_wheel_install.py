@@ -1,8 +1,9 @@
 """A plain install certifies: the wheel built from this checkout, installed without -e into a fresh
 virtual environment, runs the bundled suites from a directory outside the checkout.
 
-The environment sees this machine's packages (``--system-site-packages``: torch, transformers and
-PEFT are not downloaded), but lora-conformance itself must come from the wheel. The certification
+The environment sees the packages of the environment that runs the tests (a virtual environment, a
+conda environment or the system Python: torch, transformers and PEFT are not downloaded), but
+lora-conformance itself must come from the wheel. The certification
 here is a subset of the suites, for time; bench/fresh_install.py runs the full one (results in
 reports/fresh_install.md).
 """
@@ -58,6 +59,21 @@ def test_the_package_comes_from_the_wheel(installed):
     done = subprocess.run([str(venv / "bin" / "lora-conformance"), "--version"], capture_output=True, text=True,
                           env=fresh_install.clean_env(), cwd=outside)
     assert done.returncode == 0 and str(venv.resolve()) in done.stdout
+
+
+def test_the_new_environment_sees_the_running_ones_packages(installed):
+    # Inside a virtual environment, --system-site-packages would give the base interpreter's packages
+    # (no torch, no platformdirs there); the new environment must find the ones these tests run with.
+    import importlib.util
+
+    _, venv, python, outside = installed
+    names = ("torch", "transformers", "peft", "platformdirs", "pytest", "xdist")
+    code = ("import importlib.util, json; "
+            f"print(json.dumps({{n: importlib.util.find_spec(n).origin for n in {names!r}}}))")
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=fresh_install.clean_env(),
+                          cwd=outside)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == {n: importlib.util.find_spec(n).origin for n in names}
 
 
 def test_pyargs_runs_the_installed_suites(installed):
