@@ -226,8 +226,7 @@ class StandInEngine:
         self.calls.append(("encode", prompt, lora_path))
         self._resolve(list(lora_path))
         if self.model is not None:
-            assert len(set(lora_path)) == 1, "the plugin sends one adapter per encode call"
-            return [{"embedding": v, "meta_info": {}} for v in self.model.embed(list(prompt), lora_path[0])]
+            return [{"embedding": v, "meta_info": {}} for v in self.model.embed(list(prompt), list(lora_path))]
         return [{"embedding": [3.0, 4.0] if a is None else [0.0, 2.0], "meta_info": {}} for a in lora_path]
 
     def shutdown(self):

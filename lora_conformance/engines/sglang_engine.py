@@ -101,7 +101,6 @@ from lora_conformance.engines.base import (
 from lora_conformance.engines.sglang_releases import ConfigRefused, Release, ServerConfig, release_for, validate
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
-EVICTION = {"lru": Capability.EVICTION_LRU, "fifo": Capability.EVICTION_FIFO}
 MODES = ("offline", "served")
 CPU_BACKEND = "torch_native"  # the attention and LoRA backend SGLang can run on a host without sgl_kernel
 # On cpu SGLang sizes its KV pool from mem_fraction_static of the host's free memory (two engines of
@@ -144,14 +143,16 @@ NOT_DECLARED = {
     Capability.INFLIGHT_LIFECYCLE: f"mode=offline: {_V}srt/entrypoints/engine.py:407-414 runs every Engine call with "
                                    "self.loop.run_until_complete on one event loop, so no load or unload can run "
                                    "while a generate call does (mode=served declares it)",
-    Capability.CHUNKED_PREFILL: "not mapped to a capability yet: chunked_prefill_size is passed on, but no run of "
-                                "the chunked-prefill suite against SGLang has been checked",
+    Capability.EVICTION_FIFO: f"{_V}srt/lora/lora_registry.py:221-234 (lru_lora_name): past max_loaded_loras the "
+                              "registry always unregisters the least recently used unpinned adapter; "
+                              "lora_eviction_policy (lru|fifo, srt/lora/eviction_policy.py) only orders the device "
+                              "pool's max_loras_per_batch slots, which no request can observe",
 }
 # On cpu the backends SGLang can run (engine-arg key -> values): the others need Triton or sgl_kernel.
 _CPU_BACKENDS = {"lora_backend": (CPU_BACKEND,)}
 
 
-# Set when an SGLang child process of an offline engine sent SIGQUIT (its scheduler hit an exception).
+# Set when an SGLang child process sent SIGQUIT to this process (its scheduler hit an exception).
 _CHILD_FAILED = threading.Event()
 
 
@@ -159,8 +160,9 @@ def _sglang_child_failed(signum=None, frame=None) -> None:
     """SGLang's children send SIGQUIT to the process that started them when they fail, and SGLang's
     own handlers then kill that process's whole tree (srt/entrypoints/engine.py:1319-1332,
     srt/managers/tokenizer_manager.py:1833-1841 and 3128-3137). Offline, that process is the test
-    run's (a pytest worker): the plugin records the failure instead, and the engine's next call is
-    an EngineFailure that says so (the failure stays a failure; only the test run survives it)."""
+    run's (a pytest worker): the plugin records the signal instead, and the engine whose child died
+    answers its next call with an EngineFailure that says so (the failure stays a failure; only the
+    test run survives it)."""
     _CHILD_FAILED.set()
 
 
@@ -311,8 +313,12 @@ class SGLangEngine(Engine):
                 # The scheduler and detokenizer SGLang spawns read these at their start; this
                 # process (the reference's, the tests') never gets the workaround.
                 os.environ.update(workaround.environment(dict(os.environ)))
-            _CHILD_FAILED.clear()
+            import multiprocessing
+
+            before = set(multiprocessing.active_children())
             self.engine = sglang.Engine(**self.kwargs, custom_sigquit_handler=_sglang_child_failed)
+            # SGLang's scheduler and detokenizer processes: a dead one means this engine cannot serve.
+            self._children = [p for p in multiprocessing.active_children() if p not in before]
             self._guard_sigquit()
         except Exception as exc:  # start-up failures come in many types; all mean "cannot serve"
             raise EngineFailure(f"SGLang failed to start for {self.model_dir}: {type(exc).__name__}: {exc}") from exc
@@ -438,14 +444,16 @@ class SGLangEngine(Engine):
     @staticmethod
     def _capability_set(a: SGLangArgs, release: Release, c: ServerConfig, is_encoder: bool,
                         device: str) -> set[Capability]:
-        policy = c.lora_eviction_policy or "lru"
-        evicts = {EVICTION[policy]} if release.eviction_policies else set()
+        # Past max_loaded_loras SGLang's registry unregisters the least recently used unpinned adapter
+        # whatever lora_eviction_policy says (that policy orders the device pool's slots): lru only.
+        evicts = {Capability.EVICTION_LRU} if release.beyond_max_loaded == "evict" else set()
         if a.capabilities:
             return {Capability.parse(x) for x in a.capabilities.replace(",", " ").split()}
-        if is_encoder:
-            return {Capability.EMBEDDINGS, Capability.DYNAMIC_LOADING} | evicts
+        if is_encoder:  # encode takes one lora_path per text (a mixed batch), as generate does
+            return {Capability.EMBEDDINGS, Capability.DYNAMIC_LOADING, Capability.MIXED_BATCH} | evicts
         cpu = _on_cpu(device)
-        caps = {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.PROMPT_LOGPROBS} | evicts
+        caps = {Capability.MIXED_BATCH, Capability.DYNAMIC_LOADING, Capability.PROMPT_LOGPROBS,
+                Capability.CHUNKED_PREFILL} | evicts
         targets = set(c.lora_target_modules)
         flags = {
             Capability.PINNING: release.pinning,
@@ -510,6 +518,11 @@ class SGLangEngine(Engine):
         if registry is None:
             return None
         return sorted(registry.get_all_adapters())
+
+    def resident_adapters(self) -> Optional[list[str]]:
+        """The adapters SGLang holds within max_loaded_loras: its registry (what it unregisters past
+        the limit is what an eviction policy decides)."""
+        return self.engine_adapters()
 
     def reset_prefix_cache(self) -> bool:
         """SGLang's own flush of the radix cache (``Engine.flush_cache`` / ``POST /flush_cache``);
@@ -617,12 +630,14 @@ class SGLangEngine(Engine):
     def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
         if not self.is_encoder:
             raise UnsupportedFeatureError(f"engine 'sglang': {self.model_dir} is not an embedding model")
-        if adapter is not None and adapter not in self._adapters:
-            raise AdapterNotLoadedError(adapter, self.list_adapters())
+        paths = list(adapter) if isinstance(adapter, (list, tuple)) else [adapter] * len(texts)
+        for a in paths:
+            if a is not None and a not in self._adapters:
+                raise AdapterNotLoadedError(a, self.list_adapters())
         if self.served:
-            outs = self._server.post("/encode", {"text": list(texts), "lora_path": [adapter] * len(texts)})
+            outs = self._server.post("/encode", {"text": list(texts), "lora_path": paths})
         else:
-            outs = self._call("encode", prompt=list(texts), lora_path=[adapter] * len(texts))
+            outs = self._call("encode", prompt=list(texts), lora_path=paths)
         if isinstance(outs, dict):
             outs = [outs]
         vectors = []
@@ -664,18 +679,29 @@ class SGLangEngine(Engine):
         engine = getattr(self, "engine", None)
         if engine is None:
             raise EngineFailure("SGLang engine is closed")
-        if _CHILD_FAILED.is_set():
-            raise EngineFailure("SGLang's scheduler process failed earlier (it sent SIGQUIT; its traceback is in "
-                                "the captured output of the test that met it); the engine cannot serve")
+        dead = self._dead_children()
+        if dead:
+            raise EngineFailure(f"SGLang's {dead} process died earlier (it sent SIGQUIT; its traceback is in the "
+                                "captured output of the test that met it); the engine cannot serve")
         try:
             return getattr(engine, method)(*args, **kwargs)
         except EngineError:
             raise
         except Exception as exc:
-            if _CHILD_FAILED.is_set():
-                raise EngineFailure(f"SGLang {method}: its scheduler process failed (SIGQUIT; traceback in the "
-                                    f"captured output): {type(exc).__name__}: {exc}") from exc
+            dead = self._dead_children(wait=2.0) if _CHILD_FAILED.is_set() else ""
+            if dead:
+                raise EngineFailure(f"SGLang {method}: its {dead} process died (SIGQUIT; traceback in the captured "
+                                    f"output): {type(exc).__name__}: {exc}") from exc
             return self._raise_typed(method, exc)
+
+    def _dead_children(self, wait: float = 0.0) -> str:
+        """The names of this engine's SGLang processes that have exited ('' when none has)."""
+        deadline = time.monotonic() + wait
+        while True:
+            dead = [p.name for p in getattr(self, "_children", ()) if p.exitcode is not None]
+            if dead or time.monotonic() >= deadline:
+                return ", ".join(dead)
+            time.sleep(0.1)
 
     @staticmethod
     def _raise_typed(method: str, exc: Exception):
