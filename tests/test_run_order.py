@@ -68,7 +68,9 @@ def test_t(n):
 
 def _runner(tmp_path, name, source):
     """run(*pytest args) of the test file ``name`` (``source``) under the plugin, in a subprocess;
-    each test appends its worker and name to ``order.log`` as it starts."""
+    each test appends its worker and name to ``order.log`` as it starts. The cache is
+    ``tmp_path / "cache"``: the tests' own durations, and (fixture ``cache_with_own_durations``)
+    the session's models and adapters."""
     pytest.importorskip("xdist")
     (tmp_path / name).write_text(textwrap.dedent(source))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
@@ -82,6 +84,7 @@ def _runner(tmp_path, name, source):
     return run
 
 
+@pytest.mark.usefixtures("cache_with_own_durations")
 def test_two_workers_run_the_long_test_first(tmp_path):
     run = _runner(tmp_path, "test_s.py", SLEEPS)
     run("-p", "no:xdist")  # serial: collection order, durations recorded
@@ -135,6 +138,7 @@ def test_q2():
 """
 
 
+@pytest.mark.usefixtures("cache_with_own_durations")
 def test_two_workers_under_loadfile_run_a_files_tests_of_one_engine_together(tmp_path):
     """Longest first alone would run q1, h, q2 (closing the qwen2 engine for h's, then starting it
     again); under --dist loadfile the workers group by engine: q1, q2, h. (xdist resets a worker's
@@ -166,6 +170,7 @@ def test_x(n):
 """
 
 
+@pytest.mark.usefixtures("cache_with_own_durations")
 def test_under_loadfile_xdist_hands_files_out_longest_first_not_most_tests_first(tmp_path):
     """xdist's own reordering (files with the most tests first) would hand out the file of one long
     test last, to run alone at the end: the plugin turns it off, so the workers' order (files
@@ -214,6 +219,7 @@ def test_{name}(lora):
 """
 
 
+@pytest.mark.usefixtures("cache_with_own_durations")
 def test_under_loadfile_files_that_shared_an_engine_run_on_one_worker(tmp_path):
     """Files a and c asked for the same non-default engine (max_rank=16) in the last run: under
     --dist loadfile they go to one worker, so that engine starts once. Without the groups, files
@@ -281,6 +287,7 @@ def test_after(lora):
 """
 
 
+@pytest.mark.usefixtures("cache_with_own_durations")
 def test_under_loadfile_a_test_whose_engine_failed_runs_last_on_its_worker(tmp_path, monkeypatch):
     """test_kill's engine failed in the last run (every shared engine of its worker was closed, and
     test_after started the run's engine again): under --dist loadfile it now runs after every other
@@ -302,3 +309,20 @@ def test_under_loadfile_a_test_whose_engine_failed_runs_last_on_its_worker(tmp_p
     killer = next(w for w, n in lines if n == "kill")
     assert [n for w, n in lines if w == killer][-1] == "kill", lines
     assert lines[-1][1] == "kill", f"the test handed out last: {lines}"
+
+
+def test_the_checked_in_file_times_name_test_files_and_yield_to_the_last_run():
+    """tests/durations.json orders a run that has no recorded durations (tests/conftest.py): every
+    file it names exists (a renamed file fails here), and a file the last run timed takes the last
+    run's times, not the checked-in one."""
+    from pathlib import Path
+
+    from _file_order import item_durations, seed_durations
+
+    seed = seed_durations()
+    root = Path(__file__).resolve().parents[1]
+    assert seed and all((root / f).is_file() for f in seed), [f for f in seed if not (root / f).is_file()]
+    items = [SimpleNamespace(nodeid=n) for n in ("tests/a.py::x", "tests/a.py::y", "tests/b.py::z", "tests/b.py::w",
+                                                 "tests/c.py::v")]
+    got = item_durations(items, {"tests/a.py::y": 2.0}, {"tests/a.py": 50.0, "tests/b.py": 9.0})
+    assert got == {"tests/a.py::y": 2.0, "tests/b.py::z": 9.0}
