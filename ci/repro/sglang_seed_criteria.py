@@ -10,7 +10,8 @@ cpu, the plugin's settings and the pin_memory workaround) and judges each row bo
 
 - "q/v adapters": A, B and base rows (the suite's default adapters);
 - "lm_head beside others": mixed_batch/embedding_and_lm_head_adapters_beside_others' batch (A, an
-  lm_head adapter E, base rows and B).
+  lm_head adapter E, base rows and B), with prompt logprobs asked on every row, on none, and on every
+  other row (the seed's runners ask them on every row).
 
 The seed's criteria are re-implemented here from their description (no SGLang test code is used); the
 reference is this project's (HF transformers + PEFT, float32 on cpu). Our per-row check is
@@ -77,9 +78,13 @@ def main() -> int:
     try:
         for name in ("A", "E", "B"):
             engine.load_adapter(name, paths[name])
-        for title, labels in (("q/v adapters", ["A", None, "B", "A", None, "B"]),
-                              ("lm_head beside others", ["A", "E", None, "B", "E", "A", None, "E", "B"])):
-            reqs = [GenerationRequest(p, a, 8, 5, prompt_logprobs=True) for p, a in zip(PROMPTS, labels)]
+        mixed = ["A", "E", None, "B", "E", "A", None, "E", "B"]
+        for title, labels, prompt_lps in (
+                ("q/v adapters, prompt logprobs on every row", ["A", None, "B", "A", None, "B"], [True] * 6),
+                ("lm_head beside others, prompt logprobs on every row", mixed, [True] * 9),
+                ("lm_head beside others, prompt logprobs on no row", mixed, [False] * 9),
+                ("lm_head beside others, prompt logprobs on every other row", mixed, [i % 2 == 0 for i in range(9)])):
+            reqs = [GenerationRequest(p, a, 8, 5, prompt_logprobs=lp) for p, a, lp in zip(PROMPTS, labels, prompt_lps)]
             outs, refs = engine.generate(reqs), ref.generate(reqs, paths)
             print(f"\n== {title}")
             print(f"{'row':>3} {'adapter':>7} | seed: decode max|d| prefill max|d| ROUGE-L one-by-one batch-str "
