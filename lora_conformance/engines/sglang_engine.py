@@ -668,9 +668,20 @@ class SGLangEngine(Engine):
             return  # not the layout this guard was written for (0.5.15.post1): leave SGLang's handler
 
         def failed():
+            # Any SGLang child in this process may have sent it (another engine's too): stop this
+            # engine's call only once one of its own processes has exited (checked for 5 s).
             _sglang_child_failed()
-            if loop.is_running():
-                loop.stop()
+            tries = [0]
+
+            def check():
+                if self._dead_children():
+                    if loop.is_running():
+                        loop.stop()
+                elif tries[0] < 50:
+                    tries[0] += 1
+                    loop.call_later(0.1, check)
+
+            loop.call_soon(check)
 
         loop.remove_signal_handler(signal.SIGQUIT)
         loop.add_signal_handler(signal.SIGQUIT, failed)
@@ -847,9 +858,19 @@ def _cli(kwargs: Mapping[str, Any]) -> list[str]:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below 55536: SGLang derives its gRPC port as --port + 10000 and refuses a
+    start where that passes 65535, even with gRPC off (srt/server_args.py:2997-3005)."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 55535)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise EngineFailure("engine 'sglang' (served): no free port in 20000-55535 on 127.0.0.1")
 
 
 class _Server:
