@@ -429,7 +429,10 @@ def ckpt(tmp_path_factory):
         "base": base,
         "a1": mk("a1", seed=1),
         "a2": mk("a2", seed=2, r=4, alpha=8),
-        "emb": mk("emb", seed=3, target_modules=["embed_tokens", "lm_head", "v_proj"]),
+        # q_proj with v_proj: SGLang stacks q, k, v only from a q_proj weight (srt/lora/lora.py:233-258); an
+        # adapter with v_proj LoRA but no q_proj LoRA kills its scheduler at the first batch that uses it
+        # ("Cannot find target module name for ...v_proj.lora_A.weight", srt/lora/utils.py:319).
+        "emb": mk("emb", seed=3, target_modules=["embed_tokens", "lm_head", "q_proj", "v_proj"]),
         "rs": mk("rs", seed=4, r=4, alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
         "rs_plain": mk("rs_plain", seed=4, r=4, alpha=8, target_modules=["q_proj", "v_proj"]),
         "dora": mk("dora", seed=5, target_modules=["q_proj"], use_dora=True),
@@ -471,23 +474,42 @@ def test_real_sglang_matches_peft(ckpt, real):
     base = [GenerationRequest(p, None, 5, 4) for p in PROMPTS]
     for s, p in zip(se.generate(base), pe.generate(base)):
         _assert_same(s, p, "base")
-    for n in ("a1", "a2", "emb"):
+    for n in ("a1", "a2"):
         se.load_adapter(n, ckpt[n])
         pe.load_adapter(n, ckpt[n])
-    assert se.list_adapters() == se.engine_adapters() == ["a1", "a2", "emb"]
-    for adapters in (["a1", "a2", "emb"], ["emb", None, "a1"]):
+    assert se.list_adapters() == se.engine_adapters() == ["a1", "a2"]
+    for adapters in (["a1", "a2", None], ["a2", None, "a1"]):
         reqs = [GenerationRequest(p, a, 6, 4) for p, a in zip(PROMPTS, adapters)]
         for s, p, r in zip(se.generate(reqs), pe.generate(reqs), reqs):
             _assert_same(s, p, f"adapter {r.adapter}")
-    req = [GenerationRequest(PROMPTS[0], "emb", 2, 3, prompt_logprobs=True)]
+    req = [GenerationRequest(PROMPTS[0], "a2", 2, 3, prompt_logprobs=True)]
     s, p = se.generate(req)[0], pe.generate(req)[0]
     assert s.prompt_token_ids == p.prompt_token_ids and len(s.prompt_logprobs) == len(s.prompt_token_ids) - 1
     for x, y in zip(s.prompt_logprobs, p.prompt_logprobs):
         assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-4
-    for n in ("a1", "a2", "emb"):
+    for n in ("a1", "a2"):
         se.unload_adapter(n)
     assert se.engine_adapters() == []
     assert se.reset_prefix_cache()
+
+
+@needs_sglang
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="finding (docs/sglang.md): SGLang 0.5.15.post1 on cpu serves an adapter with "
+                                       "embed_tokens, lm_head, q_proj and v_proj LoRA beside plain adapters in one "
+                                       "batch with other tokens than PEFT (seen 19,19,19,19,49,37 for 37,10,35,55,55,19)")
+def test_real_sglang_embedding_and_lm_head_adapter_in_a_mixed_batch(ckpt, real):
+    se, pe = real
+    for n in ("a1", "emb"):
+        se.load_adapter(n, ckpt[n])
+        pe.load_adapter(n, ckpt[n])
+    try:
+        reqs = [GenerationRequest(p, a, 6, 4) for p, a in zip(PROMPTS, ["a1", None, "emb"])]
+        for s, p, r in zip(se.generate(reqs), pe.generate(reqs), reqs):
+            _assert_same(s, p, f"adapter {r.adapter}")
+    finally:
+        for n in ("a1", "emb"):
+            se.unload_adapter(n)
 
 
 @needs_sglang
