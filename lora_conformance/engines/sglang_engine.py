@@ -131,8 +131,8 @@ NOT_DECLARED = {
     Capability.GRAPHS: "on cpu SGLang runs no CUDA graphs (srt/server_args.py: 'Cuda graph is disabled because of "
                        "using torch native attention backend'; the plugin starts it with disable_cuda_graph): there is "
                        "no second runtime mode to compare",
-    Capability.OVERLAP_LOADING: f"{_V}srt/lora/lora_overlap_loader.py:6-8 and 75 wait on torch.cuda streams "
-                                "(torch.cuda.current_stream().wait_event(event)), which a cpu-only host lacks; "
+    Capability.OVERLAP_LOADING: f"{_V}srt/lora/lora_overlap_loader.py:6-8 and 75 wait on the accelerator's "
+                                "streams (current_stream().wait_event(event)), which a cpu-only host lacks; "
                                 "srt/server_args.py:6760-6768: it exists to overlap pinned H2D copies with compute, "
                                 "and a cpu run has no such copy",
     Capability.MOE: f"{_V}srt/layers/moe: MoE LoRA runs in the fused MoE runners (srt/lora/lora_moe_runners.py, "

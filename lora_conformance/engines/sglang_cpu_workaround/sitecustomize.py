@@ -31,14 +31,15 @@ FACTORIES = ("tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange", 
 
 
 def accelerator_present(torch) -> bool:
+    """Whether torch sees an accelerator (``torch.accelerator``, which covers every backend). A torch
+    without that API counts as having one: the workaround is then never applied (it cannot tell)."""
     acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "is_available"):
-        try:
-            if acc.is_available():
-                return True
-        except Exception:  # noqa: BLE001 - a broken backend is not a usable one
-            pass
-    return bool(torch.cuda.is_available())
+    if acc is None or not hasattr(acc, "is_available"):
+        return True
+    try:
+        return bool(acc.is_available())
+    except Exception:  # noqa: BLE001 - a backend that cannot answer: do not patch
+        return True
 
 
 def _unpinned(fn):
