@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,6 +133,31 @@ class RequestHandle(ABC):
     @abstractmethod
     def result(self, timeout: float) -> list[GenerationResult]:
         """The results in request order; raises EngineFailure on timeout."""
+
+
+class FuturesHandle(RequestHandle):
+    """A ``RequestHandle`` over one future per request (each run on a thread of the plugin's) and
+    one event per request, set when it has produced its first token."""
+
+    def __init__(self, futures: Sequence[Any], started: Sequence[threading.Event]):
+        self._futures, self._started = list(futures), list(started)
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait_started(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(ev.wait(max(0.0, deadline - time.monotonic())) for ev in self._started)
+
+    def result(self, timeout: float) -> list[GenerationResult]:
+        deadline = time.monotonic() + timeout
+        out = []
+        for f in self._futures:
+            try:
+                out.append(f.result(max(0.0, deadline - time.monotonic())))
+            except TimeoutError as exc:
+                raise EngineFailure(f"streamed requests did not finish within {timeout:g} s") from exc
+        return out
 
 
 class AdaptersInUse:

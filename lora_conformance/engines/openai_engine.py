@@ -81,6 +81,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from lora_conformance.engines.args import Rename, Via, arg, capability_list
+from lora_conformance.engines import served
 from lora_conformance.engines.base import (
     AdapterIncompatibleError,
     AdaptersInUse,
@@ -90,6 +91,7 @@ from lora_conformance.engines.base import (
     EngineError,
     EngineFailure,
     Limits,
+    FuturesHandle,
     RequestHandle,
     UnsupportedFeatureError,
     only,
@@ -313,82 +315,29 @@ class OpenAIEngine(Engine):
     def close(self) -> None:
         proc, self._proc = self._proc, None
         try:
-            self._stop(proc)
+            served.stop_process_group(proc)
         finally:
             if proc is not None and proc.returncode not in (None, 0, -signal.SIGTERM, -signal.SIGKILL):
                 self._keep_log = True  # it died on its own: the log says why
             if self._log_path is not None and not self._keep_log:
                 self._log_path.unlink(missing_ok=True)  # server logs are kept only when something failed
 
-    @staticmethod
-    def _stop(proc: Optional[subprocess.Popen]) -> None:
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)  # our own session: the server and its workers
-            proc.wait(timeout=30)
-        except (ProcessLookupError, PermissionError):
-            pass
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
-
     # ---- HTTP -------------------------------------------------------------------------
 
     def _http(self, method: str, url: str, body: Any = None, timeout: Optional[float] = None) -> Any:
         """One HTTP exchange under one deadline (connect, send, headers and body together)."""
         budget = timeout or self.timeout
-        data = None if body is None else json.dumps(body).encode()
         parts = urllib.parse.urlsplit(url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=budget)  # no proxy, ever
-        expired = threading.Event()
-
-        def expire():  # unblocks a recv() that a trickling server keeps alive
-            expired.set()
-            sock = conn.sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-        timer = threading.Timer(budget, expire)
-        timer.daemon = True
-        timer.start()
         try:
-            conn.request(method, parts.path or "/", body=data, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.length is not None and resp.length > MAX_RESPONSE_BYTES:
-                raise EngineFailure(f"{method} {url}: answer of {resp.length} bytes refused (more than "
-                                    f"{MAX_RESPONSE_BYTES} bytes; no answer of this API needs that much)")
-            chunks, size = [], 0
-            while not expired.is_set():
-                chunk = resp.read1(65536)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > MAX_RESPONSE_BYTES:
-                    raise EngineFailure(f"{method} {url}: answer exceeded {MAX_RESPONSE_BYTES} bytes; refused "
-                                        "(no answer of this API needs that much)")
-                chunks.append(chunk)
-            if expired.is_set():
-                raise TimeoutError()
-            if resp.length:  # the server closed before sending what Content-Length promised
-                raise EngineFailure(f"{method} {url}: short answer, {resp.length} byte(s) of the body missing")
-            status, raw, headers = resp.status, b"".join(chunks), resp.headers
+            status, raw, headers = served.exchange(parts.hostname, parts.port, method, parts.path or "/", body,
+                                                   budget, MAX_RESPONSE_BYTES, f"{method} {url}")
         except EngineError:
             raise
         except (http.client.HTTPException, OSError, ValueError) as exc:
-            if expired.is_set() or isinstance(exc, (socket.timeout, TimeoutError)):
+            if isinstance(exc, TimeoutError):  # socket.timeout too
                 raise EngineFailure(f"{method} {url}: timed out (no complete answer within the "
                                     f"{budget:g} s request deadline)") from None
             raise EngineFailure(f"{method} {url}: {type(exc).__name__}: {exc}") from None
-        finally:
-            timer.cancel()
-            conn.close()
         if status >= 400:
             raise self._http_error(status, raw, url)
         if not 200 <= status < 300:  # a redirect (or 1xx) is not a success; redirects are never followed
@@ -527,7 +476,7 @@ class OpenAIEngine(Engine):
         futures = [pool.submit(self._one_streamed, r, ev) for r, ev in zip(requests, started)]
         pool.shutdown(wait=False)
         self._in_use.finished_with(futures, names)
-        return _StreamHandle(futures, started, self.timeout)
+        return FuturesHandle(futures, started)
 
     def _one_streamed(self, req: GenerationRequest, started: threading.Event) -> GenerationResult:
         if req.prompt_logprobs:  # echo is not streamed: the whole answer at once
@@ -556,19 +505,7 @@ class OpenAIEngine(Engine):
                 if getattr(err, "not_found", False) and req.adapter is not None:
                     raise AdapterNotLoadedError(req.adapter, self.list_adapters()) from err
                 raise err
-            while True:
-                if time.monotonic() > deadline:
-                    raise EngineFailure(f"streamed completion did not finish within {self.timeout:g} s")
-                line = resp.readline()
-                if not line:
-                    break
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
+            for chunk in served.sse_events(resp, deadline, f"streamed completion did not finish within {self.timeout:g} s"):
                 if "error" in chunk:
                     raise EngineFailure(f"streamed completion failed: {json.dumps(chunk)[:500]}")
                 for choice in chunk.get("choices") or []:
@@ -680,28 +617,6 @@ class OpenAIEngine(Engine):
             return f"{self.flavor} server {v.get('version', v) if isinstance(v, dict) else v} at {self.base_url}"
         except EngineError:
             return f"{self.flavor} server at {self.base_url}"
-
-
-class _StreamHandle(RequestHandle):
-    def __init__(self, futures, started, timeout: float):
-        self._futures, self._started, self._timeout = futures, started, timeout
-
-    def done(self) -> bool:
-        return all(f.done() for f in self._futures)
-
-    def wait_started(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        return all(ev.wait(max(0.0, deadline - time.monotonic())) for ev in self._started)
-
-    def result(self, timeout: float) -> list[GenerationResult]:
-        deadline = time.monotonic() + timeout
-        out = []
-        for f in self._futures:
-            try:
-                out.append(f.result(max(0.0, deadline - time.monotonic())))
-            except TimeoutError as exc:
-                raise EngineFailure(f"streamed requests did not finish within {timeout:g} s") from exc
-        return out
 
 
 def _parse_lora_modules(raw: str) -> list[tuple[str, str]]:

@@ -76,7 +76,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,6 +83,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from lora_conformance import devices
 from lora_conformance.engines import sglang_cpu_workaround as workaround
+from lora_conformance.engines import served
 from lora_conformance.engines._hf_common import is_encoder_only, load_tokenizer, trim_topk
 from lora_conformance.engines.args import Rename, Via, arg, capability_list
 from lora_conformance.engines.base import (
@@ -95,6 +95,7 @@ from lora_conformance.engines.base import (
     EngineError,
     EngineFailure,
     Limits,
+    FuturesHandle,
     RequestHandle,
     UnsupportedFeatureError,
 )
@@ -585,7 +586,7 @@ class SGLangEngine(Engine):
         pool = ThreadPoolExecutor(max_workers=max(1, len(requests)))
         futures = [pool.submit(self._one_streamed, r, ev) for r, ev in zip(requests, started)]
         pool.shutdown(wait=False)
-        return _StreamHandle(futures, started)
+        return FuturesHandle(futures, started)
 
     def _one_streamed(self, req: GenerationRequest, started: threading.Event) -> GenerationResult:
         body = {"text": req.prompt, "stream": True,
@@ -820,28 +821,6 @@ def _sglang_defaults() -> dict:
     return {f.name: f.default for f in dc.fields(ServerArgs) if f.default is not dc.MISSING}
 
 
-class _StreamHandle(RequestHandle):
-    def __init__(self, futures, started):
-        self._futures, self._started = futures, started
-
-    def done(self) -> bool:
-        return all(f.done() for f in self._futures)
-
-    def wait_started(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        return all(ev.wait(max(0.0, deadline - time.monotonic())) for ev in self._started)
-
-    def result(self, timeout: float) -> list[GenerationResult]:
-        deadline = time.monotonic() + timeout
-        out = []
-        for f in self._futures:
-            try:
-                out.append(f.result(max(0.0, deadline - time.monotonic())))
-            except TimeoutError as exc:
-                raise EngineFailure(f"streamed requests did not finish within {timeout:g} s") from exc
-        return out
-
-
 def _cli(kwargs: Mapping[str, Any]) -> list[str]:
     """``sglang.launch_server``'s argument list for the same server args ``sglang.Engine`` takes."""
     argv: list[str] = []
@@ -931,17 +910,7 @@ class _Server:
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)  # our own session: the server and its scheduler processes
-                proc.wait(timeout=30)
-            except (ProcessLookupError, PermissionError):
-                pass
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
+            served.stop_process_group(proc)  # our own session: the server and its scheduler processes
         elif proc is not None and proc.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL):
             self.keep_log = True  # it died on its own: the log says why
         if not self.keep_log:
@@ -985,48 +954,15 @@ class _Server:
         return parsed
 
     def _exchange(self, method: str, route: str, body: Any, budget: float) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=budget)
-        expired = threading.Event()
-
-        def expire():  # unblocks a recv() that a trickling server keeps alive
-            expired.set()
-            if conn.sock is not None:
-                try:
-                    conn.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-        timer = threading.Timer(budget, expire)
-        timer.daemon = True
-        timer.start()
         try:
-            data = None if body is None else json.dumps(body).encode()
-            conn.request(method, route, body=data, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            chunks, size = [], 0
-            while not expired.is_set():
-                chunk = resp.read1(65536)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > MAX_RESPONSE_BYTES:
-                    raise EngineFailure(f"SGLang {method} {route}: answer over {MAX_RESPONSE_BYTES} bytes refused")
-                chunks.append(chunk)
-            if expired.is_set():
-                raise TimeoutError()
-            return resp.status, b"".join(chunks)
+            status, raw, _ = served.exchange("127.0.0.1", self.port, method, route, body, budget, MAX_RESPONSE_BYTES,
+                                             f"SGLang {method} {route}")
+            return status, raw
         except EngineError:
             raise
         except (http.client.HTTPException, OSError, ValueError) as exc:
-            died = self._died()
-            if died is not None:
-                raise died from None
-            if expired.is_set() or isinstance(exc, (socket.timeout, TimeoutError)):
-                raise EngineFailure(f"SGLang {method} {route}: no complete answer within {budget:g} s") from None
-            raise EngineFailure(f"SGLang {method} {route}: {type(exc).__name__}: {exc}") from None
-        finally:
-            timer.cancel()
-            conn.close()
+            timed_out = isinstance(exc, TimeoutError)  # socket.timeout too
+            raise self._transport_failure(f"{method} {route}", exc, budget if timed_out else None) from None
 
     def stream(self, route: str, body: Any):
         """The JSON objects of a server-sent-event answer (``data: {...}`` lines) until ``[DONE]``."""
@@ -1038,25 +974,19 @@ class _Server:
             if resp.status >= 400:
                 raw = resp.read().decode("utf-8", errors="replace")
                 raise map_sglang_error(raw, f"POST {route} (stream) answered {resp.status}")
-            while True:
-                if time.monotonic() > deadline:
-                    raise EngineFailure(f"SGLang streamed {route} did not finish within {self.timeout:g} s")
-                line = resp.readline()
-                if not line:
-                    return
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return
-                yield json.loads(data)
+            yield from served.sse_events(resp, deadline, f"SGLang streamed {route} did not finish within {self.timeout:g} s")
         except EngineError:
             raise
         except (http.client.HTTPException, OSError, ValueError) as exc:
-            died = self._died()
-            if died is not None:
-                raise died from None
-            raise EngineFailure(f"SGLang streamed {route}: {type(exc).__name__}: {exc}") from None
+            raise self._transport_failure(f"streamed {route}", exc) from None
         finally:
             conn.close()
+
+    def _transport_failure(self, what: str, exc: Exception, timed_out_after: Optional[float] = None) -> EngineError:
+        """What a broken HTTP exchange means: the server's death where it died, else a timeout or the error."""
+        died = self._died()
+        if died is not None:
+            return died
+        if timed_out_after is not None:
+            return EngineFailure(f"SGLang {what}: no complete answer within {timed_out_after:g} s")
+        return EngineFailure(f"SGLang {what}: {type(exc).__name__}: {exc}")
