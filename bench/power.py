@@ -48,6 +48,7 @@ from lora_conformance.compare.errors import ConformanceAssertionError
 from lora_conformance.compare.rouge import assert_rouge_l
 from lora_conformance.compare.routing import IndistinctReferencesError, assert_nearest_reference_routing
 from lora_conformance.engines import create_engine
+from lora_conformance.engines.builtin.engine.adapter import svd_factors
 from lora_conformance.models import default_prompts, resolve_base_model
 from lora_conformance.reference import ReferenceCache, ReferenceRunner
 from lora_conformance.settings import default_cache_dir
@@ -216,16 +217,15 @@ def transformed(src: Path, how: str, dtype: str, root: Path) -> Path:
             B = B * 0
         elif kind == "preround":
             A, B = A.to(getattr(torch, dtype)).double(), B.to(getattr(torch, dtype)).double()
-        elif kind in ("svd", "permute", "pad"):
+        elif kind == "svd":
+            A, B = svd_factors(A, B, E)
+        elif kind in ("permute", "pad"):
             Ae = A.view(E, r, -1)  # experts: lora_A (r*E, in) grouped by expert, lora_B (out, r*E) by rank
             Be = B.view(B.shape[0], r, E).permute(2, 0, 1) if E > 1 else B.unsqueeze(0)
             outA, outB = [], []
             for e in range(E):
                 a, b = Ae[e], Be[e]
-                if kind == "svd":
-                    U, S, Vh = torch.linalg.svd(b @ a, full_matrices=False)
-                    a, b = S[:r].sqrt()[:, None] * Vh[:r], U[:, :r] * S[:r].sqrt()
-                elif kind == "permute":
+                if kind == "permute":
                     perm = torch.randperm(r, generator=gen)
                     a, b = a[perm], b[:, perm]
                 else:

@@ -16,7 +16,7 @@ that breaks a near-tie the other way (bfloat16 rounding) is not pushed towards a
 whatever its continuation happens to share with that adapter's. (The seed's distance, 1 - ROUGE-L
 over the whole decode then the mean logprob difference, did exactly that: 30 of 660 bfloat16 null
 runs of the default built-in engine failed it, and every benign rewriting alike; this distance, 0 of
-4,116 bfloat16 and 540 float16 null runs, with every routing fault caught: docs/method.md.)
+4,116 bfloat16 and 648 float16 null runs, with every routing fault caught: docs/false-alarms-and-power.md.)
 ROUGE-L is still shown beside each distance, for the reader.
 """
 

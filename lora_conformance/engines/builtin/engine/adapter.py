@@ -174,7 +174,8 @@ def _stored_factors(A: torch.Tensor, B: torch.Tensor, variant: Variant, dtype,
     again once the scaling is folded in; svd rebuilds both from an SVD of B @ A (per expert:
     lora_A (r*E, in) is grouped by expert, lora_B (out, r*E) by rank)."""
     if variant.on("svd"):
-        return _svd_factors(A, B, experts)
+        A2, B2 = svd_factors(A, B, experts)
+        return A2.float(), B2.float()
     if variant.on("rescale"):
         return A * variant.factor, B / variant.factor
     if variant.on("preround"):
@@ -182,7 +183,10 @@ def _stored_factors(A: torch.Tensor, B: torch.Tensor, variant: Variant, dtype,
     return A, B
 
 
-def _svd_factors(A: torch.Tensor, B: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+def svd_factors(A: torch.Tensor, B: torch.Tensor, E: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """lora_A and lora_B rebuilt from an SVD of B @ A, per expert (B = U sqrt(S), A = sqrt(S) V^T), in
+    float64: the same delta from other factors (variant svd; bench/power.py's svd rewriting). lora_A
+    (r*E, in) is grouped by expert, lora_B (out, r*E) by rank."""
     r = A.shape[0] // E
     Ae, Be = A.double().view(E, r, -1), B.double().view(B.shape[0], r, E).permute(2, 0, 1)  # (E, r, in), (E, out, r)
     outA, outB = [], []
@@ -191,9 +195,7 @@ def _svd_factors(A: torch.Tensor, B: torch.Tensor, E: int) -> tuple[torch.Tensor
         root = S[:r].sqrt()
         outA.append(root[:, None] * Vh[:r])
         outB.append(U[:, :r] * root)
-    A2 = torch.cat(outA)
-    B2 = torch.stack(outB).permute(1, 2, 0).reshape(B.shape[0], r * E)
-    return A2.float(), B2.float()
+    return torch.cat(outA), torch.stack(outB).permute(1, 2, 0).reshape(B.shape[0], r * E)
 
 
 def _pack(kind, module, A, B, r, E, scale, R, dtype, path, target) -> PackedLora:
