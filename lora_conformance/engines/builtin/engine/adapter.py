@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from lora_conformance.checkpoints import module_rank_alpha, pattern_value, split_lora_key
-from lora_conformance.engines.base import AdapterIncompatibleError, UnsupportedFeatureError
+from lora_conformance.engines.base import AdapterFormatError, AdapterIncompatibleError, UnsupportedFeatureError
 from lora_conformance.engines.builtin.engine.plan import AdapterRules
 from lora_conformance.engines.builtin.variants import Variant
 
