@@ -27,7 +27,7 @@ def newest_reports(reports_dir: Path) -> list[tuple[Path, dict, bool]]:
     from lora_conformance.report.environment import column_key
 
     best: dict[str, tuple[Path, dict, bool]] = {}
-    for path in sorted(reports_dir.glob("*.json")):
+    for path in sorted([*reports_dir.glob("*.json"), *reports_dir.glob("*.json.xz")]):
         try:
             report, checked = load_report(path), True
         except ReportDigestError:

@@ -135,3 +135,45 @@ def build_directory_once(final: Path, complete: Callable[[Path], bool], build: C
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+# A stored report is compressed JSON (``report.json.xz``, or ``.gz``); a run writes plain JSON.
+REPORT_SUFFIXES = ("", ".xz", ".gz")
+
+
+def report_file(path: Path) -> Path:
+    """The report file a path names: itself, or a directory's ``report.json`` (``report.json.xz`` or
+    ``.gz`` where only a compressed one is there)."""
+    path = Path(path)
+    if path.is_dir():
+        found = [path / f"report.json{s}" for s in REPORT_SUFFIXES if (path / f"report.json{s}").exists()]
+        return found[0] if found else path / "report.json"
+    return path
+
+
+def read_report_bytes(path: Path) -> tuple[Path, bytes]:
+    """(the file read, its JSON bytes) of a report as written (JSON) or as stored (``.xz``, ``.gz``).
+    OSError and the decompressors' errors propagate as OSError/ValueError for the caller to name the file."""
+    import gzip
+    import lzma
+
+    path = report_file(path)
+    data = path.read_bytes()
+    if path.suffix == ".xz":
+        try:
+            return path, lzma.decompress(data)
+        except lzma.LZMAError as exc:
+            raise ValueError(f"not xz-compressed JSON ({exc})") from None
+    return path, (gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
+def store_report(report_json: Path, target: Path) -> Path:
+    """Keep a report in a repository: its JSON re-written compactly and xz-compressed at ``target``
+    (``.json.xz``). The digest and signature cover canonical forms, so both still verify."""
+    import lzma
+
+    _, data = read_report_bytes(report_json)
+    compact = json.dumps(json.loads(data), separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    target = Path(target)
+    target.write_bytes(lzma.compress(compact, preset=9 | lzma.PRESET_EXTREME))
+    return target

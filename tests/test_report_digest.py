@@ -193,12 +193,24 @@ def test_schema1_with_edited_records_is_refused(tmp_path, capsys):
     assert "records do not match records_digest" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("stored", sorted((REPO / "reports").glob("*.json")), ids=lambda p: p.name)
+# Stored reports whose digest does not match their content as committed (checked: the committed
+# JSON itself fails, before compression): read with --ignore-digest, and the test keeps them failing it.
+DIGEST_MISMATCH_AS_COMMITTED = {"builtin-cpu-tensor-parallel/report.json.xz"}
+
+
+@pytest.mark.parametrize("stored", sorted((REPO / "reports").rglob("*.json.xz")),
+                         ids=lambda p: str(p.relative_to(REPO / "reports")))
 def test_stored_reports_still_verify_and_render(stored, tmp_path, capsys):
-    data = json.loads(stored.read_text())
-    if data.get("schema") != legacy.SCHEMA_1 or "records" not in data:
-        pytest.skip("not a schema-1 report")
-    ignore = () if "records_digest" in data else ("--ignore-digest",)
+    from lora_conformance.fileio import read_report_bytes
+
+    data = json.loads(read_report_bytes(stored)[1])
+    if "records" not in data:
+        pytest.skip("a report without records (a summary)")
+    ignore = () if ("records_digest" in data or "digest" in data) else ("--ignore-digest",)
+    if str(stored.relative_to(REPO / "reports")) in DIGEST_MISMATCH_AS_COMMITTED:
+        assert _cli("verify", stored) == report_cli.DIGEST_EXIT
+        capsys.readouterr()
+        ignore = ("--ignore-digest",)
     assert _cli("verify", stored, *ignore) == 0, capsys.readouterr()
     assert "stored verdict matches the records" in capsys.readouterr().out
     assert _cli("render", stored, "-o", tmp_path / "o", *ignore) == 0

@@ -161,11 +161,11 @@ def check_report(data: Any, where: str) -> None:
 def load_report(path: Path, check_digest: bool = True) -> dict[str, Any]:
     """Read and check a report.json: schema, the types of every field a reader uses, and (unless
     ``check_digest`` is False) that it matches its digest. Schema 1 is read by ``legacy.upgrade``."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "report.json"
+    from lora_conformance.fileio import read_report_bytes, report_file
+
+    path = report_file(path)
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(read_report_bytes(path)[1].decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ReportFormatError(f"{path}: cannot read a report: not UTF-8 ({exc.reason} at byte {exc.start})") \
             from None

@@ -101,11 +101,11 @@ def _load_key(path: Path, private: bool):
 
 
 def _read(path: Path) -> tuple[Path, dict]:
-    path = Path(path)
-    if path.is_dir():
-        path = path / "report.json"
+    from lora_conformance.fileio import read_report_bytes, report_file
+
+    path = report_file(path)
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(read_report_bytes(path)[1].decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise SignatureError(f"{path}: cannot read a report: {exc}") from None
     if not isinstance(data, dict):
