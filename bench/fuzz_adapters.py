@@ -67,7 +67,7 @@ def fuzz_engine(name, model, good, device, budget, seed_value):
 def agreement(model, good, accepted, device, limit):
     """(counts, examples): each accepted input refused by builtin and peft alike, or served by both
     within the float32 tolerance of the reference."""
-    from lora_conformance.compare import assert_logprobs_close
+    from lora_conformance.judge import assert_logprobs_close
     from lora_conformance.engines import EngineError
     from lora_conformance.reference import ReferenceRunner
     from lora_conformance.types import GenerationRequest

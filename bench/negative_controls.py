@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from lora_conformance.adapters import DEFAULT_ADAPTERS, AdapterSpec, synthesize_cached
-from lora_conformance.compare.tolerances import TOLERANCES
+from lora_conformance.judge.tolerances import TOLERANCES
 from lora_conformance.engines import create_engine
 from lora_conformance.engines.builtin.variants import negative_controls
 from lora_conformance.models import default_prompts, resolve_base_model

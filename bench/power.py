@@ -2,7 +2,7 @@
 
 Null runs: correct engines with benign rewritings, each run randomised (adapter seed and rank,
 prompt subset, row order, composition), judged exactly as the suites judge them, by every check:
-``effects`` (``paired_effects.run``: teacher-forced contexts), ``prompt`` (``paired_effects.run_prompt_logprobs``:
+``effects`` (``paired.run``: teacher-forced contexts), ``prompt`` (``paired.run_prompt_logprobs``:
 the paired prompt-logprob verdict of ``accuracy::prefill_logprobs_with_adapter``) and ``free_running``
 (the gross decode check with prompt logprobs, ``compare.assert_logprobs_close``). Rewritings, each
 the same adapter in exact arithmetic, fed to a correct engine (the reference keeps the original):
@@ -39,14 +39,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from lora_conformance import paired_effects
+from lora_conformance.judge import paired
 from lora_conformance.adapters import AdapterSpec, synthesize_cached
 from lora_conformance import checkpoints
-from lora_conformance.compare import tolerance_for
-from lora_conformance.compare.logprobs import assert_logprobs_close, assert_prompt_logprobs_close
-from lora_conformance.compare.errors import ConformanceAssertionError
-from lora_conformance.compare.rouge import assert_rouge_l
-from lora_conformance.compare.routing import IndistinctReferencesError, assert_nearest_reference_routing
+from lora_conformance.judge import tolerance_for
+from lora_conformance.judge.logprobs import assert_logprobs_close, assert_prompt_logprobs_close
+from lora_conformance.judge.errors import ConformanceAssertionError
+from lora_conformance.judge.rouge import assert_rouge_l
+from lora_conformance.judge.routing import IndistinctReferencesError, assert_nearest_reference_routing
 from lora_conformance.engines import create_engine
 from lora_conformance.engines.builtin.engine.adapter import svd_factors
 from lora_conformance.models import default_prompts, resolve_base_model
@@ -286,10 +286,10 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None)
             engine.load_adapter(n, transformed(paths[n], how, dtype, tmp) if how else paths[n])
             loaded.append(n)
         tol = tolerance_for(dtype)
-        alts = paired_effects.default_alternatives(labels, paths)
-        plan = paired_effects.Plan(labels, prompts, paths, alts,
-                                   paired_effects.required_hypotheses(alts, modules=family == "alllinear"))
-        analyses = paired_effects.run(plan, engine, runner, tol)
+        alts = paired.default_alternatives(labels, paths)
+        plan = paired.Plan(labels, prompts, paths, alts,
+                                   paired.required_hypotheses(alts, modules=family == "alllinear"))
+        analyses = paired.run(plan, engine, runner, tol)
         stats = {"residual": max(a.residual_rms for a in analyses) / tol.effect_noise_max,
                  "slope": max(abs(a.slope - 1) / (tol.effect_slope_margin + 4 * a.slope_se) for a in analyses),
                  "gamma": max((f.gamma for a in analyses for f in a.fits), default=0.0),
@@ -300,7 +300,7 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None)
         prompt_lp = engine.supports("prompt_logprobs")
         if prompt_lp:
             try:
-                pa = paired_effects.run_prompt_logprobs(plan, engine, runner, tol)
+                pa = paired.run_prompt_logprobs(plan, engine, runner, tol)
                 failures["prompt"] += [f"{a.label}: {x}" for a in pa for x in a.failures]
                 defects += [f"prompt {a.label}: {x}" for a in pa for x in a.defects]
                 stats.update({

@@ -28,7 +28,7 @@ OUTCOME = "lora_outcome"  # {"status": "not certified", "cause", "detail"}: outc
 FAILURE = "lora_failure"  # {"type", "message"}: the exception that failed (or xfailed) the test
 EVIDENCE = "lora_evidence"  # a ConformanceAssertionError's ``.evidence`` (check, summary, rows, hypothesis)
 EFFECTS = "lora_effects"  # [compare.effects analyses]: the paired effect verdict's numbers (harness)
-NOTE = "lora_note"  # text: what a passing test could not establish (harness.TestContext.note)
+NOTE = "lora_note"  # text: what a passing test could not establish (context.TestContext.note)
 # [{"engine", "seconds", "why"}]: the engines this test started (harness.Harness.take_starts)
 ENGINE_STARTS = "lora_engine_starts"
 PROPERTIES = (FEATURE, OUTCOME, FAILURE, EVIDENCE, EFFECTS, NOTE, ENGINE_STARTS)

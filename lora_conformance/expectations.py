@@ -121,7 +121,7 @@ def case_matches(wanted: str, param_id: str) -> bool:
 def item_feature_and_case(item: Any) -> tuple[str, str]:
     """(feature id, parametrisation id) of a collected item: its marker's id, else ``suite/function``."""
     from lora_conformance.features import FeatureMarkerError, feature_of_item
-    from lora_conformance.report.verify import feature_of
+    from lora_conformance.judge.verdict import feature_of
 
     try:
         feature = feature_of_item(item)

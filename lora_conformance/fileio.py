@@ -177,3 +177,41 @@ def store_report(report_json: Path, target: Path) -> Path:
     target = Path(target)
     target.write_bytes(lzma.compress(compact, preset=9 | lzma.PRESET_EXTREME))
     return target
+
+
+def once_per_run(run_dir: Path, key: str, compute: Callable[[], Any], wait_s: float) -> Any:
+    """``compute()``'s JSON-able answer, computed once among the processes that share ``run_dir``
+    (pytest-xdist's recipe: the first to take the lock file computes and writes the answer, the others
+    read it). A waiter computes for itself when the owner died, gave up (lock gone) or took longer
+    than ``wait_s``; an interrupted owner removes its lock, so no waiter waits for nothing."""
+    import hashlib
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stem = hashlib.sha256(key.encode()).hexdigest()[:24]
+    answer, lock = run_dir / f"{stem}.json", run_dir / f"{stem}.lock"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        deadline = time.monotonic() + wait_s
+        while not answer.exists():
+            try:
+                owner = int(lock.read_text() or 0)
+                if owner:
+                    os.kill(owner, 0)  # the process computing it is still there
+            except (OSError, ValueError):  # the lock is gone (given up) or its owner died
+                if not answer.exists():
+                    return compute()
+            if time.monotonic() > deadline:
+                return compute()
+            time.sleep(0.2)
+        return json.loads(answer.read_text())["answer"]
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        result = compute()
+    except BaseException:
+        lock.unlink(missing_ok=True)  # interrupted: a waiting process asks for itself
+        raise
+    write_json_atomic(answer, {"answer": result})
+    return result

@@ -1,9 +1,10 @@
-"""Session services behind the plugin's fixtures: models, adapters, references, engines.
+"""The session's engine pool behind the ``lora`` fixture (``lora_conformance.context``).
 
-``Harness`` lives for the session (one per pytest process). ``TestContext`` is what a suite
-test sees as the ``lora`` fixture: the test's base model and dtype, engines for it, the
-adapters it loaded (unloaded again at teardown, so tests do not leak state into each
-other), the reference, and comparison helpers that apply the dtype's tolerance.
+``Harness`` lives for the session (one per pytest process): it starts engines, shares them
+between the tests that ask for the same model, dtype and effective settings, keeps the ledger
+of engine starts the report shows, and closes them. Models, adapters and references come from
+its ``Workspace`` (``lora_conformance.workspace``); verdicts are the judge's
+(``lora_conformance.judge``), never the pool's.
 """
 
 from __future__ import annotations
@@ -11,31 +12,17 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional
 
 import pytest
 
-from lora_conformance import paired_effects
 from lora_conformance.markers import base_model_kind
-from lora_conformance.paired_effects import Alternatives
 from lora_conformance.settings import Settings, get_settings
-from lora_conformance.types import GenerationRequest, GenerationResult
-
-# The feature that certifies prompt logprobs; other tests use them only where a probe shows them
-# working (TestContext.prompt_logprobs_shown_to_work).
-PROMPT_LOGPROBS_FEATURE = "accuracy/prefill_logprobs_with_adapter"
-# How long an xdist worker waits for another worker's probe answer before probing itself (s).
-SHARED_PROBE_WAIT = 900
+from lora_conformance.workspace import Workspace
 # Engines kept alive at once (least recently used closed first, the run's own engine last): each
 # settings combination a suite asks for keeps its engine, so the next test with those settings
 # starts none.
 MAX_LIVE_ENGINES = 3
-MODEL_KINDS = {"decoder": None, "llama": None, "moe": "synthetic:moe", "encoder": "synthetic:encoder",
-               # base-model variants (suites/test_base_models.py): always these synthetic models
-               "llama-hd128": "synthetic:llama-hd128", "llama-hd256": "synthetic:llama-hd256",
-               "qwen2": "synthetic:qwen2"}
-
-
 HARNESS_KEY = pytest.StashKey["Harness"]()
 
 
@@ -61,9 +48,7 @@ class Harness:
         self.settings = settings
         # Filled with what only a live engine knows (version, capabilities, limits), for the report.
         self.environment = environment if environment is not None else {}
-        self._model_dirs: dict[str, Path] = {}
-        self._kinds: dict[Path, str] = {}
-        self._references: dict[Path, Any] = {}
+        self.workspace = Workspace(settings)
         self._engines: "OrderedDict[tuple, Any]" = OrderedDict()
         self._engine_failures: dict[tuple, BaseException] = {}
         self._engine_extra: dict[tuple, dict] = {}  # shared engine key -> the test's args it was started with
@@ -78,50 +63,6 @@ class Harness:
         self._uses: set[str] = set()  # shared engines other than the run's own asked for since take_uses
         self._own: Optional[tuple] = None  # _own_key's answer
         self._close_errors: list[BaseException] = []
-        from lora_conformance.adapters import validate
-        from lora_conformance.models import tokenizer
-
-        validate.shapes_cache_dir = settings.cache_dir / "shapes"
-        tokenizer.resolution_cache_dir = settings.cache_dir / "tokenizers"
-
-    # ---- models and adapters ---------------------------------------------------------
-
-    def model_spec(self, kind: Optional[str]) -> str:
-        """``--base-model`` unless the suite needs another kind (moe, encoder) than it is."""
-        if kind in (None, "decoder", "llama"):
-            return self.settings.base_model
-        if kind not in MODEL_KINDS:
-            raise ValueError(f"unknown base_model kind {kind!r}; expected one of {', '.join(MODEL_KINDS)}")
-        own = self.model_dir(self.settings.base_model)
-        return self.settings.base_model if self.model_kind(own) == kind else MODEL_KINDS[kind]
-
-    def model_dir(self, spec: str) -> Path:
-        if spec not in self._model_dirs:
-            from lora_conformance.models import resolve_base_model
-
-            self._model_dirs[spec] = resolve_base_model(spec, self.settings.cache_dir / "models")
-        return self._model_dirs[spec]
-
-    def model_kind(self, model_dir: Path) -> str:
-        if model_dir not in self._kinds:
-            from lora_conformance.checkpoints import model_kind
-
-            self._kinds[model_dir] = model_kind(model_dir)
-        return self._kinds[model_dir]
-
-    def adapter_path(self, model_dir: Path, spec) -> Path:
-        from lora_conformance.adapters import synthesize_cached
-
-        return synthesize_cached(model_dir, spec, self.settings.cache_dir / "adapters")
-
-    def reference(self, model_dir: Path):
-        if model_dir not in self._references:
-            from lora_conformance.reference import ReferenceCache, ReferenceRunner
-
-            s = self.settings
-            cache = ReferenceCache(s.cache_dir / "references", refresh=s.refresh_references)
-            self._references[model_dir] = ReferenceRunner(model_dir, s.reference_device, s.reference_dtype, cache)
-        return self._references[model_dir]
 
     # ---- engines ---------------------------------------------------------------------
 
@@ -173,7 +114,7 @@ class Harness:
         """The run's own engine's key (its model, dtype and the user's args), computed once."""
         if self._own is None:
             try:
-                self._own = self.engine_key(self.model_dir(self.model_spec(None)), self.settings.dtype, {})
+                self._own = self.engine_key(self.workspace.model_dir(self.workspace.model_spec(None)), self.settings.dtype, {})
             except Exception:  # noqa: BLE001 - a base model that does not resolve has no engine to keep
                 return None
         return self._own
@@ -317,17 +258,17 @@ class Harness:
         the shared engine started and asked."""
         from lora_conformance.engines.base import Capability
 
-        model_dir = self.model_dir(self.model_spec(base_model_kind(request.node)))
+        model_dir = self.workspace.model_dir(self.workspace.model_spec(base_model_kind(request.node)))
         declared = self.declared_capabilities(model_dir)
         if declared is None:
             # A refusal to start with this model (UnsupportedFeatureError) is raised as not certified.
-            declared = self.shared_engine(model_dir, _item_dtype(request, self.settings)).capabilities
+            declared = self.shared_engine(model_dir, item_dtype(request, self.settings)).capabilities
         return [c for c in needed if Capability.parse(c) not in declared]
 
     def not_declared_reasons(self, request: pytest.FixtureRequest) -> dict[str, str]:
         """capability name -> why the engine does not declare it for this test's model
         (``Engine.not_declared_reasons``)."""
-        model_dir = self.model_dir(self.model_spec(base_model_kind(request.node)))
+        model_dir = self.workspace.model_dir(self.workspace.model_spec(base_model_kind(request.node)))
 
         try:
             cls, cfg = self.parsed_engine_args(self.settings.engine_args)
@@ -365,431 +306,10 @@ class Harness:
         if self._close_errors:
             raise self._close_errors.pop(0)
 
-def _item_dtype(request: pytest.FixtureRequest, settings: Settings) -> str:
+
+def item_dtype(request: pytest.FixtureRequest, settings: Settings) -> str:
+    """The dtype a test runs in: its ``dtype`` parameter, else the run's."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and "dtype" in callspec.params:
         return callspec.params["dtype"]
     return settings.dtype
-
-
-# ---- the engine's declared limits ------------------------------------------------------
-
-
-def tests_eviction(node: pytest.Item) -> bool:
-    """The test certifies eviction past ``max_loaded_loras`` (it requires ``max_loaded``): loading
-    more adapters than the engine holds is then the point, not a mistake."""
-    from lora_conformance.features import required_capabilities
-
-    return "max_loaded" in required_capabilities(node)
-
-
-def check_loaded_limit(engine, needed: int, evicting: bool = False) -> None:
-    """Not certified (outcomes.LIMIT) when a test needs more adapters loaded at once than the
-    engine's declared ``max_loaded_loras``: on such an engine the test would fail for its own
-    reason, not the engine's. ``evicting``: the test is about evicting past the limit."""
-    from lora_conformance.outcomes import limit_too_small
-
-    allowed = engine.limits.max_loaded_loras
-    if needed > allowed and not evicting:
-        limit_too_small("loaded adapters", needed, allowed)
-
-
-AdapterRef = Union[str, Path, Any]  # a DEFAULT_ADAPTERS name, a PEFT directory, or an AdapterSpec
-
-
-def _adapter_names(labels: Sequence[Optional[str]]) -> list[str]:
-    """The adapters of a batch's labels (None: a base row), each once, in order."""
-    return [n for n in dict.fromkeys(labels) if n]
-
-
-class TestContext:
-    """The ``lora`` fixture."""
-
-    __test__ = False  # not a pytest test class
-
-    def __init__(self, harness: Harness, request: pytest.FixtureRequest):
-        self.harness = harness
-        self.settings = harness.settings
-        self.request = request
-        self.dtype = _item_dtype(request, self.settings)
-        self.device = self.settings.device
-        self.model_dir = harness.model_dir(harness.model_spec(base_model_kind(request.node)))
-        self._loaded: list[tuple[Any, str]] = []
-        self._own_engines: list[Any] = []
-        self._reset: set[int] = set()  # shared engines this test has reset already
-
-    # ---- engines -----------------------------------------------------------------------
-
-    @property
-    def engine(self):
-        """The shared engine for this test's model and dtype, with the user's engine args; no
-        adapter is loaded in it when the test first gets it."""
-        return self.engine_with()
-
-    def declares(self, capability: str) -> bool:
-        """Whether the engine under test declares ``capability`` for this test's model: the engine
-        class answers where it can (nothing starts), else the shared engine."""
-        return not self.harness.missing_capabilities(self.request, [capability])
-
-    def require(self, *capabilities: str) -> None:
-        """Not certified unless the engine declares every one of ``capabilities`` for this test's
-        model; the report shows the plugin's evidence for each one it does not declare (what a
-        feature marker's ``requires`` does, for a capability only a parametrisation needs)."""
-        from lora_conformance.outcomes import missing_capabilities
-
-        missing = self.harness.missing_capabilities(self.request, capabilities)
-        if missing:
-            missing_capabilities(missing, self.harness.not_declared_reasons(self.request))
-
-    def engine_with(self, **args):
-        """A shared engine with these engine args on top of the user's (started once per
-        process for a model, dtype and args); no adapter is loaded in it when the test first
-        gets it (Harness.reset_adapters)."""
-        engine = self.harness.shared_engine(self.model_dir, self.dtype, args)
-        if id(engine) not in self._reset:
-            engine = self.harness.reset_adapters(engine, self.note)
-            self._reset.add(id(engine))
-        return engine
-
-    # The highest adapter rank a test asks of a shared engine (adapter_semantics/rank at 64): an
-    # engine whose default limit is lower (vLLM's 16) is asked for this limit, so those tests share
-    # one engine.
-    HIGH_RANK = 64
-
-    def engine_for_rank(self, rank: int):
-        """The shared engine when it accepts adapters of ``rank``; else the shared engine with the
-        standard arg ``max_rank`` raised to ``max(rank, HIGH_RANK)``, as a user serving such
-        adapters raises the limit. An engine without a ``max_rank`` arg, or whose own limit the
-        user set explicitly (an engine's own arg wins over a standard one), is returned as it is:
-        its ``limits.max_rank`` then tells the test what it cannot serve."""
-        engine = self.engine
-        if rank <= engine.limits.max_rank:
-            return engine
-        cls, _ = self.harness.parsed_engine_args({})
-        if "max_rank" not in (cls.standard_args or {}):
-            return engine
-        return self.engine_with(max_rank=max(rank, self.HIGH_RANK))
-
-    # The one small capacity of every test about slot limits (pinning, eviction, more adapters than
-    # slots): two adapters per batch, four held. One setting, so these tests share one engine (an
-    # engine that starts in half a minute, vLLM's on cpu, starts it once per worker, not once per
-    # test); each test sizes its adapters to it (more than the slots, more than the held ones).
-    CAPACITY = {"max_loras_per_batch": 2, "max_loaded_loras": 4}
-
-    def capacity_engine(self, **args):
-        """The shared engine with ``CAPACITY`` (and ``args``) on top of the user's engine args."""
-        return self.engine_with(**self.CAPACITY, **args)
-
-    def cold_engine(self, **args):
-        """An engine with these args, no adapter loaded and an empty prefix cache: the shared one
-        when the engine can empty its cache itself (``Engine.reset_prefix_cache``), else a fresh
-        one for this test alone."""
-        engine = self.engine_with(**args)
-        if engine.reset_prefix_cache():
-            return engine
-        return self.fresh_engine(**args)
-
-    def fresh_engine(self, **args):
-        """A new engine for this test alone (closed at teardown): for a test that needs an engine
-        that has never served anything (cold caches, a baseline untouched by adapters)."""
-        engine = self.harness.create_engine(self.model_dir, self.dtype, args, "a fresh engine for this test")
-        self._own_engines.append(engine)
-        return engine
-
-    def release(self, engine) -> None:
-        """Close one of this test's own engines now (``fresh_engine``), before the test ends: on an
-        accelerator the close finishes first (the next engine finds the device memory free), on cpu
-        it runs on a thread while the test goes on (``Harness.retire``)."""
-        self._own_engines.remove(engine)
-        self._loaded = [(e, name) for e, name in self._loaded if e is not engine]  # nothing to unload at the end
-        self.harness.retire(engine)
-
-    # ---- adapters ----------------------------------------------------------------------
-
-    def adapter_path(self, ref: AdapterRef) -> Path:
-        from lora_conformance.adapters import DEFAULT_ADAPTERS
-
-        if isinstance(ref, Path):
-            return ref
-        if isinstance(ref, str):
-            if ref not in DEFAULT_ADAPTERS:
-                raise KeyError(f"no default adapter {ref!r}; defaults: {', '.join(DEFAULT_ADAPTERS)}")
-            ref = DEFAULT_ADAPTERS[ref]
-        return self.harness.adapter_path(self.model_dir, ref)
-
-    def load(self, engine, name: str, ref: Optional[AdapterRef] = None, pinned: bool = False) -> Path:
-        """Load adapter ``ref`` (default: the default adapter called ``name``) as ``name``.
-        Past the engine's ``max_loaded_loras`` the test is not certified (check_loaded_limit)."""
-        path = self.adapter_path(name if ref is None else ref)
-        self.require_loaded(engine, len(set(engine.list_adapters()) | {name}))
-        engine.load_adapter(name, path, pinned=pinned)
-        self._loaded.append((engine, name))
-        return path
-
-    def require_loaded(self, engine, needed: int) -> None:
-        """The test needs ``needed`` adapters loaded at once on ``engine``: not certified when
-        the engine holds fewer, unless the test is about eviction past that limit."""
-        check_loaded_limit(engine, needed, tests_eviction(self.request.node))
-
-    # ---- requests, references, comparisons ---------------------------------------------
-
-    @property
-    def prompts(self) -> list[str]:
-        from lora_conformance.models import default_prompts
-
-        return default_prompts()
-
-    def requests(self, adapters: Sequence[Optional[str]], prompts: Optional[Sequence[str]] = None,
-                 max_new_tokens: int = 16, prompt_logprobs: bool = False, top_k: int = 5) -> list[GenerationRequest]:
-        """One request per adapter label (None = base), prompts taken in turn."""
-        ps = list(prompts or self.prompts)
-        return [GenerationRequest(prompt=ps[i % len(ps)], adapter=a, max_new_tokens=max_new_tokens,
-                                  top_k=top_k, prompt_logprobs=prompt_logprobs) for i, a in enumerate(adapters)]
-
-    def reference(self, requests: Sequence[GenerationRequest],
-                  adapters: Mapping[str, AdapterRef] = {}) -> list[GenerationResult]:
-        """Isolated HF+PEFT outputs; ``adapters`` maps request adapter names to their refs
-        (names absent from it are taken from DEFAULT_ADAPTERS)."""
-        names = {r.adapter for r in requests if r.adapter is not None}
-        paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
-        return self.harness.reference(self.model_dir).generate(requests, paths)
-
-    def decode(self, token_id: int) -> str:
-        return self.harness.reference(self.model_dir).decode_token(token_id)
-
-    def prompt_of_tokens(self, n: int) -> Optional[str]:
-        """A prompt of the default prompts' words that the reference makes exactly ``n`` prompt tokens
-        (special tokens included), or None where no run of their words has that count."""
-        runner = self.harness.reference(self.model_dir)
-        for prompt in self.prompts[5:] + self.prompts[:5]:
-            words = " ".join([prompt] + self.prompts).split()
-            for end in range(1, len(words) + 1):
-                text = " ".join(words[:end])
-                count = runner.token_count(text)
-                if count == n:
-                    return text
-                if count > n:
-                    break
-        return None
-
-    @property
-    def tolerance(self):
-        from lora_conformance.compare import tolerance_for
-
-        return tolerance_for(self.dtype)
-
-    def assert_adapter_visible(self, references: Sequence[GenerationResult], requests: Sequence[GenerationRequest],
-                               label: str = "", factor: float = 2.0,
-                               others: Optional[Sequence[GenerationResult]] = None, tolerance=None) -> None:
-        """The test's own power: the references with the adapters must differ from the base model's
-        (same prompts, no adapter; or from ``others``, outputs an engine with the bug under test
-        would give) by more than ``factor`` x this dtype's tolerance somewhere, or an engine that
-        drops the adapter would pass. ``tolerance``: the one the test compares with (default the
-        dtype's). Raises AssertionError naming the test's setup."""
-        from dataclasses import replace
-
-        from lora_conformance.compare import ConformanceAssertionError, assert_logprobs_close
-
-        tol = tolerance or self.tolerance
-        wide = replace(tol, prompt_rms_max=factor * tol.prompt_rms_max, free_running_atol=factor * tol.free_running_atol,
-                       decode_atol=factor * tol.decode_atol, tie_margin=factor * tol.tie_margin)
-        if others is None:
-            others = self.reference([replace(r, adapter=None) for r in requests])
-        for ref, base in zip(references, others):
-            try:
-                assert_logprobs_close(ref, base, wide, decode=self.decode)
-            except ConformanceAssertionError:
-                return  # visible
-        raise AssertionError(
-            f"{label}: the adapters' effect on the reference is within {factor} x the {tol.dtype} tolerance "
-            f"(prompt rms {tol.prompt_rms_max}, decode {tol.decode_atol}) for every request: this test could not tell "
-            "an engine that ignores them from a correct one (suite defect: strengthen the adapter)")
-
-    def note(self, text: str) -> None:
-        """A remark the report shows beside this test's verdict (what the test could not establish)."""
-        from lora_conformance import evidence
-
-        evidence.add(self.request.node, evidence.NOTE, text)
-
-    def prompt_logprobs_shown_to_work(self, engine) -> bool:
-        """Whether this test may ask ``engine`` (the one under test) for prompt logprobs, a feature it
-        does not certify (``PROMPT_LOGPROBS_FEATURE`` does): the engine declares them, and a probe on
-        an engine of its own, once per process, got answers that match the reference. Otherwise the
-        test checks what it can without them and the report notes the weaker check: a bug of prompt
-        logprobs turns only their own feature red. The probe decides, never another test's outcome
-        nor the expectations file (expectations say how an outcome is reported, never which checks
-        run), so the answer is the same in every worker, every order and every expectations file."""
-        if not engine.supports("prompt_logprobs"):
-            self.note("without prompt_logprobs (the engine does not declare it): a weaker check")
-            return False
-        key = (str(self.model_dir), self.dtype)
-        if key not in self.harness.prompt_logprobs_probes:
-            self.harness.prompt_logprobs_probes[key] = self._run_shared(key, self._probe_prompt_logprobs)
-        broken = self.harness.prompt_logprobs_probes[key]
-        if broken:
-            self.note(f"without prompt_logprobs: {broken}; a weaker check ({PROMPT_LOGPROBS_FEATURE} certifies them)")
-        return not broken
-
-    def _run_shared(self, key: tuple, probe) -> str:
-        """``probe()``'s answer, computed once per run: under pytest-xdist the first worker to ask
-        computes it and the others read its answer (a file in the run's temporary directory), so a
-        probe that starts an engine starts one per run, not one per worker."""
-        config = self.request.config
-        if not hasattr(config, "workerinput"):
-            return probe()
-        import hashlib
-        import json
-        import os
-        import time
-
-        run_dir = self.request.getfixturevalue("tmp_path_factory").getbasetemp().parent / "lora-shared-probes"
-        run_dir.mkdir(exist_ok=True)
-        stem = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-        answer, lock = run_dir / f"{stem}.json", run_dir / f"{stem}.lock"
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            deadline = time.monotonic() + SHARED_PROBE_WAIT
-            while not answer.exists():
-                try:
-                    owner = int(lock.read_text() or 0)
-                    if owner:
-                        os.kill(owner, 0)  # the worker computing it is still there
-                except (OSError, ValueError):  # the lock is gone (given up) or its worker died
-                    if not answer.exists():
-                        return probe()
-                if time.monotonic() > deadline:
-                    return probe()
-                time.sleep(0.2)
-            return json.loads(answer.read_text())["answer"]
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        try:
-            result = probe()
-        except BaseException:
-            lock.unlink(missing_ok=True)  # interrupted: a waiting worker asks for itself
-            raise
-        tmp = answer.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"answer": result}))
-        os.replace(tmp, answer)
-        return result
-
-    def _probe_prompt_logprobs(self) -> str:
-        """'' when a mixed batch (adapter A and base rows) with prompt logprobs, on an engine of its
-        own, matches the reference; else what went wrong."""
-        try:
-            engine = self.harness.create_engine(self.model_dir, self.dtype, {},
-                                                "the prompt-logprobs probe's own engine")
-        except Exception as exc:  # noqa: BLE001 - any start failure means: do not rely on the probe
-            return f"the probe engine did not start ({type(exc).__name__})"
-        try:
-            engine.load_adapter("A", self.adapter_path("A"))
-            reqs = self.requests(["A", None], max_new_tokens=2, prompt_logprobs=True)
-            outs = engine.generate(reqs)
-            if any(o.prompt_logprobs is None for o in outs):
-                return "a probe with prompt logprobs returned none"
-            self.assert_matches_reference(outs, self.reference(reqs), reqs, label="prompt-logprobs probe")
-            return ""
-        except Exception as exc:  # noqa: BLE001 - the probe's only question: does it work?
-            return f"a probe with prompt logprobs failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
-        finally:
-            self.harness.retire(engine, swallow=True)
-
-    def assert_conforms(self, engine, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef] = {},
-                        prompts: Optional[Sequence[str]] = None, *,
-                        alternatives: Alternatives = Alternatives(), label: str = "") -> list:
-        """The paired, teacher-forced verdict (``lora_conformance.paired_effects``), then the free-running
-        decode check. For each adapter label the engine's effect (adapter minus base, both from the
-        engine) must match the reference's and be nearest the correct hypothesis among the alternatives
-        (``adapter_hypotheses.standard``, "served as" each other adapter of the test, and what
-        ``alternatives`` adds). Requests are made in the order of ``labels`` (None = a base row),
-        prompts taken in turn, so a test's batch composition is what the engine sees; ``adapters``
-        maps labels to their refs (others are default adapters). Every alternative must be separable
-        at this dtype (else a suite defect), except single modules dropped, which only
-        ``Alternatives(modules=True)`` tests must separate (elsewhere they are judged where separable
-        and reported otherwise). Returns the analyses; raises SuiteDefectError when the test cannot
-        separate a hypothesis."""
-        plan = self._paired_plan(labels, adapters, prompts, alternatives)
-        analyses = paired_effects.run(plan, engine, self.harness.reference(self.model_dir), self.tolerance)
-        self._judge_effects(analyses, label or ", ".join(_adapter_names(labels)) or "base")
-        self.assert_free_running_matches(engine, labels, {**adapters, **alternatives.old}, prompts, label=label)
-        return analyses
-
-    def assert_prompt_logprobs_conform(self, engine, labels: Sequence[Optional[str]],
-                                       adapters: Mapping[str, AdapterRef] = {},
-                                       prompts: Optional[Sequence[str]] = None, *, label: str = "") -> list:
-        """``assert_conforms``' paired verdict on the engine's *prompt* logprobs
-        (``paired_effects.run_prompt_logprobs``): every prompt position is a teacher-forced context; the
-        engine's effect (prompt logprobs with the row's adapter minus without, both from the engine)
-        must match the reference's and be nearest the correct hypothesis. Pooled over every position
-        of every row: no single position decides. Returns the analyses."""
-        plan = self._paired_plan(labels, adapters, prompts, Alternatives())
-        analyses = paired_effects.run_prompt_logprobs(plan, engine, self.harness.reference(self.model_dir),
-                                                      self.tolerance)
-        self._judge_effects(analyses, label or "prompt logprobs " + (", ".join(_adapter_names(labels)) or "base"),
-                            {"logprobs": "prompt"})
-        return analyses
-
-    def assert_free_running_matches(self, engine, labels: Sequence[Optional[str]],
-                                    adapters: Mapping[str, AdapterRef] = {}, prompts: Optional[Sequence[str]] = None,
-                                    *, label: str = "") -> None:
-        """The greedy decode of one request per label (prompts taken in turn) against the reference, at
-        the gross bounds (``free_running_atol``): tie-aware tokens and ROUGE-L, the decode path."""
-        reqs = self.requests(list(labels), prompts=list(prompts or self.prompts))
-        self.assert_matches_reference(engine.generate(reqs), self.reference(reqs, adapters), reqs, label=label,
-                                      tolerance=self.free_running_tolerance)
-
-    @property
-    def free_running_tolerance(self):
-        """The dtype's tolerance with its decode and tie bounds at ``free_running_atol``: the bound
-        calibrated by null runs of correct engines (PEFT among them) on strong all-linear adapters,
-        for free-running decodes that a strict per-step bound (fitted to the default adapters and
-        prompts) does not cover. Equal to the strict one in float32."""
-        from dataclasses import replace
-
-        tol = self.tolerance
-        return replace(tol, decode_atol=max(tol.decode_atol, tol.free_running_atol),
-                       tie_margin=max(tol.tie_margin, tol.free_running_atol))
-
-    def _paired_plan(self, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef],
-                     prompts: Optional[Sequence[str]], alternatives: Alternatives) -> paired_effects.Plan:
-        paths = {n: self.adapter_path(adapters.get(n, n)) for n in _adapter_names(labels)}
-        old = {n: self.adapter_path(ref) for n, ref in alternatives.old.items()}
-        return paired_effects.plan(labels, list(prompts or self.prompts), paths, old, alternatives.modules)
-
-    def _judge_effects(self, analyses: list, label: str, extra_evidence: Optional[dict] = None) -> None:
-        from lora_conformance import evidence
-        from lora_conformance.compare.effects import assert_effects_conform
-
-        evidence.add(self.request.node, evidence.EFFECTS, [a.as_evidence() for a in analyses])
-        assert_effects_conform(analyses, label=label, extra_evidence=extra_evidence)
-
-    def assert_matches_reference(self, outputs: Sequence[GenerationResult], references: Sequence[GenerationResult],
-                                 requests: Sequence[GenerationRequest], label: str = "", tolerance=None) -> None:
-        """Prompt logprobs (pooled over every request), decode logprobs (tie-aware) and ROUGE-L of every
-        output against its reference."""
-        from lora_conformance.compare import assert_logprobs_close, assert_prompt_logprobs_close, assert_rouge_l
-
-        assert len(outputs) == len(references) == len(requests), "one output per request"
-        tol = tolerance or self.tolerance
-        whats = [f"{label + ' ' if label else ''}slot {i} (adapter={req.adapter or 'base'})"
-                 for i, req in enumerate(requests)]
-        assert_prompt_logprobs_close(outputs, references, tol, labels=whats, decode=self.decode)
-        for out, ref, what in zip(outputs, references, whats):
-            agreement = assert_logprobs_close(out, ref, tol, label=what, decode=self.decode, check_prompt=False)
-            if agreement.tie_at is None:
-                assert_rouge_l(out.text, ref.text, tol.rouge_l_min, label=what)
-
-    def close(self) -> None:
-        from lora_conformance.engines.base import EngineError
-
-        for engine, name in reversed(self._loaded):
-            if engine in self._own_engines:
-                continue
-            try:
-                if name in engine.list_adapters():
-                    engine.unload_adapter(name)
-            except EngineError:
-                pass  # the test itself may have unloaded or replaced it
-        for engine in self._own_engines:
-            self.harness.retire(engine)

@@ -192,7 +192,7 @@ def lora_harness(pytestconfig: pytest.Config):
 @pytest.fixture
 def lora(request: pytest.FixtureRequest, lora_harness):
     """Per-test view of the harness: the item's base model, dtype and capability gate applied."""
-    from lora_conformance.harness import TestContext
+    from lora_conformance.context import TestContext
 
     ctx = TestContext(lora_harness, request)
     yield ctx

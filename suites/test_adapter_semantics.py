@@ -8,9 +8,9 @@ import pytest
 
 from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
-from lora_conformance.compare import assert_logprobs_close
+from lora_conformance.judge import assert_logprobs_close
 from lora_conformance.engines import AdapterIncompatibleError, EngineError, UnsupportedFeatureError
-from lora_conformance.paired_effects import Alternatives
+from lora_conformance.judge.paired import Alternatives
 
 register_cpu_ci(est_time=35, suite="per-commit")
 register_cuda_ci(est_time=25, suite="per-commit")

@@ -4,9 +4,9 @@ import pytest
 
 from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
-from lora_conformance.compare import assert_nearest_reference_routing
+from lora_conformance.judge import assert_nearest_reference_routing
 from lora_conformance.engines import CapacityError
-from lora_conformance.paired_effects import Alternatives
+from lora_conformance.judge.paired import Alternatives
 from lora_conformance.types import GenerationRequest
 
 register_cpu_ci(est_time=20, suite="per-commit")

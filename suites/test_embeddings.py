@@ -4,11 +4,11 @@ import pytest
 
 from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
-from lora_conformance.compare import assert_embeddings_close, cosine
-from lora_conformance.compare.embeddings import assert_embedding_effects_close
+from lora_conformance.judge import assert_embeddings_close, cosine
+from lora_conformance.judge.embeddings import assert_embedding_effects_close
 from lora_conformance.engines import EngineFailure, UnsupportedFeatureError
 from lora_conformance.outcomes import REFUSED, not_certified
-from lora_conformance.compare.embeddings import norm
+from lora_conformance.judge.embeddings import norm
 
 register_cpu_ci(est_time=10, suite="per-commit")
 register_cuda_ci(est_time=10, suite="per-commit")
@@ -73,7 +73,7 @@ def test_distinct_adapters_differ(lora, encoder, device, dtype):
 
 
 def _reference_effects(lora):
-    ref_runner = lora.harness.reference(lora.model_dir)
+    ref_runner = lora.reference_runner
     base = ref_runner.embed(lora.prompts, None)
     return {n: [[x - y for x, y in zip(u, v)] for u, v in
                 zip(ref_runner.embed(lora.prompts, lora.adapter_path(spec)), base)] for n, spec in SPECS.items()}
@@ -88,7 +88,7 @@ def test_matches_reference(lora, encoder, device, dtype, adapter):
     tol = lora.tolerance
     base = encoder.embed(lora.prompts, None)
     if adapter is None:
-        ref_runner = lora.harness.reference(lora.model_dir)
+        ref_runner = lora.reference_runner
         assert_embeddings_close(base, ref_runner.embed(lora.prompts, None), tol.embedding_cos_min, label="base")
         return
     assert_embedding_effects_close(encoder.embed(lora.prompts, adapter), base, _reference_effects(lora), adapter,

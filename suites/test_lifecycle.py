@@ -4,7 +4,7 @@ import pytest
 
 from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
-from lora_conformance.compare import assert_logprobs_close
+from lora_conformance.judge import assert_logprobs_close
 from lora_conformance.engines import AdapterNotLoadedError, CapacityError, EngineError
 from lora_conformance.outcomes import CAPABILITY, not_certified
 
@@ -102,7 +102,7 @@ RECONFIGURED = {
 @pytest.mark.parametrize("how", ["unload-then-load", "load-over"])
 @pytest.mark.parametrize("change", list(RECONFIGURED))
 def test_reloading_a_name_with_a_new_configuration(lora, device, dtype, change, how):
-    from lora_conformance.paired_effects import Alternatives
+    from lora_conformance.judge.paired import Alternatives
 
     engine = lora.engine_with()
     lora.load(engine, "X", FIRST)

@@ -10,7 +10,7 @@ slots are saturated and oversubscribed; batch size and order must not matter.
 import pytest
 
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
-from lora_conformance.compare import assert_logprobs_close, assert_nearest_reference_routing
+from lora_conformance.judge import assert_logprobs_close, assert_nearest_reference_routing
 from lora_conformance.hypothesis_profile import given, note, st
 from lora_conformance.types import GenerationRequest
 

@@ -10,7 +10,7 @@ import pytest
 
 from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
-from lora_conformance.compare import assert_logprobs_close
+from lora_conformance.judge import assert_logprobs_close
 from lora_conformance.types import GenerationRequest
 
 register_cpu_ci(est_time=15, suite="per-commit")

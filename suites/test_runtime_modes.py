@@ -9,7 +9,7 @@ import pytest
 from lora_conformance import devices
 from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
-from lora_conformance.compare import assert_logprobs_close, assert_same_output
+from lora_conformance.judge import assert_logprobs_close, assert_same_output
 from lora_conformance.outcomes import CAPABILITY, not_certified
 from lora_conformance.races import RaceDetector
 

@@ -16,7 +16,7 @@ import pytest
 
 from lora_conformance.adapters import AdapterSpec
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci
-from lora_conformance.compare import assert_logprobs_close
+from lora_conformance.judge import assert_logprobs_close
 from lora_conformance.outcomes import LIMIT, not_certified
 
 register_cpu_ci(est_time=240, suite="nightly-full")

@@ -23,7 +23,7 @@ FORBIDDEN_IMPORTS = {
     "lora_conformance.adapters": ("lora_conformance.reference",),
     "lora_conformance.run_order": ("lora_conformance.reference",),
     "lora_conformance.engines": ("lora_conformance.reference",),
-    "lora_conformance.compare": ("lora_conformance.reference",),
+    "lora_conformance.judge": ("lora_conformance.reference",),
     # The owners are the bottom layer: stdlib, plus the typed errors of the engine interface.
     "lora_conformance.fileio": ("lora_conformance",),
     "lora_conformance.checkpoints": ("lora_conformance.",),
@@ -179,7 +179,7 @@ def test_the_ownership_check_catches_what_it_should(tmp_path):
     root = _tree(tmp_path, {
         "lora_conformance/__init__.py": "",
         "lora_conformance/checkpoints.py": "C = 'adapter_config.json'\ndef pattern_value(): pass\n",
-        "lora_conformance/adapter_hypotheses.py": "import json\ndef _config(d):\n"
+        "lora_conformance/judge/hypotheses.py": "import json\ndef _config(d):\n"
                                           "    return json.loads((d / 'adapter_config.json').read_text())\n",
         "lora_conformance/engines/adapter.py": "def pattern_value(p, m, d): return d\n"
                                                "MSG = f'rank in adapter_config.json'\n",
@@ -197,7 +197,7 @@ def test_the_ownership_check_catches_what_it_should(tmp_path):
     assert "vllm_engine.py:3: parses a checkpoint file itself" in bad
     assert "vllm_engine.py:4" not in bad  # naming the file (a hash list) is not parsing it
     assert "runner.py" not in bad
-    assert "adapter_hypotheses.py:3: spells 'adapter_config.json'" in bad
+    assert "judge/hypotheses.py:3: spells 'adapter_config.json'" in bad
     assert "engines/adapter.py:1: defines pattern_value" in bad
     assert "checkpoints.py" not in bad
     assert "engines/adapter.py:2" not in bad  # a message naming the file is not a reader of it
@@ -335,8 +335,11 @@ def test_reports_are_the_only_exempt_place(tmp_path):
 # profile under a near-identical name, the test order was a "schedule" beside the engine's
 # scheduler); none may come back, as a module, an import or a path in the product's text.
 RETIRED_MODULES = {
-    "conformance": "paired_effects",
-    "hypotheses": "adapter_hypotheses",
+    "conformance": "judge/paired",
+    "hypotheses": "judge/hypotheses",
+    "paired_effects": "judge/paired",
+    "adapter_hypotheses": "judge/hypotheses",
+    "compare": "judge",
     "suite_hypothesis": "hypothesis_profile",
     "schedule": "run_order",
 }
@@ -381,9 +384,9 @@ def test_the_retired_name_check_catches_what_it_should(tmp_path):
     assert f"{pkg}/schedule.py: a module under a retired name" in bad
     assert f"{pkg}/harness.py:1: names {pkg}.conformance" in bad
     assert f"{pkg}/harness.py:2: names {pkg}.hypotheses" in bad
-    assert f"{pkg}/harness.py:3" not in bad
+    assert f"{pkg}/harness.py:3: names {pkg}.paired_effects" in bad
     assert f"suites/test_x.py:1: names {pkg}.suite_hypothesis" in bad
-    assert f"docs/method.md:1: names {pkg}.conformance" in bad and len(bad.splitlines()) == 5
+    assert f"docs/method.md:1: names {pkg}.conformance" in bad and len(bad.splitlines()) == 7
 
 
 # ---- the plugin module: options, hooks and fixtures ----------------------------------------------

@@ -332,7 +332,7 @@ def test_builtin_engine_serves_an_adapter_without_lora_alpha_as_the_reference(tm
     (the wrong default), so the check can tell them apart."""
     pytest.importorskip("peft")
     from lora_conformance.adapters import AdapterSpec, synthesize_adapter
-    from lora_conformance.compare import ConformanceAssertionError, assert_logprobs_close
+    from lora_conformance.judge import ConformanceAssertionError, assert_logprobs_close
     from lora_conformance.engines import create_engine
     from lora_conformance.models import resolve_base_model
     from lora_conformance.reference import ReferenceRunner

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lora_conformance.compare import (
+from lora_conformance.judge import (
     BASE,
     ConformanceAssertionError,
     IndistinctReferencesError,
@@ -104,7 +104,7 @@ def test_prompt_logprobs_are_pooled_not_judged_per_position():
     ag = assert_logprobs_close(result([1], prompt=one), ref, "bfloat16")
     assert 0.46 < ag.max_prefill_diff < 0.48 and ag.prefill_rms < 0.1
     # pooled over several requests: a request alone over the bound, the check's requests together not
-    from lora_conformance.compare import assert_prompt_logprobs_close
+    from lora_conformance.judge import assert_prompt_logprobs_close
 
     short = result([1], prompt=[{1: -0.5, 2: -1.0, 3: -2.0}])
     off = result([1], prompt=[{1: -0.5 + 0.9, 2: -1.0, 3: -2.0}])

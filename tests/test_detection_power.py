@@ -56,7 +56,7 @@ CATCHERS: dict[str, list[str]] = {
     "graph_stale_indices": ["runtime_modes/graphs_equal_eager"],
     "overlap_no_wait": ["runtime_modes/overlap_loading_is_stream_ordered"],
     "moe_expert_mismatch": ["moe/expert_lora_matches_reference"],
-    # expert-level weighting: the MoE test's hypotheses include each (adapter_hypotheses.EXPERT_ROUTING)
+    # expert-level weighting: the MoE test's hypotheses include each (hypotheses.EXPERT_ROUTING)
     "moe_lora_unweighted": ["moe/expert_lora_matches_reference"],
     "moe_lora_weight_of_next_expert": ["moe/expert_lora_matches_reference"],
     "moe_lora_first_expert_only": ["moe/expert_lora_matches_reference"],

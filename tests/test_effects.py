@@ -1,20 +1,20 @@
-"""The paired effect statistics (compare/effects.py), hypotheses and teacher-forced reference scoring."""
+"""The paired effect statistics (judge/effects.py), hypotheses and teacher-forced reference scoring."""
 
 import math
 import random
 
 import pytest
 
-from lora_conformance import adapter_hypotheses as hyps
-from lora_conformance.compare.effects import (
+from lora_conformance.judge import hypotheses as hyps
+from lora_conformance.judge.effects import (
     EffectSample,
     SuiteDefectError,
     analyse,
     assert_effects_conform,
     projection,
 )
-from lora_conformance.compare.errors import ConformanceAssertionError
-from lora_conformance.compare.tolerances import tolerance_for
+from lora_conformance.judge.errors import ConformanceAssertionError
+from lora_conformance.judge.tolerances import tolerance_for
 
 BF16 = tolerance_for("bfloat16")
 
@@ -126,7 +126,7 @@ def test_context_scoring_matches_free_running_reference_and_hypotheses_apply(lla
     """Teacher forcing on the reference's own continuation reproduces its per-step logprobs; a
     hypothesis changes them and leaves the model as it was."""
     from lora_conformance.adapters import AdapterSpec, synthesize_adapter
-    from lora_conformance.paired_effects import contexts_of
+    from lora_conformance.judge.paired import contexts_of
     from lora_conformance.reference import ReferenceRunner
 
     adapter = synthesize_adapter(llama, AdapterSpec(seed=9), tmp_path / "a")
@@ -181,11 +181,11 @@ def test_expert_routing_hypotheses_are_the_engine_faults(tmp_path):
 
 
 def test_prompt_logprobs_paired_verdict_passes_correct_and_names_a_misscale(llama, tmp_path):
-    """paired_effects.run_prompt_logprobs: every prompt position a context; the correct engine conforms,
+    """paired.run_prompt_logprobs: every prompt position a context; the correct engine conforms,
     an engine whose delta is 10% too large is judged nearest 'delta x1.1'."""
-    from lora_conformance import paired_effects
+    from lora_conformance.judge import paired
     from lora_conformance.adapters import AdapterSpec, synthesize_adapter
-    from lora_conformance.compare import tolerance_for
+    from lora_conformance.judge import tolerance_for
     from lora_conformance.engines import create_engine
     from lora_conformance.models import default_prompts
     from lora_conformance.reference import ReferenceRunner
@@ -193,13 +193,13 @@ def test_prompt_logprobs_paired_verdict_passes_correct_and_names_a_misscale(llam
     adapter = synthesize_adapter(llama, AdapterSpec(seed=9), tmp_path / "a")
     runner = ReferenceRunner(llama)
     labels = ["A"] * 6 + [None, None]
-    alts = paired_effects.default_alternatives(labels, {"A": adapter})
-    plan = paired_effects.Plan(labels, default_prompts()[:8], {"A": adapter}, alts, paired_effects.required_hypotheses(alts))
+    alts = paired.default_alternatives(labels, {"A": adapter})
+    plan = paired.Plan(labels, default_prompts()[:8], {"A": adapter}, alts, paired.required_hypotheses(alts))
     for args, nearest in (({}, "correct"), ({"fault": "delta_x1_1"}, "delta x1.1")):
         with create_engine("builtin", llama, "cpu", "float32", args) as engine:
             engine.load_adapter("A", adapter)
-            analyses = paired_effects.run_prompt_logprobs(plan, engine, runner, tolerance_for("float32"))
+            analyses = paired.run_prompt_logprobs(plan, engine, runner, tolerance_for("float32"))
         a = next(x for x in analyses if x.label == "A")
         assert a.contexts >= 40 and not a.defects, (a.contexts, a.defects)
         assert a.nearest == nearest and bool(a.failures) == (nearest != "correct"), a.summary()
-        assert not next(x for x in analyses if x.label == paired_effects.BASE_LABEL).failures
+        assert not next(x for x in analyses if x.label == paired.BASE_LABEL).failures

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from lora_conformance.engines import AdapterNotLoadedError, Capability, Engine
-from lora_conformance.harness import Harness, TestContext
+from lora_conformance.context import TestContext
+from lora_conformance.harness import Harness
 from lora_conformance.settings import Settings
 
 STARTED: list["CountingEngine"] = []

@@ -1,4 +1,4 @@
-"""Suites respect the engine's declared max_loaded_loras (harness.check_loaded_limit).
+"""Suites respect the engine's declared max_loaded_loras (context.check_loaded_limit).
 
 A test that needs more adapters loaded at once than the engine allows is *not certified*
 (cause ``limit``: "needs N loaded adapters, engine allows M"), never run past the limit where
@@ -54,7 +54,7 @@ def test_tests_stay_within_max_loaded_loras(suite_runner, lora_settings):
 def test_the_skip_is_a_limit_outcome():
     import pytest
 
-    from lora_conformance.harness import check_loaded_limit
+    from lora_conformance.context import check_loaded_limit
     from lora_conformance.outcomes import LIMIT, NotCertified
 
     class Engine:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from lora_conformance.compare import assert_logprobs_close
-from lora_conformance.compare.errors import ConformanceAssertionError
-from lora_conformance.compare.logprobs import assert_same_output, missing_decode_logprobs
-from lora_conformance.compare.routing import assert_nearest_reference_routing
+from lora_conformance.judge import assert_logprobs_close
+from lora_conformance.judge.errors import ConformanceAssertionError
+from lora_conformance.judge.logprobs import assert_same_output, missing_decode_logprobs
+from lora_conformance.judge.routing import assert_nearest_reference_routing
 from lora_conformance.types import GenerationResult
 
 

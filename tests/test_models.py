@@ -77,12 +77,11 @@ def test_a_remembered_tokenizer_class_gives_autotokenizers_tokenizer(cache, kind
     from lora_conformance.models import tokenizer as tk
 
     d = resolve_base_model(f"synthetic:{kind}", cache)
-    monkeypatch.setattr(tk, "resolution_cache_dir", tmp_path / "tokenizers")
-    first = tk.load_tokenizer(d)  # AutoTokenizer, recorded
+    first = tk.load_tokenizer(d, tmp_path / "tokenizers")  # AutoTokenizer, recorded
     (record,) = (tmp_path / "tokenizers").glob("*.json")
     assert json.loads(record.read_text())["class"] == type(first).__name__
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("AutoTokenizer again"))
-    second = tk.load_tokenizer(d)
+    second = tk.load_tokenizer(d, tmp_path / "tokenizers")
     monkeypatch.undo()
     texts = default_prompts()[:6] + ["water and fire", "unknownword the old man", ""]
     _same_tokenizer(AutoTokenizer.from_pretrained(str(d)), second, texts)
@@ -94,20 +93,19 @@ def test_tokenizer_records_are_keyed_by_files_and_fall_back(cache, tmp_path, mon
 
     from lora_conformance.models import tokenizer as tk
 
-    monkeypatch.setattr(tk, "resolution_cache_dir", tmp_path / "tokenizers")
     src = resolve_base_model("synthetic:llama", cache)
     d = tmp_path / "model"
     shutil.copytree(src, d)
-    tk.load_tokenizer(d)
+    tk.load_tokenizer(d, tmp_path / "tokenizers")
     (record,) = (tmp_path / "tokenizers").glob("*.json")
     record.write_text('{"class": "NoSuchTokenizerClass"}')  # a class this transformers lacks
-    assert type(tk.load_tokenizer(d)).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    assert type(tk.load_tokenizer(d, tmp_path / "tokenizers")).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
     record.write_text("{not json")
-    assert tk.load_tokenizer(d).bos_token_id is not None
+    assert tk.load_tokenizer(d, tmp_path / "tokenizers").bos_token_id is not None
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, model_max_length=77)))
     assert tk._resolution_key(d) != record.stem  # another file, another key
-    assert tk.load_tokenizer(d).model_max_length == 77
+    assert tk.load_tokenizer(d, tmp_path / "tokenizers").model_max_length == 77
     (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, auto_map={"AutoTokenizer": ["x.Y", None]})))
     assert tk._remote_code(d)  # remote code: never recorded, AutoTokenizer decides each time
 

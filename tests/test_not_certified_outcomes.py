@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from lora_conformance import paired_effects
+from lora_conformance.judge import paired
 from lora_conformance.engines import Limits
 from lora_conformance.outcomes import LIMIT, NotCertified
 from lora_conformance.report.legacy import upgrade_record
-from lora_conformance.report.verify import NOT_CERTIFIED, SKIPPED, classify
+from lora_conformance.judge.verdict import NOT_CERTIFIED, SKIPPED, classify
 
 
 def _skipped(reason: str) -> dict:
@@ -52,8 +52,8 @@ class _TopOneEngine:
 
 
 def test_paired_check_needs_enough_logprobs_per_token():
-    plan = paired_effects.Plan([None], ["a prompt"], {}, {})
+    plan = paired.Plan([None], ["a prompt"], {}, {})
     with pytest.raises(NotCertified) as exc:
-        paired_effects.run(plan, _TopOneEngine(), runner=None, tol=None)
+        paired.run(plan, _TopOneEngine(), runner=None, tol=None)
     assert exc.value.cause == LIMIT, exc.value.cause
-    assert f"needs {paired_effects.MIN_COMMON_IDS}" in exc.value.detail and "allows 1" in exc.value.detail, exc.value.detail
+    assert f"needs {paired.MIN_COMMON_IDS}" in exc.value.detail and "allows 1" in exc.value.detail, exc.value.detail

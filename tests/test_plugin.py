@@ -156,7 +156,7 @@ def pytest_runtest_logreport(report):
                 print("EVIDENCE", v)
 """)
     fake.makepyfile(test_x="""
-from lora_conformance.compare import assert_rouge_l
+from lora_conformance.judge import assert_rouge_l
 
 def test_bad():
     assert_rouge_l("a b c", "x y z", 0.9, label="demo")

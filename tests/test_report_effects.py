@@ -4,7 +4,7 @@ from lora_conformance.report.document import build_report, check_records
 from lora_conformance.report.effects_svg import distances_table, scatter_svg
 from lora_conformance.report.html import render_html
 from lora_conformance.report.markdown import render_markdown
-from lora_conformance.report.verify import verify
+from lora_conformance.judge.verdict import verify
 
 ANALYSIS = {"label": "A", "slope": 0.91, "slope_se": 0.004, "nearest": "delta x0.9",
             "distances": {"correct": 0.2, "delta x0.9": 0.01, "q_proj LoRA dropped": 0.3},
@@ -57,7 +57,7 @@ def test_a_base_row_shows_no_infinite_interval():
 
 
 def test_a_base_row_summary_has_no_infinite_interval():
-    from lora_conformance.compare.effects import EffectAnalysis
+    from lora_conformance.judge.effects import EffectAnalysis
 
     base = EffectAnalysis("base", points=440, contexts=22, effect_rms=0.0, residual_rms=0.0, residual_max=0.0,
                           slope=0.0, slope_se=float("inf"), fits=[])

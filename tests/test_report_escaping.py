@@ -8,7 +8,7 @@ import re
 from lora_conformance.report.document import build_report
 from lora_conformance.report.html import render_html
 from lora_conformance.report.markdown import code, render_markdown, text
-from lora_conformance.report.verify import verify
+from lora_conformance.judge.verdict import verify
 
 EVIL = '<img src=x onerror="alert(1)"><script>alert(2)</script>'
 

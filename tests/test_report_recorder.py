@@ -32,7 +32,7 @@ def pytest_configure(config):
 
 SUITE = '''
 import pytest
-from lora_conformance.compare.errors import ConformanceAssertionError
+from lora_conformance.judge.errors import ConformanceAssertionError
 
 @pytest.mark.parametrize("rank", [4, 8])
 def test_nearest_reference_routing(rank):
@@ -165,7 +165,7 @@ def test_collection_error_is_reported(pytester, suite):
 
 XFAIL_SUITE = '''
 import pytest
-from lora_conformance.compare.errors import ConformanceAssertionError
+from lora_conformance.judge.errors import ConformanceAssertionError
 
 def _served_as_a(label):
     raise ConformanceAssertionError(f"{label}: closest to: served as A (adapter base)",

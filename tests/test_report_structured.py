@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from lora_conformance.report.verify import classify, verify
+from lora_conformance.judge.verdict import classify, verify
 
 SUITE = '''
 import pytest

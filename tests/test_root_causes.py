@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from lora_conformance.report.merge import merge, render_matrix_markdown
 from lora_conformance.report.root_causes import headline, normalise
-from lora_conformance.report.verify import verify
+from lora_conformance.judge.verdict import verify
 
 
 def rec(nodeid, status, feature, failure=None, evidence=None, wasxfail=None):

@@ -32,7 +32,7 @@ PROMPTS = ["the old man walked to the river", "she said that the river was cold"
 
 def seed_row(out, ref) -> dict:
     """SGLang's seed criteria for one row: decode / prefill top-logprob values, ROUGE-L, string equality."""
-    from lora_conformance.compare.rouge import rouge_l
+    from lora_conformance.judge.rouge import rouge_l
 
     def values(steps):
         return [sorted(s.values(), reverse=True) for s in steps or []]
@@ -48,7 +48,7 @@ def seed_row(out, ref) -> dict:
 
 
 def ours_row(out, ref, dtype) -> str:
-    from lora_conformance.compare import assert_logprobs_close
+    from lora_conformance.judge import assert_logprobs_close
 
     try:
         assert_logprobs_close(out, ref, dtype)

@@ -55,7 +55,7 @@ def merged_model(model: Path, adapter: Path, out: Path) -> Path:
 
 def main() -> None:
     from lora_conformance.adapters import AdapterSpec, synthesize_adapter
-    from lora_conformance.compare.tolerances import tolerance_for
+    from lora_conformance.judge.tolerances import tolerance_for
     from lora_conformance.engines import create_engine
     from lora_conformance.models import default_prompts, resolve_base_model
     from lora_conformance.reference import ReferenceRunner

@@ -72,10 +72,8 @@ def validate_name(name: Any) -> str:
     return name
 
 
-# Where base shapes are kept between processes (set by the harness to <cache>/shapes; None: not kept).
-# Building them imports transformers' modelling code (about 1 s per process); every pytest-xdist
-# worker and every run would otherwise pay it again for the same config.json.
-shapes_cache_dir: Optional[Path] = None
+# Base shapes can be kept between processes in a directory the caller names (the session's
+# ``<cache>/shapes``): building them imports transformers' modelling code (about 1 s per process).
 
 
 def _shapes_key(model_dir: str) -> Optional[str]:
@@ -91,9 +89,9 @@ def _shapes_from_json(data: dict) -> BaseShapes:
 
 
 @lru_cache(maxsize=8)
-def _base_shapes(model_dir: str, stamp: float) -> BaseShapes:
-    key = _shapes_key(model_dir) if shapes_cache_dir is not None else None
-    path = shapes_cache_dir / f"{key}.json" if key else None
+def _base_shapes(model_dir: str, stamp: float, cache_dir: Optional[Path]) -> BaseShapes:
+    key = _shapes_key(model_dir) if cache_dir is not None else None
+    path = cache_dir / f"{key}.json" if key else None
     if path is not None and path.exists():
         try:
             return _shapes_from_json(json.loads(path.read_text()))
@@ -131,9 +129,10 @@ def _build_base_shapes(model_dir: str) -> BaseShapes:
     return BaseShapes(modules, params, layers, tuple(others))
 
 
-def base_shapes(model_dir: Path) -> BaseShapes:
+def base_shapes(model_dir: Path, cache_dir: Optional[Path] = None) -> BaseShapes:
     cfg = Path(model_dir) / "config.json"
-    return _base_shapes(str(Path(model_dir).resolve()), cfg.stat().st_mtime if cfg.exists() else 0.0)
+    return _base_shapes(str(Path(model_dir).resolve()), cfg.stat().st_mtime if cfg.exists() else 0.0,
+                        None if cache_dir is None else Path(cache_dir))
 
 
 def _targeted(targets, module: str, matcher: PatternMatcher) -> bool:

@@ -1,13 +1,13 @@
 """Paired effect statistics: is the engine's adapter effect the reference's, and if not, which bug is it?
 
-Inputs, per adapter of a test, pooled over many teacher-forced contexts (``paired_effects.py``):
+Inputs, per adapter of a test, pooled over many teacher-forced contexts (``judge/paired.py``):
 at every context, the logprobs of the token ids both the engine and the reference report,
 *centred* (minus their mean at that context, so a softmax normaliser cancels), for
 
 - ``E``: the engine with the adapter minus the engine without it (same contexts, same engine:
   the engine's own rounding of the base model cancels);
 - ``R``: the same difference from the reference (HF + PEFT);
-- ``H[h]``: the reference under each alternative hypothesis ``h`` (``lora_conformance.adapter_hypotheses``).
+- ``H[h]``: the reference under each alternative hypothesis ``h`` (``lora_conformance.judge.hypotheses``).
 
 Statistics (contexts are the clusters: ids of one context share its noise):
 
@@ -34,8 +34,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from lora_conformance.compare.errors import ConformanceAssertionError
-from lora_conformance.compare.tolerances import Tolerance
+from lora_conformance.judge.errors import ConformanceAssertionError
+from lora_conformance.judge.tolerances import Tolerance
 
 # gamma = 0.5 is the midpoint; 10 noise units of separation put it 5 standard errors from
 # either hypothesis (false alarm and miss below 3e-7 each under Gaussian noise).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from lora_conformance.compare.errors import ConformanceAssertionError
+from lora_conformance.judge.errors import ConformanceAssertionError
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:

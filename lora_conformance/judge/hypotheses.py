@@ -11,7 +11,7 @@ output, or LoRA on only the first selected expert), from calls of PEFT's own exp
 
 The suites ask the engine's effect (adapter minus base, from the engine) to be nearest the
 correct hypothesis by a margin, and name the nearest one when it is not
-(``lora_conformance.compare.effects``).
+(``lora_conformance.judge.effects``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ of the centred differences over every position of the prompt (of every prompt of
 ``assert_prompt_logprobs_close``) must stay below the dtype's
 ``prompt_rms_max`` and no single point may exceed the gross bound ``free_running_atol`` (that of
 the free-running decode). Both are calibrated on null runs of correct engines (``bench/power.py``);
-the precise verdict on prompt logprobs is the paired one (``paired_effects.run_prompt_logprobs``).
+the precise verdict on prompt logprobs is the paired one (``paired.run_prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from lora_conformance.compare.errors import ConformanceAssertionError
-from lora_conformance.compare.tables import token_table
-from lora_conformance.compare.tolerances import Tolerance, tolerance_for
+from lora_conformance.judge.errors import ConformanceAssertionError
+from lora_conformance.judge.tables import token_table
+from lora_conformance.judge.tolerances import Tolerance, tolerance_for
 from lora_conformance.types import GenerationResult, TopK
 
 Decoder = Optional[Callable[[int], str]]

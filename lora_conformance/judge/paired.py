@@ -6,7 +6,7 @@ asked for one token after each context (``generate(max_new_tokens=1, top_k=k)``:
 diverges and bfloat16 rounding does not compound), once with the row's adapter (all rows in
 one call, so the test's batch composition is kept) and once without any. The reference
 scores the same contexts in one forward pass per sequence, for the correct hypothesis and
-for each alternative (``lora_conformance.adapter_hypotheses``). ``compare.effects`` pools the points
+for each alternative (``lora_conformance.judge.hypotheses``). ``compare.effects`` pools the points
 per adapter and judges them.
 
 Base rows of a mixed batch are judged the same way with a zero reference effect: their
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from lora_conformance import adapter_hypotheses as hyps
-from lora_conformance.compare.effects import EffectAnalysis, EffectSample, analyse
+from lora_conformance.judge import hypotheses as hyps
+from lora_conformance.judge.effects import EffectAnalysis, EffectSample, analyse
 from lora_conformance.types import GenerationRequest
 
 CONTEXTS_PER_PROMPT = 8
@@ -55,7 +55,7 @@ class Plan:
 @dataclass(frozen=True)
 class Alternatives:
     """What a paired check must tell from the correct serving beyond the standard alternatives
-    (``adapter_hypotheses.standard`` per adapter, "served as" each other adapter of the batch)."""
+    (``hypotheses.standard`` per adapter, "served as" each other adapter of the batch)."""
 
     # Single modules dropped are certified, not only judged where separable (the target-set tests,
     # whose adapters make every module's effect visible).
@@ -133,7 +133,7 @@ def run_prompt_logprobs(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]
     one call, and once without any; the reference scores the same positions (``context_logprobs``)
     under the correct hypothesis and each alternative. A row whose prompt logprobs are missing or
     cover another number of positions than the reference's tokenisation fails the check."""
-    from lora_conformance.compare.errors import ConformanceAssertionError
+    from lora_conformance.judge.errors import ConformanceAssertionError
 
     rows = []
     for label, prompt in zip(plan.labels, plan.prompts):
@@ -230,7 +230,7 @@ def required_hypotheses(alternatives: Mapping[str, list[hyps.Hypothesis]],
 
 def default_alternatives(labels: Sequence[Optional[str]], adapters: Mapping[str, Path],
                          routing: bool = True, extra: Sequence[str] = ()) -> dict[str, list[hyps.Hypothesis]]:
-    """Per label: ``adapter_hypotheses.standard`` (with "served as" each other adapter of the test when
+    """Per label: ``hypotheses.standard`` (with "served as" each other adapter of the test when
     ``routing``); base rows: "served as" each adapter."""
     names = [l for l in dict.fromkeys(labels) if l]
     out = {}

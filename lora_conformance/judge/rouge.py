@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from lora_conformance.compare.errors import ConformanceAssertionError
+from lora_conformance.judge.errors import ConformanceAssertionError
 
 
 def lcs_length(a: Sequence, b: Sequence) -> int:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Optional, Sequence
 
-from lora_conformance.compare.errors import ConformanceAssertionError
-from lora_conformance.compare.rouge import rouge_l
+from lora_conformance.judge.errors import ConformanceAssertionError
+from lora_conformance.judge.rouge import rouge_l
 from lora_conformance.types import GenerationResult
 
 BASE = "__base__"
@@ -78,7 +78,7 @@ def assert_nearest_reference_routing(
     if len(outputs) != len(labels):
         raise ValueError(f"{len(outputs)} outputs for {len(labels)} labels")
     labels = [BASE if l is None else l for l in labels]
-    from lora_conformance.compare.logprobs import missing_decode_logprobs
+    from lora_conformance.judge.logprobs import missing_decode_logprobs
 
     for i, out in enumerate(outputs):  # nearest-reference distances are computed from the logprobs
         missing = missing_decode_logprobs(out)

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 @dataclass(frozen=True)
 class Tolerance:
     dtype: str
-    # Prompt logprobs against the reference (compare/logprobs.py): bound on the rms, pooled over a
+    # Prompt logprobs against the reference (judge/logprobs.py): bound on the rms, pooled over a
     # prompt's positions, of the centred differences on the ids both sides report (a gross check
-    # beside the paired verdict of paired_effects.run_prompt_logprobs; single points: effect_gross_atol).
+    # beside the paired verdict of paired.run_prompt_logprobs; single points: effect_gross_atol).
     prompt_rms_max: float
     # max |logprob(actual) - logprob(reference)| over the top-k ids both sides report, per decode step
     decode_atol: float
@@ -40,7 +40,7 @@ class Tolerance:
     rouge_l_min: float
     # Embeddings: cosine to the reference.
     embedding_cos_min: float
-    # Paired effect statistics (compare/effects.py), on centred next-token logprobs at
+    # Paired effect statistics (judge/effects.py), on centred next-token logprobs at
     # teacher-forced contexts: typical per-point noise of a correct engine's effect (used for
     # the tests' own power), the bound on its residual rms, the slope margin, the gross bound.
     effect_noise: float = 0.0
@@ -57,7 +57,7 @@ class Tolerance:
         return asdict(self)
 
 
-# The effect verdict's bounds (compare/effects.py), calibrated by bench/power.py: null runs of
+# The effect verdict's bounds (judge/effects.py), calibrated by bench/power.py: null runs of
 # correct engines with benign variations (default, rescale:3, rescale:0.25, preround, reverse,
 # one_at_a_time, PEFT), 200 randomised runs per dtype on the H200 (cuda) and 200 on its host's cpu,
 # families accuracy / semantics / all-linear (q/k B 5x) / mixed. Worst seen, as a

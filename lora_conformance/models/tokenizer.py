@@ -87,7 +87,6 @@ def words_as_added_tokens(out: Path) -> None:
 # then calls that class's ``from_pretrained``. The choice depends on the checkpoint's config and
 # tokenizer files and on the transformers version alone: with those as the key, a later process
 # (every pytest-xdist worker, every run) calls the chosen class the same way directly.
-resolution_cache_dir: Optional[Path] = None
 RESOLUTION_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
 
 
@@ -107,17 +106,17 @@ def _remote_code(model_dir: Path) -> bool:
         return False
 
 
-def load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path, cache_dir: Optional[Path] = None):
     """``AutoTokenizer.from_pretrained(model_dir)``; where an earlier process recorded the class it
-    chose for these files (``resolution_cache_dir``), that class's ``from_pretrained`` with the
+    chose for these files (in ``cache_dir``, the session's ``<cache>/tokenizers``), that class's ``from_pretrained`` with the
     arguments AutoTokenizer passes it (tests/test_models.py checks both give the same tokenizer)."""
     import transformers
 
     model_dir = Path(model_dir)
     path = None
-    if resolution_cache_dir is not None and not _remote_code(model_dir):
+    if cache_dir is not None and not _remote_code(model_dir):
         key = _resolution_key(model_dir)
-        path = resolution_cache_dir / f"{key}.json" if key else None
+        path = Path(cache_dir) / f"{key}.json" if key else None
     if path is not None and path.exists():
         import json
 

@@ -55,13 +55,15 @@ def _topk(logprobs_row, k: int, extra: Optional[int] = None) -> TopK:
 
 class ReferenceRunner:
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32",
-                 cache: Optional[ReferenceCache] = None, max_models: int = 4):
+                 cache: Optional[ReferenceCache] = None, max_models: int = 4,
+                 tokenizer_cache: Optional[Path] = None):
         self.model_dir = Path(model_dir)
         self.device = device
         self.dtype = dtype
         self.cache = cache
         self.forward_passes = 0  # model forward calls actually made (a warm cache makes none)
         self._max_models = max_models
+        self._tokenizer_cache = tokenizer_cache  # where the tokenizer class choice is kept (load_tokenizer)
         self._base = None
         self._models: "OrderedDict[str, Any]" = OrderedDict()
         self._tokenizer = None
@@ -76,7 +78,7 @@ class ReferenceRunner:
         if self._tokenizer is None:
             from lora_conformance.models.tokenizer import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.model_dir)
+            self._tokenizer = load_tokenizer(self.model_dir, self._tokenizer_cache)
         return self._tokenizer
 
     def token_count(self, text: str) -> int:
@@ -233,9 +235,9 @@ class ReferenceRunner:
 
         Without ``ids``: the ``top`` most likely ids per context. With ``ids`` (one id list per
         sequence and position): the logprobs of exactly those ids. ``hypothesis``
-        (``lora_conformance.adapter_hypotheses.Hypothesis``) transforms the adapter first; None is correct.
+        (``lora_conformance.judge.hypotheses.Hypothesis``) transforms the adapter first; None is correct.
         Cached like generations."""
-        from lora_conformance import adapter_hypotheses as hyps
+        from lora_conformance.judge import hypotheses as hyps
 
         hyp = hypothesis or hyps.correct()
         key = None
@@ -258,7 +260,7 @@ class ReferenceRunner:
     def _context_rows(self, sequences, positions, adapter_path, hyp, ids, top) -> list[list[TopK]]:
         import torch
 
-        from lora_conformance import adapter_hypotheses as hyps
+        from lora_conformance.judge import hypotheses as hyps
 
         model = self._model_for(adapter_path if hyp.kind != hyps.BASE else None)
         n = max(len(s) for s in sequences)

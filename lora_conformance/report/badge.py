@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from html import escape
 
-from lora_conformance.report.verify import Verdict
+from lora_conformance.judge.verdict import Verdict
 
 GREEN, YELLOW, RED, GREY = "#2e7d32", "#b58900", "#c62828", "#555"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from lora_conformance.evidence import Record, RecordFormatError, as_records
-from lora_conformance.report.verify import Verdict, verify
+from lora_conformance.judge.verdict import Verdict, verify
 
 SCHEMA = "lora-conformance/report/2"
 # Top-level keys no digest or signature can cover (they are computed over the rest).

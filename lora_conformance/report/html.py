@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from lora_conformance.report.badge import badge_color, badge_text, render_badge
 from lora_conformance.report.markdown import environment_rows, rerun_command, selection_rows
-from lora_conformance.report.verify import STATUSES, Verdict
+from lora_conformance.judge.verdict import STATUSES, Verdict
 
 _TEMPLATE = Template((Path(__file__).with_name("template.html")).read_text(encoding="utf-8"))
 MAX_ROWS = 64

@@ -13,7 +13,7 @@ import shlex
 from typing import Any, Mapping
 
 from lora_conformance.report.badge import badge_text
-from lora_conformance.report.verify import STATUSES, Verdict
+from lora_conformance.judge.verdict import STATUSES, Verdict
 
 ICON = {"passed": "✅", "failed": "❌", "error": "💥", "xfail": "⚠️", "not certified": "➖", "skipped": "⏭️"}
 MAX_NOT_RUN = 12

@@ -18,7 +18,7 @@ from lora_conformance.report.environment import column_key
 from lora_conformance.report.markdown import ICON
 from lora_conformance.report.root_causes import describe, from_dicts, headline
 from lora_conformance.report.selection import merge_selections
-from lora_conformance.report.verify import verify
+from lora_conformance.judge.verdict import verify
 
 MATRIX_SCHEMA = "lora-conformance/matrix/1"
 

@@ -27,7 +27,7 @@ import pytest
 
 from lora_conformance import evidence
 from lora_conformance.evidence import Record
-from lora_conformance.report.verify import feature_of
+from lora_conformance.judge.verdict import feature_of
 
 # The plugin may put environment facts that need torch or the engine here (deep-merged over
 # what the recorder computes): {"engine": {"version": ..., "capabilities": [...]},
@@ -177,7 +177,7 @@ class ReportRecorder:
             return
         from lora_conformance.report.document import build_report, write_report
         from lora_conformance.report.selection import describe
-        from lora_conformance.report.verify import verify
+        from lora_conformance.judge.verdict import verify
 
         selection = describe(config, self.deselected, self.records, exitstatus)
         self.report = build_report(self.environment(config), self.records.values(), selection)

@@ -34,7 +34,7 @@ _SKIP_DIRS = {"__pycache__", "node_modules", "site-packages", "build", "dist"}
 def item_feature_id(item: Any) -> str:
     """The feature id a collected item is reported under: its marker's id, else its node id's."""
     from lora_conformance.features import FeatureMarkerError, feature_of_item
-    from lora_conformance.report.verify import feature_of
+    from lora_conformance.judge.verdict import feature_of
 
     try:
         feature = feature_of_item(item)
@@ -185,7 +185,7 @@ def coverage(records: Iterable[Any], selection: Optional[Mapping[str, Any]]) -> 
     collected cases was left out; declared features are the suite's and every feature the run saw."""
     if not isinstance(selection, Mapping):
         return None
-    from lora_conformance.report.verify import record_feature
+    from lora_conformance.judge.verdict import record_feature
 
     recorded: dict[str, str] = {}
     for rec in records:
