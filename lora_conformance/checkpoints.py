@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Union
 
-from lora_conformance.engines.base import AdapterFormatError
+from lora_conformance.errors import AdapterFormatError
 
 PathLike = Union[str, Path]
 

@@ -119,17 +119,11 @@ def case_matches(wanted: str, param_id: str) -> bool:
 
 
 def item_feature_and_case(item: Any) -> tuple[str, str]:
-    """(feature id, parametrisation id) of a collected item: its marker's id, else ``suite/function``."""
-    from lora_conformance.features import FeatureMarkerError, feature_of_item
-    from lora_conformance.judge.verdict import feature_of
+    """(feature id, parametrisation id) of a collected item (``features.item_feature_id``)."""
+    from lora_conformance.features import item_feature_id
 
-    try:
-        feature = feature_of_item(item)
-    except FeatureMarkerError:
-        feature = None  # the lora-conformance plugin reports it as a usage error
-    fid = feature.id if feature is not None else feature_of(item.nodeid)[1]
     callspec = getattr(item, "callspec", None)
-    return fid, (callspec.id if callspec is not None else "")
+    return item_feature_id(item), (callspec.id if callspec is not None else "")
 
 
 def _bad(path: Path, where: str, problem: str) -> pytest.UsageError:

@@ -15,11 +15,14 @@ This module imports nothing heavy: the plugin reads markers at collection.
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 FEATURE_MARKER = "feature"
+# The feature id of a test file's collection (a file that fails to import has no test functions).
+COLLECTION = "(collection)"
 FEATURE_ID = re.compile(r"^[a-z0-9_]+/[a-z0-9_.\-]+$")
 MARKER_HELP = ("feature(id, description, requires=()): the feature a test certifies: a stable id "
                "(suite/name) for reports, expectations and CI, a one-line description, and the engine "
@@ -107,3 +110,58 @@ def check_declarations(items: Any) -> None:
                 Capability.parse(cap)
             except ValueError as exc:
                 raise FeatureMarkerError(f"{item.nodeid}: required capability: {exc}") from None
+
+
+# ---- the one reading of a feature's identity: markers, node ids and source ---------------------
+
+
+def feature_of(nodeid: str) -> tuple[str, str]:
+    """(suite, feature id) of a test id.
+
+    ``suites/test_mixed_batch.py::test_nearest_reference_routing[cpu-float32]`` ->
+    ``("mixed_batch", "mixed_batch/nearest_reference_routing")``. Parameters and classes
+    are dropped: a feature is the test function, its cases are the parametrizations.
+    """
+    path, _, rest = nodeid.partition("::")
+    stem = path.rsplit("/", 1)[-1]
+    stem = stem[:-3] if stem.endswith(".py") else stem
+    suite = stem[5:] if stem.startswith("test_") else stem
+    if not rest:
+        return suite, f"{suite}/{COLLECTION}"
+    function = rest.split("[", 1)[0].rsplit("::", 1)[-1]
+    function = function[5:] if function.startswith("test_") else function
+    return suite, f"{suite}/{function}"
+
+
+def item_feature_id(item: Any) -> str:
+    """The feature id a collected item is reported under: its marker's id, else its node id's (a
+    malformed marker is the plugin's usage error; here it falls back to the node id)."""
+    try:
+        feature = feature_of_item(item)
+    except FeatureMarkerError:
+        feature = None
+    return feature.id if feature is not None else feature_of(item.nodeid)[1]
+
+
+def _is_feature_mark(func: ast.expr) -> bool:
+    # pytest.mark.feature(...) or mark.feature(...)
+    if not (isinstance(func, ast.Attribute) and func.attr == "feature"):
+        return False
+    owner = func.value
+    return (isinstance(owner, ast.Attribute) and owner.attr == "mark") or (isinstance(owner, ast.Name)
+                                                                          and owner.id == "mark")
+
+
+def declared_in_source(source: str) -> list[str]:
+    """Feature ids of the ``feature`` markers written literally in a test file."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []  # pytest reports the file as a collection error
+    ids = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _is_feature_mark(node.func):
+            arg = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "id"), None)
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                ids.append(arg.value)
+    return ids

@@ -162,16 +162,6 @@ def resolve(config: pytest.Config, validators: Optional[dict[str, Callable[[Any]
     return Resolved(values, sources)
 
 
-def parse_engine_args(items: Any) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items or ():
-        key, sep, value = str(item).partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"engine argument {item!r} is not KEY=VALUE")
-        out[key.strip()] = value.strip()
-    return out
-
-
 # ---- the run's settings -----------------------------------------------------------------------
 
 
@@ -181,12 +171,13 @@ def resolve_settings(config: pytest.Config) -> Settings:
     any test or engine (its optional dependency installed, its args parsed): an OptionError (a
     usage error of one line, naming where the bad value came from) otherwise."""
     from lora_conformance import devices, parallel
+    from lora_conformance.engines.args import engine_arg_pairs
     from lora_conformance.engines.registry import check_engine_name
     from lora_conformance.models import check_base_model_spec
     from lora_conformance.time_budget import parse_seconds
 
     r = resolve(config, validators={
-        "engine_arg": parse_engine_args,
+        "engine_arg": engine_arg_pairs,
         "engine": check_engine_name,
         "base_model": check_base_model_spec,
         "lora_threads": parallel.parse_threads,
@@ -227,7 +218,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
 
 
 def _check_engine_config(settings: Settings) -> None:
-    from lora_conformance.engines.args import check_engine_config
+    from lora_conformance.engines.registry import check_engine_config
     from lora_conformance.engines.base import EngineError
 
     try:

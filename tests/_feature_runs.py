@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterable
 
 from lora_conformance.evidence import FEATURE
-from lora_conformance.report.selection import declared_in_source, item_feature_id
+from lora_conformance.features import declared_in_source, item_feature_id
 from lora_conformance.settings import suites_dir
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from lora_conformance.adapters import AdapterSpec, synthesize_adapter
 from lora_conformance.patterns import PatternError, PatternMatcher
 from lora_conformance.adapters.validate import validate_adapter
-from lora_conformance.engine_health import assert_healthy, snapshot
+from lora_conformance.judge.health import assert_healthy, snapshot
 from lora_conformance.engines import create_engine
 from lora_conformance.engines.base import AdapterFormatError
 from lora_conformance.types import GenerationRequest

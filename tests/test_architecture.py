@@ -20,17 +20,32 @@ FORBIDDEN_IMPORTS = {
     # Reading checkpoints and writing files belong to checkpoints / fileio: these layers sit below
     # the reference and must not reach up into it (that was the hidden import cycle).
     "lora_conformance.models": ("lora_conformance.reference",),
-    "lora_conformance.adapters": ("lora_conformance.reference",),
     "lora_conformance.run_order": ("lora_conformance.reference",),
-    "lora_conformance.engines": ("lora_conformance.reference",),
-    "lora_conformance.judge": ("lora_conformance.reference",),
     # The owners are the bottom layer: stdlib, plus the typed errors of the engine interface.
     "lora_conformance.fileio": ("lora_conformance",),
+    "lora_conformance.errors": ("lora_conformance",),
     "lora_conformance.checkpoints": ("lora_conformance.",),
     "lora_conformance.patterns": ("lora_conformance",),
+    # The verdict is the judge's: it gets outputs and references and computes; it never reaches
+    # up to the fixture, the engine pool, the engines or the report that shows it.
+    "lora_conformance.judge": ("lora_conformance.reference", "lora_conformance.context", "lora_conformance.harness", "lora_conformance.workspace",
+                               "lora_conformance.plugin", "lora_conformance.report", "lora_conformance.engines",
+                               "lora_conformance.options"),
+    # The engine pool starts and shares engines; it judges nothing.
+    "lora_conformance.harness": ("lora_conformance.judge",),
+    "lora_conformance.workspace": ("lora_conformance.judge",),
+    # Engines and what they stand on never reach up to the run (options, fixture, pool, report).
+    "lora_conformance.engines": ("lora_conformance.reference", "lora_conformance.options", "lora_conformance.context", "lora_conformance.harness",
+                                 "lora_conformance.judge", "lora_conformance.report", "lora_conformance.plugin"),
+    "lora_conformance.adapters": ("lora_conformance.reference", "lora_conformance.engines", "lora_conformance.harness",
+                                  "lora_conformance.report"),
 }
+# A verdict is computed in lora_conformance.judge alone: outside it, no function of these names is
+# defined, and the fixture's assert_* methods only hand over to its Judge (their bodies call self.judge).
+VERDICT_NAMES = re.compile(r"^(assert_\w+|classify|aggregate|verify|coverage|differences|tolerance_for)$")
+VERDICT_DELEGATE_MODULE = "lora_conformance.context"
 # checkpoints matches rank / alpha patterns in bounded time through the stdlib-and-regex patterns module.
-ALLOWED_IMPORTS = {"lora_conformance.checkpoints": ("lora_conformance.engines.base", "lora_conformance.patterns")}
+ALLOWED_IMPORTS = {"lora_conformance.checkpoints": ("lora_conformance.errors", "lora_conformance.patterns")}
 # Only the reference itself touches its cache module; others use the package's face.
 PRIVATE_MODULES = {"lora_conformance.reference.cache": "lora_conformance.reference"}
 
@@ -51,7 +66,7 @@ OWNED_FUNCTIONS = {
 # A string constant that means "I read this file myself": only the owner spells it.
 OWNED_CONSTANTS = {"adapter_config.json": "lora_conformance.checkpoints"}
 # Wrappers that keep a name (a module's, a cached method's) and ask the owner; each must import it.
-DELEGATES = {("lora_conformance.engines._hf_common", "torch_dtype"), ("lora_conformance.harness", "model_kind"),
+DELEGATES = {("lora_conformance.engines._hf_common", "torch_dtype"),
              ("lora_conformance.reference.runner", "is_encoder")}
 
 
@@ -132,6 +147,40 @@ def ownership_violations(root: Path) -> list[str]:
     return out
 
 
+def verdict_violations(root: Path) -> list[str]:
+    out = []
+    for module, path, tree in _modules(root):
+        if _under(module, "lora_conformance.judge"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and VERDICT_NAMES.match(node.name):
+                delegate = module == VERDICT_DELEGATE_MODULE and any(
+                    isinstance(n, ast.Attribute) and n.attr == "judge" and isinstance(n.value, ast.Name)
+                    and n.value.id == "self" for n in ast.walk(node))
+                if not delegate:
+                    out.append(f"{path.relative_to(root)}:{node.lineno}: {node.name} computes a verdict outside "
+                               "lora_conformance.judge")
+    return out
+
+
+def test_only_the_judge_computes_a_verdict():
+    bad = verdict_violations(ROOT)
+    assert not bad, "a verdict outside the judge:\n" + "\n".join(bad)
+
+
+def test_the_verdict_check_catches_what_it_should(tmp_path):
+    root = _tree(tmp_path, {
+        "lora_conformance/__init__.py": "",
+        "lora_conformance/judge/__init__.py": "def assert_close(a, b):\n    assert a == b\n",
+        "lora_conformance/context.py": "class C:\n    def assert_ok(self, x):\n        self.judge.ok(x)\n"
+                                       "    def assert_own(self, x):\n        assert x\n",
+        "lora_conformance/report/sum.py": "def classify(r):\n    return 'passed'\n",
+    })
+    bad = "\n".join(verdict_violations(root))
+    assert "context.py:4: assert_own computes a verdict" in bad and "sum.py:1: classify" in bad
+    assert "assert_ok" not in bad and "judge" not in bad.split(":")[0] and len(bad.splitlines()) == 2
+
+
 def test_import_layers():
     bad = layer_violations(ROOT)
     assert not bad, "imports across the layers:\n" + "\n".join(bad)
@@ -158,8 +207,10 @@ def test_the_layer_check_catches_what_it_should(tmp_path):
         "lora_conformance/run_order.py": "from .reference import cache\n",
         "lora_conformance/harness.py": "from lora_conformance.reference import ReferenceRunner\n"
                                        "from lora_conformance.reference.cache import key_of\n",
-        "lora_conformance/checkpoints.py": "from lora_conformance.engines.base import AdapterFormatError\n"
+        "lora_conformance/checkpoints.py": "from lora_conformance.errors import AdapterFormatError\n"
                                            "from lora_conformance.models import x\n",
+        "lora_conformance/judge/checks.py": "from lora_conformance.harness import Harness\n",
+        "lora_conformance/engines/x.py": "from lora_conformance.options import OPTIONS\n",
         "lora_conformance/fileio.py": "import json\n",
         "lora_conformance/reference/__init__.py": "from lora_conformance.reference.cache import ReferenceCache\n",
         "lora_conformance/reference/cache.py": "from lora_conformance.fileio import write_json_atomic\n",
@@ -170,9 +221,10 @@ def test_the_layer_check_catches_what_it_should(tmp_path):
     assert "run_order imports lora_conformance.reference" in bad
     assert "harness imports lora_conformance.reference.cache (only lora_conformance.reference may)" in bad
     assert "checkpoints imports lora_conformance.models" in bad
+    assert "judge.checks imports lora_conformance.harness" in bad and "engines.x imports lora_conformance.options" in bad
     # allowed: the harness uses the reference's face, the owners import what they may
     assert "harness imports lora_conformance.reference (" not in bad
-    assert "engines.base" not in bad and "fileio" not in bad and "reference/__init__" not in bad
+    assert "errors" not in bad and "fileio" not in bad and "reference/__init__" not in bad
 
 
 def test_the_ownership_check_catches_what_it_should(tmp_path):

@@ -27,11 +27,10 @@ from lora_conformance.engines.args import (  # noqa: E402
     arg,
     arg_specs,
     check_dependencies,
-    check_engine_config,
     class_capabilities,
 )
 from lora_conformance.engines.base import Capability, Engine, UnsupportedFeatureError  # noqa: E402
-from lora_conformance.engines.registry import _BUILTIN, engine_class  # noqa: E402
+from lora_conformance.engines.registry import _BUILTIN, check_engine_config, engine_class  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 OURS = sorted(_BUILTIN)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 
 from lora_conformance.adapters import AdapterSpec, synthesize_adapter
 from lora_conformance.adapters.fuzz import apply_mutations, mutations, try_input
-from lora_conformance.engine_health import snapshot
+from lora_conformance.judge.health import snapshot
 from lora_conformance.engines import create_engine
 
 BUDGET = 8  # per engine; the bench script runs the large budget

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from lora_conformance.report.badge import badge_svg, badge_text
-from lora_conformance.judge.verdict import aggregate, classify, feature_of, verify
+from lora_conformance.features import feature_of
+from lora_conformance.judge.verdict import aggregate, classify, verify
 
 
 def rec(nodeid, phases, **extra):

@@ -5,7 +5,7 @@ first; the merged matrix lists them per column."""
 from __future__ import annotations
 
 from lora_conformance.report.merge import merge, render_matrix_markdown
-from lora_conformance.report.root_causes import headline, normalise
+from lora_conformance.judge.root_causes import headline, normalise
 from lora_conformance.judge.verdict import verify
 
 

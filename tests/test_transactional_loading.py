@@ -13,7 +13,7 @@ import pytest
 
 from lora_conformance.adapters import AdapterSpec, synthesize_adapter
 from lora_conformance.adapters.malformed import BAD_NAMES, MALFORMED, make_malformed
-from lora_conformance.engine_health import assert_healthy, probe_requests, snapshot
+from lora_conformance.judge.health import assert_healthy, probe_requests, snapshot
 from lora_conformance.engines import create_engine
 from lora_conformance.engines.base import AdapterIncompatibleError, EngineError, EngineFailure
 

@@ -172,8 +172,8 @@ def _apply_tensor_op(w: Path, op: tuple) -> None:
 
 def try_input(engine, before, path: Path, name: str = "F") -> tuple[str, str]:
     """(outcome, detail) for one input on ``engine`` whose healthy state is the snapshot ``before``."""
-    from lora_conformance.engine_health import Snapshot, differences, generate_per_adapter
-    from lora_conformance.engines.base import EngineError, EngineFailure
+    from lora_conformance.judge.health import Snapshot, differences, generate_per_adapter
+    from lora_conformance.errors import EngineError, EngineFailure
 
     detail = ""
     try:

@@ -36,7 +36,7 @@ from lora_conformance.checkpoints import ADAPTER_WEIGHTS as WEIGHTS
 from lora_conformance.checkpoints import PEFT_PREFIX as PREFIX
 from lora_conformance.checkpoints import (PEFT_DEFAULT_ALPHA, PEFT_DEFAULT_R, is_encoder, module_rank_alpha,
                                           pattern_value, read_adapter_config, scaling_rule, split_lora_key)
-from lora_conformance.engines.base import AdapterFormatError
+from lora_conformance.errors import AdapterFormatError
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 # Characters that would make a name a path, a URL part or SGLang's "<base>:<adapter>" ambiguous.

@@ -16,7 +16,7 @@ import struct
 from pathlib import Path
 from typing import Optional
 
-from lora_conformance.engines.base import AdapterFormatError
+from lora_conformance.errors import AdapterFormatError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 # safetensors dtype names -> torch dtype names

@@ -23,7 +23,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
-from lora_conformance.engines.base import EngineError, UnsupportedFeatureError
+from lora_conformance.errors import EngineError, UnsupportedFeatureError
 
 SUITE_SOURCE = "requested by the test"  # where a suite's own engine args come from
 
@@ -297,7 +297,7 @@ def class_capabilities(cls: type, cfg: Any, model_dir: Any, device: str):
 
 def capability_list(value: str) -> str:
     """An arg naming capabilities (comma or space separated): each must be in the vocabulary."""
-    from lora_conformance.engines.base import Capability
+    from lora_conformance.engines.capabilities import Capability
 
     for c in value.replace(",", " ").split():
         Capability.parse(c)  # ValueError listing the vocabulary
@@ -334,16 +334,12 @@ def check_dependencies(engine_cls: type) -> None:
                                      f"{install_hint(engine_cls)}")
 
 
-def check_engine_config(engine: str, raw: Mapping[str, Any], source: Union[str, Mapping[str, str]]) -> None:
-    """What a run can know before it starts: the engine exists, its optional dependency is
-    installed, its args parse. Raises EngineError with a one-line message."""
-    from lora_conformance.engines.registry import UnknownEngineError, engine_class
-
-    try:
-        cls = engine_class(engine)
-    except UnknownEngineError as exc:
-        raise EngineArgError(str(exc)) from None
-    except ImportError as exc:
-        raise MissingDependencyError(f"engine {engine!r} cannot be imported: {type(exc).__name__}: {exc}") from None
-    check_dependencies(cls)
-    cls.parse_args(raw, source)
+def engine_arg_pairs(items: Any) -> dict[str, str]:
+    """``--engine-arg KEY=VALUE`` strings -> ``{KEY: VALUE}`` (ValueError naming a malformed one)."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"engine argument {item!r} is not KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out

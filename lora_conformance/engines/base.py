@@ -8,115 +8,25 @@ engine does not declare. Everything else is the suite's job.
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Hashable, Mapping, Optional, Sequence
 
 from lora_conformance.types import GenerationRequest, GenerationResult
-
-
-class Capability(str, enum.Enum):
-    """The fixed vocabulary of engine capabilities (``@pytest.mark.requires(...)`` takes these values)."""
-
-    MIXED_BATCH = "mixed_batch"  # different adapters (and the base) in one batch
-    DYNAMIC_LOADING = "dynamic_loading"  # load/unload adapters after start-up
-    PINNING = "pinning"
-    EVICTION_LRU = "eviction_lru"
-    EVICTION_FIFO = "eviction_fifo"
-    MAX_LOADED = "max_loaded"  # a bounded host cache of loaded adapters (more adapters than slots)
-    PREFIX_CACHE = "prefix_cache"
-    OVERLAP_LOADING = "overlap_loading"
-    GRAPHS = "graphs"
-    EMBEDDINGS = "embeddings"
-    MOE = "moe"
-    RSLORA = "rslora"
-    RANK_PATTERN = "rank_pattern"
-    EMBED_TOKENS = "embed_tokens"
-    LM_HEAD = "lm_head"
-    DORA = "dora"
-    MODULES_TO_SAVE = "modules_to_save"
-    PROMPT_LOGPROBS = "prompt_logprobs"
-    LORA_BIAS = "lora_bias"
-    TENSOR_PARALLEL = "tensor_parallel"  # shards the model (and its LoRA) over several devices
-    CHUNKED_PREFILL = "chunked_prefill"  # honours the standard arg chunked_prefill_size
-    INFLIGHT_LIFECYCLE = "inflight_lifecycle"  # submit(); load / unload / reload while requests run
-
-    @classmethod
-    def parse(cls, value: "str | Capability") -> "Capability":
-        if isinstance(value, Capability):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            known = ", ".join(c.value for c in cls)
-            raise ValueError(f"unknown engine capability {value!r}; known capabilities: {known}") from None
-
-
-ALL_CAPABILITIES: frozenset[Capability] = frozenset(Capability)
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_loras_per_batch: int  # adapters (not counting the base) active in one forward
-    max_loaded_loras: int  # adapters held by the engine at once (>= max_loras_per_batch)
-    max_rank: int
-    max_top_k: Optional[int] = None  # logprobs returned per generated token (None: as many as asked)
-
-
-# ---- typed errors -------------------------------------------------------------------
-
-
-class EngineError(Exception):
-    """Base of every error an engine raises on purpose."""
-
-
-class AdapterNotLoadedError(EngineError, KeyError):
-    def __init__(self, name: str, loaded: Sequence[str] = ()):
-        self.name = name
-        self.loaded = list(loaded)
-        super().__init__(f"adapter {name!r} is not loaded (loaded: {', '.join(self.loaded) or 'none'})")
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return self.args[0]
-
-
-class AdapterIncompatibleError(EngineError, ValueError):
-    """The adapter cannot be served by this engine (rank too large, unknown target module, ...)."""
-
-
-class AdapterFormatError(AdapterIncompatibleError):
-    """The adapter directory is malformed, or does not fit the base model or the engine's limits.
-
-    ``file`` is the offending file (or the directory), ``field`` the config field or tensor name.
-    """
-
-    def __init__(self, file, field: str, problem: str):
-        self.file, self.field, self.problem = str(file), field, problem
-        super().__init__(f"{self.file}: {field}: {problem}")
-
-
-class CapacityError(EngineError, RuntimeError):
-    """No slot can be found: every slot pinned, or pinning would starve unpinned requests."""
-
-
-class UnsupportedFeatureError(EngineError, NotImplementedError):
-    """The adapter or request uses a feature the engine refuses (DoRA, modules_to_save, ...)."""
-
-
-class EngineFailure(EngineError, RuntimeError):
-    """The engine broke (crashed worker, server error, timeout)."""
-
-
-class AdapterInUseError(EngineError, RuntimeError):
-    """Unloading or replacing an adapter that running requests use is refused (an engine may wait instead)."""
-
-    def __init__(self, name: str, requests: int):
-        self.name, self.requests = name, requests
-        super().__init__(f"adapter {name!r} is used by {requests} running request(s); retry when they finish")
+# The vocabulary and the errors live below the engines; every engine plugin imports them from here.
+from lora_conformance.engines.capabilities import ALL_CAPABILITIES, Capability, Limits  # noqa: F401
+from lora_conformance.errors import (  # noqa: F401
+    AdapterFormatError,
+    AdapterIncompatibleError,
+    AdapterInUseError,
+    AdapterNotLoadedError,
+    CapacityError,
+    EngineError,
+    EngineFailure,
+    UnsupportedFeatureError,
+)
 
 
 class RequestHandle(ABC):

@@ -124,9 +124,9 @@ def describe(name: str, device: str = "cpu", raw_args: Optional[dict] = None, ou
 def run(args) -> int:
     try:
         if getattr(args, "engines_action", None) == "describe":
-            from lora_conformance.options import parse_engine_args
+            from lora_conformance.engines.args import engine_arg_pairs
 
-            return describe(args.name, args.device, parse_engine_args(args.engine_arg))
+            return describe(args.name, args.device, engine_arg_pairs(args.engine_arg))
         return list_engines()
     except (UnknownEngineError, EngineArgError, EngineError, ValueError) as exc:
         print(f"lora-conformance engines: error: {exc}", file=sys.stderr)

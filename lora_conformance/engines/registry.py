@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping, Union
 
 from lora_conformance.engines.base import Engine
 
@@ -82,3 +82,18 @@ def engine_class(name: str) -> type[Engine]:
 
 def create_engine(name: str, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]) -> Engine:
     return engine_class(name)(Path(model_dir), device, dtype, dict(args))
+
+
+def check_engine_config(engine: str, raw: Mapping[str, Any], source: Union[str, Mapping[str, str]]) -> None:
+    """What a run can know before it starts: the engine exists, its optional dependency is
+    installed, its args parse. Raises EngineError with a one-line message."""
+    from lora_conformance.engines.args import EngineArgError, MissingDependencyError, check_dependencies
+
+    try:
+        cls = engine_class(engine)
+    except UnknownEngineError as exc:
+        raise EngineArgError(str(exc)) from None
+    except ImportError as exc:
+        raise MissingDependencyError(f"engine {engine!r} cannot be imported: {type(exc).__name__}: {exc}") from None
+    check_dependencies(cls)
+    cls.parse_args(raw, source)

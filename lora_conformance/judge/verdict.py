@@ -6,7 +6,7 @@ the failure and its evidence. The rules that turn records into case and feature 
 only here, so a stored report.json re-verifies under today's rules without rerunning anything.
 
 Certified: something was shown to work, nothing was shown to be wrong, and the run ran every
-feature the suite declares (``selection.coverage``). A narrowed run is *partial: N of M
+feature the suite declares (``coverage``). A narrowed run is *partial: N of M
 features*, never certified. A report that recorded no selection (schema 1) has no coverage and
 says so.
 """
@@ -17,6 +17,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
 from lora_conformance.evidence import Record, as_records
+from lora_conformance.features import feature_of
+
+# Feature ids listed at most in a coverage summary.
+MAX_LISTED = 200
 
 PASSED, FAILED, ERROR, XFAIL, NOT_CERTIFIED, SKIPPED = (
     "passed", "failed", "error", "xfail", "not certified", "skipped")
@@ -27,9 +31,6 @@ STATUSES = (PASSED, FAILED, ERROR, XFAIL, NOT_CERTIFIED, SKIPPED)
 # it; a skip without one is a neutral skip (not applicable on this device, ...), whatever its
 # text says. (Schema-1 records are given their outcome by report.legacy.)
 
-COLLECTION = "(collection)"
-
-
 def record_feature(record: Record) -> tuple[str, str, str]:
     """(suite, feature id, description) of a record: its feature marker where the run recorded
     one, else derived from the node id (older reports, unmarked tests; no description)."""
@@ -38,24 +39,6 @@ def record_feature(record: Record) -> tuple[str, str, str]:
         return feature["id"].split("/", 1)[0], feature["id"], str(feature.get("description") or "")
     suite, fid = feature_of(record.nodeid)
     return suite, fid, ""
-
-
-def feature_of(nodeid: str) -> tuple[str, str]:
-    """(suite, feature id) of a test id.
-
-    ``suites/test_mixed_batch.py::test_nearest_reference_routing[cpu-float32]`` ->
-    ``("mixed_batch", "mixed_batch/nearest_reference_routing")``. Parameters and classes
-    are dropped: a feature is the test function, its cases are the parametrizations.
-    """
-    path, _, rest = nodeid.partition("::")
-    stem = path.rsplit("/", 1)[-1]
-    stem = stem[:-3] if stem.endswith(".py") else stem
-    suite = stem[5:] if stem.startswith("test_") else stem
-    if not rest:
-        return suite, f"{suite}/{COLLECTION}"
-    function = rest.split("[", 1)[0].rsplit("::", 1)[-1]
-    function = function[5:] if function.startswith("test_") else function
-    return suite, f"{suite}/{function}"
 
 
 def classify(record: "Record | Mapping[str, Any]") -> tuple[str, str]:
@@ -169,8 +152,7 @@ def verify(records: Iterable["Record | Mapping[str, Any]"],
            selection: Optional[Mapping[str, Any]] = None) -> Verdict:
     """The verdict of ``records`` (Records, or their stored form); ``selection`` is what the run
     selected (``selection.describe``), None where it was not recorded."""
-    from lora_conformance.report.root_causes import root_causes
-    from lora_conformance.report.selection import coverage
+    from lora_conformance.judge.root_causes import root_causes
 
     records = sorted(as_records(records), key=lambda r: r.nodeid)
     cases: list[Case] = []
@@ -220,3 +202,22 @@ def verify(records: Iterable["Record | Mapping[str, Any]"],
     causes = root_causes(cases)
     summary["root_causes"] = len(causes)
     return Verdict(cases, dict(sorted(features.items())), dict(sorted(suites.items())), summary, causes)
+
+
+def coverage(records: Iterable[Any], selection: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+    """``{"complete", "features_run", "features_declared", "not_run": [ids], "deselected_cases"}``,
+    or None where no selection was recorded. A feature *ran* when it has records and none of its
+    collected cases was left out; declared features are the suite's and every feature the run saw."""
+    if not isinstance(selection, Mapping):
+        return None
+    recorded: dict[str, str] = {}
+    for rec in records:
+        recorded[rec.nodeid] = record_feature(rec)[1]
+    deselected = {str(k): str(v) for k, v in (selection.get("deselected") or {}).items()}
+    left_out = {fid for nodeid, fid in deselected.items() if nodeid not in recorded}
+    seen = set(recorded.values())
+    declared = set(selection.get("declared_features") or ()) | seen | set(deselected.values())
+    ran = (seen - left_out) & declared
+    not_run = sorted(declared - ran)
+    return {"complete": not not_run, "features_run": len(ran), "features_declared": len(declared),
+            "not_run": not_run[:MAX_LISTED], "deselected_cases": sum(1 for n in deselected if n not in recorded)}

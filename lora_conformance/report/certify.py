@@ -231,12 +231,12 @@ def badge_line(report_dir: Path) -> Optional[str]:
 def _engine_config_error(args) -> Optional[str]:
     """The engine configuration checked before pytest starts (the plugin checks it again, with the
     environment and ini values): one line, or None when it is fine."""
-    from lora_conformance.engines.args import check_engine_config
+    from lora_conformance.engines.registry import check_engine_config
     from lora_conformance.engines.base import EngineError
-    from lora_conformance.options import parse_engine_args
+    from lora_conformance.engines.args import engine_arg_pairs
 
     try:
-        check_engine_config(_setting(args, "engine"), parse_engine_args(args.engine_arg), "command line")
+        check_engine_config(_setting(args, "engine"), engine_arg_pairs(args.engine_arg), "command line")
     except (EngineError, ValueError) as exc:
         return str(exc)
     return None

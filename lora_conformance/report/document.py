@@ -22,19 +22,12 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from lora_conformance.evidence import Record, RecordFormatError, as_records
+from lora_conformance.errors import ReportDigestError, ReportFormatError  # noqa: F401 (readers catch them from here)
 from lora_conformance.judge.verdict import Verdict, verify
 
 SCHEMA = "lora-conformance/report/2"
 # Top-level keys no digest or signature can cover (they are computed over the rest).
 UNCOVERED_KEYS = ("digest", "signature")
-
-
-class ReportFormatError(ValueError):
-    pass
-
-
-class ReportDigestError(ReportFormatError):
-    """The report does not match its digest (edited, damaged, or no digest)."""
 
 
 def canonical_bytes(report: Mapping[str, Any]) -> bytes:

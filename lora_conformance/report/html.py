@@ -130,7 +130,7 @@ def root_causes_html(causes: list, heading: str = "h2", cases: Optional[Mapping[
     """``N root causes``, each headed by its diagnosis, with its features and (given ``cases``)
     each of its failures inside it."""
     from lora_conformance.report.effects_svg import EXPLANATION
-    from lora_conformance.report.root_causes import headline
+    from lora_conformance.judge.root_causes import headline
 
     parts = [f'<{heading} class="root-causes" id="root-causes">Root causes: {escape(headline(causes))}</{heading}>']
     if cases is not None and any(getattr((records or {}).get(n), "effects", None) for c in causes for n in c.cases):

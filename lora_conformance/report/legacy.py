@@ -56,7 +56,7 @@ def upgrade_record(record: Mapping[str, Any]) -> dict[str, Any]:
 def upgrade(data: Mapping[str, Any], where: str, check_digest: bool = True) -> dict[str, Any]:
     """A schema-1 report as a schema-2 one (``selection`` None, ``legacy`` describing what is not
     covered). Raises ``document.ReportDigestError`` when the records do not match their checksum."""
-    from lora_conformance.report.document import ReportDigestError, ReportFormatError
+    from lora_conformance.errors import ReportDigestError, ReportFormatError
 
     records = data.get("records")
     if not isinstance(records, list):

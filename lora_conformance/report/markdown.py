@@ -157,7 +157,7 @@ def root_causes_markdown(causes: list, report: Mapping[str, Any] | None = None,
                          cases: Mapping[str, Any] | None = None) -> list[str]:
     """The report's first section: ``N root causes``, each headed by its diagnosis, with each
     failure under it (its message as it was, and the command that reruns it)."""
-    from lora_conformance.report.root_causes import headline
+    from lora_conformance.judge.root_causes import headline
 
     env = (report or {}).get("environment") or {}
     lines = [f"## Root causes: {headline(causes)}", ""]

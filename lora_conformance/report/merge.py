@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from lora_conformance.report.environment import column_key
 from lora_conformance.report.markdown import ICON
-from lora_conformance.report.root_causes import describe, from_dicts, headline
+from lora_conformance.judge.root_causes import describe, from_dicts, headline
 from lora_conformance.report.selection import merge_selections
 from lora_conformance.judge.verdict import verify
 

@@ -27,7 +27,6 @@ import pytest
 
 from lora_conformance import evidence
 from lora_conformance.evidence import Record
-from lora_conformance.judge.verdict import feature_of
 
 # The plugin may put environment facts that need torch or the engine here (deep-merged over
 # what the recorder computes): {"engine": {"version": ..., "capabilities": [...]},
@@ -43,7 +42,7 @@ def _is_worker(config: pytest.Config) -> bool:
 
 
 def _deselected_ids(items: list) -> dict[str, str]:
-    from lora_conformance.report.selection import item_feature_id
+    from lora_conformance.features import item_feature_id
 
     return {item.nodeid: item_feature_id(item) for item in items}
 
@@ -187,7 +186,7 @@ class ReportRecorder:
     def pytest_terminal_summary(self, terminalreporter):
         if self.verdict is None:
             return
-        from lora_conformance.report.root_causes import describe, headline
+        from lora_conformance.judge.root_causes import describe, headline
 
         tr = terminalreporter
         tr.write_sep("=", "LoRA conformance")
@@ -212,8 +211,3 @@ class ReportRecorder:
                           + "; a certification runs them all")
         tr.write_line(status_line(self.report or {}, self.verdict))
         tr.write_line(f"report: {self.written.get('report.html')}")
-
-
-def feature_id(nodeid: str) -> str:
-    """Convenience re-export: the feature id a test id is reported under."""
-    return feature_of(nodeid)[1]

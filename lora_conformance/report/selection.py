@@ -14,57 +14,21 @@ report is *partial*, never certified. The report records the selection (``descri
 - ``suite``: a sha256 of each suite file and one over all of them, and the package version:
   two reports are of the same suite exactly when these agree.
 
-``coverage(records, selection)`` is pure (``verify`` calls it): features that ran every one of
-their collected cases, out of every feature the suite declares or the run saw. Reports that
-recorded no selection (schema 1) have no coverage: ``None``.
+What the selection means for the verdict (coverage: the features that ran every one of their
+collected cases, out of every feature the suite declares or the run saw) is the judge's
+(``lora_conformance.judge.verdict.coverage``).
 """
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
-MAX_LISTED = 200
+from lora_conformance import features
+
 _SKIP_DIRS = {"__pycache__", "node_modules", "site-packages", "build", "dist"}
-
-
-def item_feature_id(item: Any) -> str:
-    """The feature id a collected item is reported under: its marker's id, else its node id's."""
-    from lora_conformance.features import FeatureMarkerError, feature_of_item
-    from lora_conformance.judge.verdict import feature_of
-
-    try:
-        feature = feature_of_item(item)
-    except FeatureMarkerError:
-        feature = None
-    return feature.id if feature is not None else feature_of(item.nodeid)[1]
-
-
-def _is_feature_mark(func: ast.expr) -> bool:
-    # pytest.mark.feature(...) or mark.feature(...)
-    if not (isinstance(func, ast.Attribute) and func.attr == "feature"):
-        return False
-    owner = func.value
-    return (isinstance(owner, ast.Attribute) and owner.attr == "mark") or (isinstance(owner, ast.Name)
-                                                                          and owner.id == "mark")
-
-
-def declared_in_source(source: str) -> list[str]:
-    """Feature ids of the ``feature`` markers written literally in a test file."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []  # pytest reports the file as a collection error
-    ids = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and _is_feature_mark(node.func):
-            arg = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "id"), None)
-            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-                ids.append(arg.value)
-    return ids
 
 
 def _test_files(directory: Path) -> list[Path]:
@@ -109,7 +73,7 @@ def suite_facts(directories: Iterable[Path]) -> tuple[dict[str, Any], list[str]]
             name = f"{directory.name}/{path.relative_to(directory).as_posix()}"
             files[name] = hashlib.sha256(data).hexdigest()
             if path.name != "conftest.py":
-                declared += declared_in_source(data.decode("utf-8", "replace"))
+                declared += features.declared_in_source(data.decode("utf-8", "replace"))
     overall = hashlib.sha256("".join(f"{n}\0{h}\n" for n, h in sorted(files.items())).encode()).hexdigest()
     return {"files": dict(sorted(files.items())), "sha256": overall, "version": lora_conformance.__version__}, \
         sorted(set(declared))
@@ -177,27 +141,6 @@ def narrowing(selection: Optional[Mapping[str, Any]]) -> list[str]:
     if selection.get("deselected"):
         out.append(f"{len(selection['deselected'])} case(s) deselected")
     return out
-
-
-def coverage(records: Iterable[Any], selection: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
-    """``{"complete", "features_run", "features_declared", "not_run": [ids], "deselected_cases"}``,
-    or None where no selection was recorded. A feature *ran* when it has records and none of its
-    collected cases was left out; declared features are the suite's and every feature the run saw."""
-    if not isinstance(selection, Mapping):
-        return None
-    from lora_conformance.judge.verdict import record_feature
-
-    recorded: dict[str, str] = {}
-    for rec in records:
-        recorded[rec.nodeid] = record_feature(rec)[1]
-    deselected = {str(k): str(v) for k, v in (selection.get("deselected") or {}).items()}
-    left_out = {fid for nodeid, fid in deselected.items() if nodeid not in recorded}
-    seen = set(recorded.values())
-    declared = set(selection.get("declared_features") or ()) | seen | set(deselected.values())
-    ran = (seen - left_out) & declared
-    not_run = sorted(declared - ran)
-    return {"complete": not not_run, "features_run": len(ran), "features_declared": len(declared),
-            "not_run": not_run[:MAX_LISTED], "deselected_cases": sum(1 for n in deselected if n not in recorded)}
 
 
 def merge_selections(selections: Iterable[Optional[Mapping[str, Any]]], where: str = "") -> Optional[dict[str, Any]]:
