@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, seed, settings
 
 from lora_conformance.adapters import AdapterSpec, synthesize_cached
 from lora_conformance.adapters.fuzz import OUTCOMES, apply_mutations, mutations, try_input
-from lora_conformance.engine_health import snapshot
+from lora_conformance.judge.health import snapshot
 from lora_conformance.engines import create_engine
 from lora_conformance.models import resolve_base_model
 from lora_conformance.settings import default_cache_dir

@@ -12,7 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 SUBCOMMANDS = {
-    "certify": ("lora_conformance.report.certify", "run the conformance suites and write a certification report"),
+    "certify": ("lora_conformance.launch", "run the conformance suites and write a certification report"),
     "synth": ("lora_conformance.adapters.cli", "synthesize offline base models and known-weight adapters"),
     "ci": ("lora_conformance.ci.cli", "CI tooling: list registrations, print a GitHub Actions matrix"),
     "report": ("lora_conformance.report.cli", "verify, render, merge and sign certification reports"),

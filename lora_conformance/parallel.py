@@ -7,8 +7,10 @@ Two decisions, each a pure function of a few machine facts so that it can be tes
   is slower than a serial one. The share is ``cores // workers`` (at least 1) unless the user
   chose: ``--lora-threads`` (its env variable or ini key), else ``OMP_NUM_THREADS`` (which torch
   reads itself; we then leave torch alone).
-* ``choose_workers``: the worker count ``lora-conformance certify -n auto`` uses: one per core,
-  capped by memory and, on accelerators, by ``WORKERS_PER_DEVICE`` per device.
+* ``choose_workers``: the worker count of ``-n auto`` in a run with the plugin (``pytest suites -n
+  auto`` and ``lora-conformance certify`` alike: the plugin's ``pytest_xdist_auto_num_workers``
+  asks ``workers_for_run``): one per core, capped by memory, by the tests the last run recorded
+  and, on accelerators, by ``WORKERS_PER_DEVICE`` per device.
 
 Standard library only: the plugin imports this at start-up. torch is imported by
 ``apply_thread_share`` alone, which runs just before the first engine or reference.
@@ -157,13 +159,27 @@ def xdist_workers(config) -> int:
     return max(1, count)
 
 
-# ---- worker count for ``certify -n auto`` -----------------------------------------------
+# ---- worker count for ``-n auto`` ----------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class WorkerChoice:
     workers: int
     reason: str
+
+
+def workers_for_run(device: str, recorded_work_s: Optional[float]) -> WorkerChoice:
+    """``-n auto`` for a run on ``device`` (a resolved device string): ``choose_workers`` from this
+    machine's cores and memory, the device type and how many of them the workers can spread over
+    (one, where the device names an index: ``cuda:1`` pins every worker to it)."""
+    kind, count = "cpu", 1
+    if device.split(":", 1)[0] != "cpu":
+        from lora_conformance import devices
+
+        kind = devices.device_type(device)
+        if kind != "cpu" and ":" not in device:
+            count = max(1, devices.device_count(kind))
+    return choose_workers(cpu_cores(), available_memory(), kind, count, recorded_work_s)
 
 
 def parse_workers(value: str) -> Optional[int]:

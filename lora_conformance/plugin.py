@@ -22,7 +22,7 @@ import pytest
 from lora_conformance import options, parallel
 from lora_conformance.markers import MARKERS
 from lora_conformance.options import resolve_settings
-from lora_conformance.settings import SETTINGS_KEY, Settings, check_writable_dirs, get_settings
+from lora_conformance.settings import SETTINGS_KEY, WORKER_CHOICE_KEY, Settings, check_writable_dirs, get_settings
 
 # ---- options and settings --------------------------------------------------------------
 
@@ -60,6 +60,29 @@ def pytest_configure_node(node: Any) -> None:
         node.workerinput[run_order.DIST_KEY] = node.config.getoption("dist", None)
         node.workerinput[run_order.GROUPS_KEY] = run_order.groups_input(node.config)
         node.workerinput[run_order.LAST_KEY] = run_order.last_input(node.config)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config):
+    # -n auto: the workers for this machine and these settings (certify asks for -n auto too);
+    # pytest-xdist's own PYTEST_XDIST_AUTO_NUM_WORKERS, where the user set it, wins.
+    import os
+
+    from lora_conformance import run_order
+
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+
+    try:
+        settings = resolve_settings(config)
+    except Exception:  # noqa: BLE001 - pytest_configure reports a bad setting, in one line
+        return None
+    paths = [config.invocation_params.dir / str(a).split("::", 1)[0] for a in config.args]
+    choice = parallel.workers_for_run(settings.device, run_order.recorded_work(
+        run_order.durations_path(settings.cache_dir, settings.engine, settings.device_type, settings.dtype),
+        config.rootpath, [p for p in paths if p.exists()]))
+    config.stash[WORKER_CHOICE_KEY] = choice
+    return choice.workers
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -110,6 +133,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         "lora-conformance: " + " ".join(f"{k}={versions[k]}" for k in ("torch", "transformers", "peft")),
         f"lora-conformance: processes={parallel.xdist_workers(config)} {s.threads.describe()} per process",
     ]
+    choice = config.stash.get(WORKER_CHOICE_KEY, None)
+    if choice is not None:
+        lines.append(f"lora-conformance: -n auto chose {choice.workers} workers ({choice.reason})")
     non_default = {k: v for k, v in s.sources.items() if v != "default"}
     if non_default:
         lines.append("lora-conformance: settings from " + ", ".join(f"{k}<-{v}" for k, v in sorted(non_default.items())))

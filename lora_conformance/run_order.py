@@ -116,6 +116,18 @@ def load(path: Path) -> dict[str, float]:
     return {str(k): float(v) for k, v in _json_object(path).items() if isinstance(v, (int, float))}
 
 
+def recorded_work(durations: Path, rootdir: Path, paths: Iterable[Path]) -> Optional[float]:
+    """Seconds of tests under ``paths`` (all, where none is given) that the last run with these
+    settings recorded (None: none). The durations file also holds other runs' tests."""
+    roots = [Path(p).resolve() for p in paths]
+    total = 0.0
+    for nodeid, seconds in load(durations).items():
+        test_file = (Path(rootdir) / nodeid.split("::", 1)[0]).resolve()
+        if not roots or any(test_file == r or r in test_file.parents for r in roots):
+            total += seconds
+    return total or None
+
+
 def order(items: list, durations: Mapping[str, float], long_seconds: float = LONG_SECONDS,
           by_file: bool = False, groups: Mapping[str, str] = {}, last: Iterable[str] = ()) -> list:
     """Tests that took at least ``long_seconds`` first, longest first; the others in their order.

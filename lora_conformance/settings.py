@@ -53,6 +53,8 @@ class Settings:
 
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
+# -n auto's choice (parallel.WorkerChoice), left by the plugin's xdist hook for the run's header.
+WORKER_CHOICE_KEY = pytest.StashKey[object]()
 
 
 def get_settings(config: pytest.Config) -> Settings:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_conformance.report.certify import _descendants
+from lora_conformance.processes import descendants as _descendants
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

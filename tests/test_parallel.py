@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from lora_conformance import parallel
-from lora_conformance.report import certify
+from lora_conformance import launch as certify
 
 GiB = 1024**3
 
@@ -151,43 +151,55 @@ def parse(*argv):
     return parser.parse_args(list(argv))
 
 
-def test_certify_auto_uses_the_machine(monkeypatch, tmp_path):
-    monkeypatch.setenv("LORA_CONFORMANCE_LORA_CACHE", str(tmp_path))  # no recorded durations
+def test_auto_uses_the_machine(monkeypatch):
     monkeypatch.setattr(parallel, "cpu_cores", lambda: 6)
     monkeypatch.setattr(parallel, "available_memory", lambda: 64 * GiB)
-    choice = certify.choose_workers(parse("--device", "cpu"), xdist_installed=True)
+    choice = parallel.workers_for_run("cpu", None)
     assert (choice.workers, choice.reason.split(";")[0]) == (6, "auto: 6 cores")
 
 
-def test_certify_told_workers_and_pytest_workers(monkeypatch):
-    assert certify.choose_workers(parse("--device", "cpu", "-n", "3"), xdist_installed=True).workers == 3
-    assert certify.choose_workers(parse("--device", "cpu", "--", "-n", "4"), xdist_installed=True) is None
-    assert certify.choose_workers(parse("--device", "cpu", "--", "--numprocesses=4"), xdist_installed=True) is None
+def test_certify_told_workers_and_pytest_workers():
+    assert certify.worker_arguments(parse("--device", "cpu", "-n", "3"), xdist_installed=True)[0] == ["-n", "3"]
+    assert certify.worker_arguments(parse("--device", "cpu"), xdist_installed=True)[0] == ["-n", "auto"]
+    assert certify.worker_arguments(parse("--device", "cpu", "--", "-n", "4"), xdist_installed=True)[0] == []
+    assert certify.worker_arguments(parse("--device", "cpu", "--", "--numprocesses=4"), xdist_installed=True)[0] == []
+    assert certify.worker_arguments(parse("--device", "cpu", "-n", "1"), xdist_installed=True)[0] == []
     with pytest.raises(ValueError, match="give one"):
-        certify.choose_workers(parse("--device", "cpu", "-n", "2", "--", "-n4"), xdist_installed=True)
+        certify.worker_arguments(parse("--device", "cpu", "-n", "2", "--", "-n4"), xdist_installed=True)
     with pytest.raises(ValueError, match="positive integer or auto"):
-        certify.choose_workers(parse("--device", "cpu", "-n", "0"), xdist_installed=True)
+        certify.worker_arguments(parse("--device", "cpu", "-n", "0"), xdist_installed=True)
 
 
 def test_certify_without_xdist_runs_in_one_process():
-    choice = certify.choose_workers(parse("--device", "cpu", "-n", "4"), xdist_installed=False)
-    assert choice.workers == 1 and "pytest-xdist is not installed" in choice.reason
+    workers, said = certify.worker_arguments(parse("--device", "cpu", "-n", "4"), xdist_installed=False)
+    assert workers == [] and "pytest-xdist is not installed" in said
 
 
-def test_certify_prints_its_choice_and_passes_it_to_pytest(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("LORA_CONFORMANCE_LORA_CACHE", str(tmp_path / "empty-cache"))  # no recorded durations
-    monkeypatch.setattr(parallel, "cpu_cores", lambda: 3)
-    monkeypatch.setattr(parallel, "available_memory", lambda: 64 * GiB)
+def test_certify_leaves_the_choice_to_the_plugins_hook(tmp_path, capsys):
     seen = []
     args = parse("--device", "cpu", "--report", str(tmp_path), "--", "-q")
     certify.run(args, runner=lambda cmd: seen.append(cmd) or 1)
-    assert seen[0][-4:] == ["-n", "3", f"--lora-report={tmp_path.resolve()}", "-q"], seen[0]
-    assert "workers: 3 (auto: 3 cores; also 64 GiB available / 2 GiB per worker)" in capsys.readouterr().out
+    assert seen[0][-4:] == ["-n", "auto", f"--lora-report={tmp_path.resolve()}", "-q"], seen[0]
+    assert "workers: auto: the plugin chooses" in capsys.readouterr().out
 
 
 def test_certify_one_worker_runs_without_xdist(tmp_path):
-    cmd = certify.pytest_command(parse("--device", "cpu", "--report", str(tmp_path)), workers=1)
+    cmd = certify.pytest_command(parse("--device", "cpu", "--report", str(tmp_path)), workers=[])
     assert "-n" not in cmd, cmd
+
+
+def test_pytest_n_auto_asks_the_plugin(pytester, monkeypatch):
+    """``pytest -n auto`` with the plugin: pytest-xdist asks pytest_xdist_auto_num_workers, which
+    chooses as certify's run does, and the header says so."""
+    pytest.importorskip("xdist")
+    monkeypatch.setenv("LORA_CONFORMANCE_LORA_CACHE", str(pytester.path / "cache"))
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "lora_conformance.plugin", "-p", "xdist", "-n", "auto",
+                                           "--device=cpu", "-p", "no:cacheprovider")
+    header = result.stdout.str()
+    expected = parallel.workers_for_run("cpu", None).workers
+    assert f"-n auto chose {expected} workers (auto: " in header, header
+    result.assert_outcomes(passed=1)
 
 
 def test_certify_refuses_a_bad_worker_count_before_running(tmp_path, capsys):
@@ -206,27 +218,19 @@ def test_auto_leaves_each_worker_enough_recorded_work():
     assert parallel.choose_workers(16, 128 * GiB, "cuda", 1, recorded_work_s=600.0).workers == 8  # the device binds
 
 
-def test_certify_reads_the_recorded_durations_of_its_own_settings(tmp_path, monkeypatch):
+def test_auto_reads_the_recorded_durations_of_the_run_s_own_tests(tmp_path):
     from lora_conformance import run_order
 
-    monkeypatch.setattr(parallel, "cpu_cores", lambda: 16)
-    monkeypatch.setattr(parallel, "available_memory", lambda: 128 * GiB)
-    monkeypatch.delenv("LORA_CONFORMANCE_LORA_CACHE", raising=False)
-    run_order.durations_path(tmp_path, "builtin", "cpu", "float32").parent.mkdir(parents=True)
-    # suite tests count; our own tests (also run under the plugin) and unknown files do not
-    run_order.durations_path(tmp_path, "builtin", "cpu", "float32").write_text(
-        '{"suites/test_accuracy.py::t1": 10.0, "suites/test_mixed_batch.py::t2[x]": 2.5,'
-        ' "tests/test_models.py::t3": 300.0, "suites/test_gone.py::t4": 50.0}')
-    run_order.durations_path(tmp_path, "builtin", "cpu", "bfloat16").write_text('{"suites/test_accuracy.py::t1": 100.0}')
-    for given in ([f"--lora-cache={tmp_path}"], ["--lora-cache", str(tmp_path)]):
-        choice = certify.choose_workers(parse("--device", "cpu", "--", "-q", *given), xdist_installed=True)
-        assert choice.workers == 4, choice  # 12.5 s / 3 s
-    monkeypatch.setenv("LORA_CONFORMANCE_LORA_CACHE", str(tmp_path))
-    assert certify.choose_workers(parse("--device", "cpu", "--dtype", "bfloat16"), xdist_installed=True).workers == 16
-    assert certify.choose_workers(parse("--device", "cpu", "--dtype", "float32"), xdist_installed=True).workers == 4
-    assert certify.choose_workers(parse("--device", "cpu", "--engine", "peft"), xdist_installed=True).workers == 16
-    (tmp_path / "durations" / "builtin-cpu-float32.json").write_text("{broken")
-    assert certify.choose_workers(parse("--device", "cpu"), xdist_installed=True).workers == 16
+    durations = run_order.durations_path(tmp_path, "builtin", "cpu", "float32")
+    durations.parent.mkdir(parents=True)
+    (tmp_path / "suites").mkdir()
+    # the run's tests count; other runs' tests (our own tests, also run under the plugin) do not
+    durations.write_text('{"suites/test_accuracy.py::t1": 10.0, "suites/test_mixed_batch.py::t2[x]": 2.5,'
+                         ' "tests/test_models.py::t3": 300.0}')
+    assert run_order.recorded_work(durations, tmp_path, [tmp_path / "suites"]) == 12.5
+    assert run_order.recorded_work(durations, tmp_path, []) == 312.5  # no path given: every test
+    durations.write_text("{broken")
+    assert run_order.recorded_work(durations, tmp_path, [tmp_path / "suites"]) is None
 
 
 @pytest.mark.parametrize("env, cpus, expected", [
@@ -268,7 +272,7 @@ def test_vllm_engines_of_two_workers_are_pinned_to_their_own_cpus(monkeypatch, w
 ])
 def test_certify_keeps_suite_files_together_for_engines_that_start_slowly(tmp_path, engine, extra, dist):
     cmd = certify.pytest_command(parse("--device", "cpu", "--engine", engine, "--report", str(tmp_path), *extra),
-                                 workers=2)
+                                 workers=["-n", "2"])
     assert cmd[cmd.index("-n"):cmd.index("-n") + 2] == ["-n", "2"]
     got = cmd[cmd.index("--dist"):cmd.index("--dist") + 2] if "--dist" in cmd else None
     assert got == dist, cmd

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from lora_conformance import autoload
-from lora_conformance.report import certify
+from lora_conformance import launch as certify
 from lora_conformance.settings import suites_dir
 
 FOREIGN_CONFTEST = """

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_conformance.report import certify
+from lora_conformance import launch as certify
 from lora_conformance.report.document import build_report, write_report
 from lora_conformance.settings import suites_dir
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
 import socket
-import subprocess
 import threading
 import time
 from typing import Any, Iterator, Optional
 
+from lora_conformance.processes import stop_process_group  # noqa: F401 (the served engines stop their servers with it)
 from lora_conformance.engines.base import EngineFailure
 
 
@@ -32,24 +30,6 @@ def sse_events(resp, deadline: float, late: str) -> Iterator[Any]:
         if data == b"[DONE]":
             return
         yield json.loads(data)
-
-
-def stop_process_group(proc: Optional[subprocess.Popen]) -> None:
-    """SIGTERM to the process group ``proc`` leads (a server started with ``start_new_session``: the
-    server and every process it spawned), SIGKILL after 30 s; nothing when it has exited already."""
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except (ProcessLookupError, PermissionError):
-        pass
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
 
 
 def exchange(host: str, port: Optional[int], method: str, path: str, body: Any, budget: float, max_bytes: int,

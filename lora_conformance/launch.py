@@ -5,9 +5,12 @@ it) on the suites directory with the plugin's options as given plus ``--lora-rep
 says where the report is and what the badge reads. The exit code is pytest's. Those options are
 the plugin's own table (``lora_conformance.options``), not a copy: certify declares none of them.
 
-Unless told (``-n/--workers N``, or ``-n`` among the pytest arguments), it spreads the run over
-pytest-xdist workers chosen from the machine (``lora_conformance.parallel.choose_workers``) and
-prints that choice; each worker then takes its share of the cores (the plugin's thread share).
+Unless told (``-n/--workers N``, or ``-n`` among the pytest arguments), it asks pytest-xdist for
+``-n auto``, and the plugin's ``pytest_xdist_auto_num_workers`` hook chooses the workers from the
+machine and the run's settings (``lora_conformance.parallel.workers_for_run``), exactly as
+``pytest suites -n auto`` does; the run's header shows the choice and why. Each worker then takes
+its share of the cores (the plugin's thread share). The options are resolved once, by the plugin
+(command line, environment, ini, default): certify passes them on and decides nothing from them.
 
 The run loads only the pytest plugins the suites need (``SUITE_PLUGINS``: ours, pytest-xdist and
 hypothesis's), not every installed one: a plugin that reruns failures, reorders or reseeds tests
@@ -19,7 +22,7 @@ forwarded to that whole group as SIGINT, pytest's graceful stop (the terminal's 
 every pytest-xdist worker the same way): tests stop, fixtures are torn down, so engines close and
 stop the servers they started, and the report of the tests run so far is written, marked
 ``interrupted``. certify waits ``INTERRUPT_GRACE_S`` for that, then sends SIGTERM and, after
-``KILL_GRACE_S``, SIGKILL (a second Ctrl-C or SIGTERM skips the wait). Whatever is left of the
+``processes.KILL_GRACE_S``, SIGKILL (a second Ctrl-C or SIGTERM skips the wait). Whatever is left of the
 group, and (on Linux, where certify makes itself the subreaper of its descendants) any process
 the run started that outlived its parent, such as a server whose worker was killed, is then
 terminated: nothing the run started keeps running after certify returns.
@@ -36,13 +39,14 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lora_conformance import processes
+
 REPORT_FILES = ("report.json", "report.md", "report.html", "badge.svg")
 # The plugins a certification loads (with pytest's auto-loading off), each where it is installed.
 SUITE_PLUGINS = ("lora_conformance.plugin", "xdist.plugin", "_hypothesis_pytestplugin")
 NO_TESTS_COLLECTED = 5
 CERTIFY_INI = "certify.ini"  # in the bundled suites: the run's only pytest configuration
 INTERRUPT_GRACE_S = 60.0  # for pytest to stop, close engines and write the partial report
-KILL_GRACE_S = 5.0  # between SIGTERM and SIGKILL
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,13 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_arguments(parser, leave_out=("lora_report",), required=("device",))
 
 
-def _setting(args, name: str):
-    """A plugin option as the run will resolve it (command line, environment, default)."""
-    from lora_conformance import options
-
-    return options.given_or_default(args, name)
-
-
 def _extra_args(args) -> list[str]:
     extra = list(args.pytest_args or ())
     return extra[1:] if extra[:1] == ["--"] else extra
@@ -81,79 +78,26 @@ def _gives_workers(extra: Sequence[str]) -> bool:
                for a in extra)
 
 
-def _devices_for(spec: str) -> tuple[str, int]:
-    """The device type a run will use and how many of them its workers can spread over."""
-    if spec.strip() == "cpu":
-        return "cpu", 1  # no torch import for a cpu run
-    from lora_conformance import devices
-
-    try:
-        resolved = devices.resolve_device(spec)
-    except devices.DeviceError:
-        return "cpu", 1  # pytest reports the bad --device itself, with the accepted values
-    kind = devices.device_type(resolved)
-    if kind == "cpu":
-        return "cpu", 1
-    one_device = ":" in spec  # cuda:1 pins every worker to that device
-    return kind, 1 if one_device else max(1, devices.device_count(kind))
-
-
-def _cache_dir(args) -> Path:
-    """The cache the run will use: --lora-cache among the pytest arguments, else as given to certify,
-    else its environment variable, else the default (the plugin's own precedence; certify's run reads
-    no ini key)."""
-    from lora_conformance.settings import default_cache_dir
-
-    extra = _extra_args(args)
-    for i, a in enumerate(extra):  # after --, it comes last on pytest's command line: it wins there
-        if a.startswith("--lora-cache="):
-            return Path(a.split("=", 1)[1]).expanduser()
-        if a == "--lora-cache" and i + 1 < len(extra):
-            return Path(extra[i + 1]).expanduser()
-    given = _setting(args, "lora_cache")
-    return Path(given).expanduser() if given else default_cache_dir()
-
-
-def recorded_work(args, device_type: str) -> Optional[float]:
-    """Seconds of the suites' tests that earlier runs with this engine, device type and dtype recorded
-    (None: none). The durations file also holds other runs' tests (our own tests, other suite
-    directories): only node ids of a test file in this suite directory count."""
-    from lora_conformance import run_order
-    from lora_conformance.devices import default_dtype_for
-    from lora_conformance.settings import suites_dir
-
-    suite_dir = Path(args.suite_dir or suites_dir())
-    files = {f"{suite_dir.name}/{f.name}" for f in suite_dir.glob("test_*.py")}
-    dtype = _setting(args, "dtype") or default_dtype_for(device_type)
-    durations = run_order.load(run_order.durations_path(_cache_dir(args), _setting(args, "engine"), device_type, dtype))
-    mine = [d for nodeid, d in durations.items() if "/".join(nodeid.split("::")[0].split("/")[-2:]) in files]
-    return sum(mine) or None
-
-
-def choose_workers(args, xdist_installed: Optional[bool] = None):
-    """The worker count for this run (a parallel.WorkerChoice), or None where the pytest arguments
-    after -- already give one. Raises ValueError for a bad or doubly given -n."""
+def worker_arguments(args, xdist_installed: Optional[bool] = None) -> tuple[list[str], str]:
+    """(the pytest arguments that choose the workers, what to print about them). ``-n auto`` unless
+    told: the plugin's xdist hook then chooses (``parallel.workers_for_run``). Raises ValueError for
+    a bad or doubly given -n."""
     from lora_conformance import parallel
 
     if _gives_workers(_extra_args(args)):
         if args.workers is not None:
             raise ValueError(f"-n/--workers {args.workers} and -n among the pytest arguments after --: give one")
-        return None
+        return [], "as the pytest arguments after -- say"
     told = parallel.parse_workers(args.workers or "auto")
-    if told is not None:
-        choice = parallel.WorkerChoice(told, "-n/--workers")
-    else:
-        kind, count = _devices_for(args.device)
-        choice = parallel.choose_workers(parallel.cpu_cores(), parallel.available_memory(), kind, count,
-                                         recorded_work(args, kind))
     if xdist_installed is None:
         import importlib.util
 
         xdist_installed = importlib.util.find_spec("xdist") is not None
-    if choice.workers > 1 and not xdist_installed:
-        return parallel.WorkerChoice(1, f"pytest-xdist is not installed, so one process (instead of {choice.workers}, "
-                                        f"{choice.reason}); pip install pytest-xdist")
-    return choice
+    if not xdist_installed:
+        return [], "1: pytest-xdist is not installed, so one process (pip install pytest-xdist)"
+    if told is None:
+        return ["-n", "auto"], "auto: the plugin chooses from the machine and the run's settings (the header says why)"
+    return (["-n", str(told)] if told > 1 else []), f"{told} (-n/--workers)"
 
 
 def suite_plugins() -> list[str]:
@@ -192,7 +136,7 @@ def _slow_start(engine: str) -> bool:
         return False
 
 
-def pytest_command(args, workers: Optional[int] = None) -> list[str]:
+def pytest_command(args, workers: Sequence[str] = ()) -> list[str]:
     from lora_conformance import options
     from lora_conformance.settings import suites_dir
 
@@ -209,8 +153,8 @@ def pytest_command(args, workers: Optional[int] = None) -> list[str]:
     # pytest's cache (--lf, --ff) where pytest run here would keep it, never inside an installed package.
     cmd += ["-c", str(suites_dir() / CERTIFY_INI), f"--rootdir={suite_dir.parent}", f"--confcutdir={suite_dir}",
             "-o", f"cache_dir={Path.cwd() / '.pytest_cache'}"]
-    if workers is not None and workers > 1:
-        cmd += ["-n", str(workers)]
+    if workers:
+        cmd += list(workers)
         if _slow_start(args.engine) and not any(a == "--dist" or a.startswith("--dist=") for a in _extra_args(args)):
             cmd += ["--dist", "loadfile"]
     cmd.append(f"--lora-report={Path(args.report).resolve()}")
@@ -231,103 +175,17 @@ def badge_line(report_dir: Path) -> Optional[str]:
 def _engine_config_error(args) -> Optional[str]:
     """The engine configuration checked before pytest starts (the plugin checks it again, with the
     environment and ini values): one line, or None when it is fine."""
-    from lora_conformance.engines.registry import check_engine_config
-    from lora_conformance.engines.base import EngineError
+    from lora_conformance import options
     from lora_conformance.engines.args import engine_arg_pairs
+    from lora_conformance.engines.registry import check_engine_config
+    from lora_conformance.errors import EngineError
 
     try:
-        check_engine_config(_setting(args, "engine"), engine_arg_pairs(args.engine_arg), "command line")
+        check_engine_config(options.given_or_default(args, "engine"), engine_arg_pairs(args.engine_arg),
+                            "command line")
     except (EngineError, ValueError) as exc:
         return str(exc)
     return None
-
-
-# ---- running pytest: signals forwarded, nothing left behind ----------------------------------
-
-
-def _become_subreaper() -> bool:
-    """Linux: orphaned descendants are re-parented to this process (not to init), so the ones a
-    killed worker leaves (a server it started) can still be found and stopped. False elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        PR_SET_CHILD_SUBREAPER = 36
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _children_of(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (Linux /proc; [] elsewhere)."""
-    out = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return out
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if int(fields[1]) == pid and fields[0] != b"Z":
-                out.append(int(name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    seen, todo = [], [pid]
-    while todo:
-        for child in _children_of(todo.pop()):
-            if child not in seen:
-                seen.append(child)
-                todo.append(child)
-    return seen
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _reap_zombies() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def _stop_leftovers(pgid: int) -> list[int]:
-    """Terminate what the run left: its process group, then every descendant of certify (SIGTERM,
-    then SIGKILL after KILL_GRACE_S). Returns the pids that had to be stopped."""
-    stopped = []
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        _signal_group(pgid, sig)
-        left = _descendants(os.getpid())
-        for pid in left:
-            try:
-                os.kill(pid, sig)
-                if pid not in stopped:
-                    stopped.append(pid)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + (KILL_GRACE_S if sig == signal.SIGTERM else 1.0)
-        while time.monotonic() < deadline:
-            _reap_zombies()
-            if not _descendants(os.getpid()):
-                return stopped
-            time.sleep(0.05)
-    _reap_zombies()
-    return stopped
 
 
 def run_pytest(cmd: Sequence[str], env: Optional[dict] = None, grace_s: Optional[float] = None) -> int:
@@ -335,7 +193,7 @@ def run_pytest(cmd: Sequence[str], env: Optional[dict] = None, grace_s: Optional
     (bounded) for it to stop; leave nothing it started running. Returns its exit code, or
     128 + the signal when the run was interrupted and pytest said nothing better."""
     grace_s = INTERRUPT_GRACE_S if grace_s is None else grace_s
-    _become_subreaper()
+    processes.become_subreaper()
     proc = subprocess.Popen(list(cmd), env=env, start_new_session=True)
     received: list[int] = []
     first_at = [0.0]
@@ -347,9 +205,9 @@ def run_pytest(cmd: Sequence[str], env: Optional[dict] = None, grace_s: Optional
             print(f"\nlora-conformance certify: {signal.Signals(signum).name}: stopping pytest (engines close, "
                   f"the partial report is written; up to {grace_s:.0f} s, again to stop at once)",
                   file=sys.stderr, flush=True)
-            _signal_group(proc.pid, signal.SIGINT)
+            processes.signal_group(proc.pid, signal.SIGINT)
         else:
-            _signal_group(proc.pid, signal.SIGTERM)
+            processes.signal_group(proc.pid, signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     escalated = False
@@ -363,12 +221,12 @@ def run_pytest(cmd: Sequence[str], env: Optional[dict] = None, grace_s: Optional
             if received and not escalated and time.monotonic() - first_at[0] > grace_s:
                 print(f"lora-conformance certify: pytest did not stop within {grace_s:.0f} s; terminating it",
                       file=sys.stderr, flush=True)
-                _signal_group(proc.pid, signal.SIGTERM)
+                processes.signal_group(proc.pid, signal.SIGTERM)
                 escalated = True
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        stopped = _stop_leftovers(proc.pid)
+        stopped = processes.stop_leftovers(proc.pid)
         if stopped:
             print(f"lora-conformance certify: stopped {len(stopped)} process(es) the run left behind "
                   f"(pids {', '.join(map(str, stopped))})", file=sys.stderr, flush=True)
@@ -391,7 +249,7 @@ def check_report_dir(report_dir: Path) -> Optional[str]:
 
 def run(args, runner=None) -> int:
     try:
-        choice = choose_workers(args)
+        workers, workers_said = worker_arguments(args)
     except ValueError as exc:
         print(f"lora-conformance certify: error: {exc}", file=sys.stderr)
         return 2
@@ -407,11 +265,8 @@ def run(args, runner=None) -> int:
     if error:
         print(f"lora-conformance certify: error: {error}; nothing was run, no report was written", file=sys.stderr)
         return 2
-    if choice is None:
-        print("workers: as the pytest arguments after -- say", flush=True)
-    else:
-        print(f"workers: {choice.workers} ({choice.reason})", flush=True)
-    cmd = pytest_command(args, None if choice is None else choice.workers)
+    print(f"workers: {workers_said}", flush=True)
+    cmd = pytest_command(args, workers)
     if not args.autoload_plugins:
         print(f"plugins: {', '.join(suite_plugins())} (other installed pytest plugins are not loaded: "
               "add one with -- -p NAME, or all with --autoload-plugins)", flush=True)
