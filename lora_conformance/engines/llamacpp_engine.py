@@ -44,6 +44,7 @@ from typing import Mapping, Optional, Sequence
 from lora_conformance import devices
 from lora_conformance.engines._hf_common import load_tokenizer, read_adapter_info, topk_from_logprobs
 from lora_conformance.engines.args import Ignore, Rename, arg
+from lora_conformance.engines.args import install_hint
 from lora_conformance.engines.base import (
     AdapterIncompatibleError,
     AdapterNotLoadedError,
@@ -169,8 +170,8 @@ class LlamaCppEngine(Engine):
             import llama_cpp
             import numpy
         except ImportError as exc:
-            raise EngineFailure(f"engine 'llamacpp' needs llama-cpp-python ({exc}): "
-                                "pip install 'lora-conformance[llamacpp]'") from exc
+            raise EngineFailure(f"engine 'llamacpp' needs llama-cpp-python ({exc}): {install_hint(type(self))}") \
+                from exc
         from lora_conformance.checkpoints import model_kind
         from lora_conformance.engines import llamacpp_convert
 

@@ -61,6 +61,7 @@ from lora_conformance import devices
 from lora_conformance.checkpoints import ADAPTER_CONFIG, peft_scaling
 from lora_conformance.engines._hf_common import AdapterInfo, read_adapter_info
 from lora_conformance.engines.args import Ignore, Rename, arg
+from lora_conformance.engines.args import install_hint
 from lora_conformance.engines.base import (
     AdapterFormatError,
     AdapterIncompatibleError,
@@ -191,7 +192,7 @@ class OpenVINOEngine(Engine):
             import openvino_genai
         except ImportError as exc:
             raise EngineFailure(f"engine 'openvino' needs openvino-genai installed ({exc}): "
-                                "pip install -e '.[openvino]'") from exc
+                                f"{install_hint(type(self))}") from exc
         from lora_conformance.engines.openvino_convert import check_convertible, converted_model
 
         self._genai = openvino_genai

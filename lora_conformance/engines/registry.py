@@ -19,7 +19,7 @@ from lora_conformance.engines.base import Engine
 
 GROUP = "lora_conformance.engines"
 
-# Ours, so that a source checkout works before `pip install -e .` has written entry points.
+# Ours: the one list of the engines this package ships (other packages add theirs through GROUP).
 _BUILTIN = {
     "builtin": "lora_conformance.engines.builtin:BuiltinEngine",
     "peft": "lora_conformance.engines.peft_engine:PeftEngine",

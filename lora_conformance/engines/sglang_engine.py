@@ -86,6 +86,7 @@ from lora_conformance.engines import sglang_cpu_workaround as workaround
 from lora_conformance.engines import served
 from lora_conformance.engines._hf_common import is_encoder_only, load_tokenizer, trim_topk
 from lora_conformance.engines.args import Rename, Via, arg, capability_list
+from lora_conformance.engines.args import install_hint
 from lora_conformance.engines.base import (
     AdapterIncompatibleError,
     AdapterNotLoadedError,
@@ -287,8 +288,8 @@ class SGLangEngine(Engine):
             try:
                 import sglang
             except ImportError as exc:
-                raise EngineFailure(f"engine 'sglang' needs SGLang installed ({exc}): pip install "
-                                    "'lora-conformance[sglang]' (cpu: ci/install_sglang_cpu.sh)") from exc
+                raise EngineFailure(f"engine 'sglang' needs SGLang installed ({exc}): {install_hint(type(self))} "
+                                    "(cpu: ci/install_sglang_cpu.sh)") from exc
             self._version = str(getattr(sglang, "__version__", "unknown"))
         try:
             self.release = release_for(self._version)

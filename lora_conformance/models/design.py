@@ -62,12 +62,3 @@ def previous_token_rotary(head_dim: int, theta: float, pairs: int, score: float)
         # HF rotate_half pairs dim i with i + half; q = k rotated by -w_i.
         q[i], q[i + half] = r * math.cos(w[i]), -r * math.sin(w[i])
     return q, k
-
-
-def rotary_gap(head_dim: int, theta: float, pairs: int, length: int = 512) -> float:
-    """Fraction of the peak score by which distance 1 beats every other distance < length."""
-    half = head_dim // 2
-    w = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / head_dim)[:pairs]
-    delta = torch.arange(-1, length, dtype=torch.float64)
-    s = torch.cos(delta[:, None] * w[None, :]).mean(1)
-    return float(1 - torch.cat([s[:1], s[2:]]).max())

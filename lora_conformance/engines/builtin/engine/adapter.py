@@ -242,7 +242,3 @@ def model_lora_modules(model) -> dict:
         elif isinstance(m, ExpertParam):
             out[n] = ("expert", m)
     return out
-
-
-def identity_of(adapter: Optional[HostAdapter]) -> str:
-    return "base" if adapter is None else adapter.identity
