@@ -158,58 +158,62 @@ def run_prompt_logprobs(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]
 
 def _pooled(plan: Plan, runner, rows: list[Row], got_a: dict, got_b: dict, tol) -> list[EffectAnalysis]:
     """Per label: the centred engine effect ``E`` and reference effects (correct ``R``, each
-    alternative ``H``) at every context ``(row, position index)`` the engine answered."""
+    alternative ``H``) at every context ``(row, position index)`` the engine answered. ``got_a``:
+    the engine's logprobs with the row's adapter, ``got_b``: without it, keyed by (row, position)."""
     samples: dict[str, EffectSample] = {}
     for label in dict.fromkeys(plan.labels):
-        idx = [i for i, r in enumerate(rows) if r.label == label]
+        row_ids = [i for i, r in enumerate(rows) if r.label == label]
         name = label or BASE_LABEL
         path = plan.adapters.get(label) if label else None
         alts = plan.alternatives.get(name, [])
         # One reference call per row: rows recur across tests and runs, so the disk cache is hit.
-        top, r_base, h_rows = [], [], {h.name: [] for h in alts}
-        for i in idx:
+        ref_adapted, ref_base, ref_alternative = [], [], {h.name: [] for h in alts}
+        for i in row_ids:
             score = _row_scorer(runner, rows[i])
-            t = score(path, None, None)
-            ids = [sorted(x) for x in t]
-            top.append(t)
-            r_base.append(score(None, hyps.base(), ids) if path else t)
+            adapted = score(path, None, None)
+            ids = [sorted(step) for step in adapted]
+            ref_adapted.append(adapted)
+            ref_base.append(score(None, hyps.base(), ids) if path else adapted)
             for h in alts:
                 if h.kind == hyps.BASE:
-                    h_rows[h.name].append(r_base[-1])
+                    ref_alternative[h.name].append(ref_base[-1])
                 elif h.kind == "served_as":
-                    h_rows[h.name].append(score(plan.adapters[h.adapter], None, ids))
+                    ref_alternative[h.name].append(score(plan.adapters[h.adapter], None, ids))
                 else:
-                    h_rows[h.name].append(score(path, h, ids))
+                    ref_alternative[h.name].append(score(path, h, ids))
         sample = EffectSample(name, required=(plan.required or {}).get(name))
-        for k, i in enumerate(idx):
+        for k, i in enumerate(row_ids):
             for j in range(len(rows[i].positions)):
                 if (i, j) not in got_a:
                     sample.contexts_skipped += 1
                     continue
-                ea, eb, ra, rb = got_a[(i, j)], got_b[(i, j)], top[k][j], r_base[k][j]
+                engine_a, engine_b = got_a[(i, j)], got_b[(i, j)]
+                reference_a, reference_b = ref_adapted[k][j], ref_base[k][j]
                 # Paired (engine minus engine base) where the base run reports the ids; else the
                 # engine's adapted logprobs against the reference base (a strong adapter moves the
                 # top-k so far that the two runs share few ids).
-                ids_a = sorted(ea.keys() & ra.keys())
-                common = sorted(ea.keys() & eb.keys() & ra.keys())
+                ids_a = sorted(engine_a.keys() & reference_a.keys())
+                common = sorted(engine_a.keys() & engine_b.keys() & reference_a.keys())
                 paired = len(common) >= MIN_COMMON_IDS and 2 * len(common) >= len(ids_a)
                 if not paired:
                     common = ids_a
                 if len(common) < MIN_COMMON_IDS:
                     sample.contexts_skipped += 1
                     continue
-                cid = sample.contexts
+                context = sample.contexts
                 sample.contexts += 1
                 sample.contexts_unpaired += not paired
-                e = [x - y for x, y in zip(_centred(ea, common), _centred(eb if paired else rb, common))]
-                r = [x - y for x, y in zip(_centred(ra, common), _centred(rb, common))] if path else [0.0] * len(common)
-                sample.E += e
-                sample.R += r
-                sample.cluster += [cid] * len(common)
+                engine_base = engine_b if paired else reference_b
+                engine_effect = [x - y for x, y in zip(_centred(engine_a, common), _centred(engine_base, common))]
+                reference_effect = ([x - y for x, y in zip(_centred(reference_a, common), _centred(reference_b, common))]
+                                    if path else [0.0] * len(common))
+                sample.E += engine_effect
+                sample.R += reference_effect
+                sample.cluster += [context] * len(common)
                 for h in alts:
-                    hv = h_rows[h.name][k][j]
-                    d = [x - y for x, y in zip(_centred(hv, common), _centred(rb, common))]
-                    sample.H.setdefault(h.name, []).extend(d)
+                    alternative = ref_alternative[h.name][k][j]
+                    effect = [x - y for x, y in zip(_centred(alternative, common), _centred(reference_b, common))]
+                    sample.H.setdefault(h.name, []).extend(effect)
         samples[name] = sample
     return [analyse(s, tol) for s in samples.values()]
 
