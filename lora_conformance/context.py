@@ -73,6 +73,7 @@ class TestContext:
         self._loaded: list[tuple[Any, str]] = []
         self._own_engines: list[Any] = []
         self._reset: set[int] = set()  # shared engines this test has reset already
+        self._paths: dict[tuple[int, str], Path] = {}  # (engine, adapter name) -> the directory loaded
         self.judge = Judge(self.dtype, harness.workspace.reference(self.model_dir), self._record_effects)
 
     # ---- engines -----------------------------------------------------------------------
@@ -181,6 +182,7 @@ class TestContext:
         self.require_loaded(engine, len(set(engine.list_adapters()) | {name}))
         engine.load_adapter(name, path, pinned=pinned)
         self._loaded.append((engine, name))
+        self._paths[(id(engine), name)] = path
         return path
 
     def require_loaded(self, engine, needed: int) -> None:
@@ -342,7 +344,22 @@ class TestContext:
         """The greedy decode of one request per label (prompts taken in turn) against the reference, at
         the gross bounds (``Judge.free_running``): tie-aware tokens and ROUGE-L, the decode path."""
         reqs = self.requests(list(labels), prompts=list(prompts or self.prompts))
-        self.judge.free_running(engine.generate(reqs), self.reference(reqs, adapters), reqs, label=label)
+        outputs = engine.generate(reqs)
+        self._offer_to_audit(engine, reqs, outputs)
+        self.judge.free_running(outputs, self.reference(reqs, adapters), reqs, label=label)
+
+    def _offer_to_audit(self, engine, reqs: Sequence[GenerationRequest], outputs: Sequence[GenerationResult]) -> None:
+        """This decode, for the end-of-run audit (``judge.audit``): where a fresh engine can be given
+        the same settings (a shared engine's) and the same adapters (loaded through ``load``)."""
+        from lora_conformance.judge.audit import AuditCase
+
+        engine_args = self.harness.engine_args_of(engine)
+        names = _adapter_names([r.adapter for r in reqs])
+        if engine_args is None or any((id(engine), n) not in self._paths for n in names):
+            return
+        self.harness.audit_cases.setdefault(self.request.node.nodeid, AuditCase(
+            self.request.node.nodeid, self.model_dir, self.dtype, dict(engine_args),
+            {n: self._paths[(id(engine), n)] for n in names}, list(reqs), list(outputs)))
 
     @property
     def free_running_tolerance(self):
@@ -377,3 +394,18 @@ class TestContext:
                 pass  # the test itself may have unloaded or replaced it
         for engine in self._own_engines:
             self.harness.retire(engine)
+
+
+def run_audit(harness: Harness, seed: int) -> dict:
+    """The audit of this process's passed cases (``judge.audit``): each sampled case on a fresh
+    engine of the pool's, judged by its model's and dtype's Judge."""
+    from lora_conformance.judge import audit
+
+    def start(case):
+        return harness.create_engine(case.model_dir, case.dtype, case.engine_args,
+                                     f"the audit's fresh engine for {case.nodeid}")
+
+    def judge_for(case):
+        return Judge(case.dtype, harness.workspace.reference(case.model_dir), lambda evidence: None)
+
+    return audit.run(list(harness.audit_cases.values()), seed, start, judge_for).as_dict()

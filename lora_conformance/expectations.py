@@ -46,7 +46,7 @@ from typing import Any, Optional
 import pytest
 
 STATUSES = ("xfail", "skip")
-FIELDS = ("feature", "case", "id", "status", "reason", "link", "strict")
+FIELDS = ("feature", "case", "id", "status", "reason", "link", "strict", "recorded_against")
 PACKAGED_DIR = Path(__file__).parent / "expectations"
 _BOUNDARY_END = "/:[-]"
 _BOUNDARY_NEXT = "/:[-"
@@ -72,6 +72,7 @@ class Expectation:
     strict: bool = True
     feature: str = ""  # a feature id (suite/name)
     case: str = ""  # optional, with feature: a parametrisation id or a run of its '-'-separated parts
+    recorded_against: str = ""  # the suite version the entry was recorded against (certified runs need it)
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -192,8 +193,14 @@ def _entry(path: Path, i: int, raw: dict[str, Any]) -> Expectation:
     strict = raw.get("strict", True)
     if not isinstance(strict, bool) or (not strict and raw["status"] != "xfail"):
         raise _bad(path, where, f"field 'strict' is {strict!r}; expected true or false (false only with status xfail)")
+    recorded = raw.get("recorded_against", "")
+    if not isinstance(recorded, str) or ("recorded_against" in raw and not re.fullmatch(r"[0-9][0-9A-Za-z.+-]*",
+                                                                                          recorded.strip())):
+        raise _bad(path, where, f"field 'recorded_against' is {recorded!r}; expected the suite version the entry was "
+                                "recorded against, such as '0.1.0' (lora-conformance --version)")
     return Expectation(id=str(raw.get("id", "")).strip(), status=raw["status"], reason=raw["reason"].strip(),
-                       link=link, index=i, strict=strict, feature=feature, case=case.strip())
+                       link=link, index=i, strict=strict, feature=feature, case=case.strip(),
+                       recorded_against=recorded.strip())
 
 
 def default_expectations_path(engine: str, device_type: str) -> Optional[Path]:
@@ -210,9 +217,17 @@ def default_expectations_path(engine: str, device_type: str) -> Optional[Path]:
 class ExpectationsPlugin:
     """Registered by the lora-conformance plugin; marks collected items from one file."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, certified: bool = False):
         self.path = Path(path)
         self.entries = load_expectations(self.path)
+        self.certified = certified
+        if certified:
+            from lora_conformance.certification import entry_refusal
+
+            for e in self.entries:
+                problem = entry_refusal(e)
+                if problem:
+                    raise _bad(self.path, f"entry {e.index} ({e.label})", f"{problem} (--lora-certified)")
         self.applied: dict[str, int] = {"xfail": 0, "skip": 0}
         self.unmatched: list[Expectation] = []
         self.collected = False
@@ -227,6 +242,8 @@ class ExpectationsPlugin:
     # tryfirst: see every collected item before -k/-m deselect some of them.
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config, items) -> None:
+        from lora_conformance.certification import is_stale
+
         self.collected = True
         used: set[int] = set()
         suggestions: dict[int, set[str]] = {}  # id entry -> the feature (and case) lines to write instead
@@ -244,7 +261,12 @@ class ExpectationsPlugin:
                     suggestions.setdefault(e.index, set()).add(
                         f'feature = "{feature}"' + ("" if whole else f', case = "{case}"'))
             e = max(hits, key=Expectation.rank)
-            if e.status == "xfail":
+            if self.certified and is_stale(e):
+                # Recorded against another suite version: it runs, and must still fail (a skip too,
+                # bounded by the test time budget); an unexpected pass fails the case.
+                item.add_marker(pytest.mark.xfail(reason=f"re-confirming (recorded against suite "
+                                                         f"{e.recorded_against}): {e.describe()}", strict=True))
+            elif e.status == "xfail":
                 item.add_marker(pytest.mark.xfail(reason=e.describe(), strict=e.strict))
             else:
                 item.add_marker(pytest.mark.skip(reason=e.describe()))

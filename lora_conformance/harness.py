@@ -63,6 +63,9 @@ class Harness:
         self._uses: set[str] = set()  # shared engines other than the run's own asked for since take_uses
         self._own: Optional[tuple] = None  # _own_key's answer
         self._close_errors: list[BaseException] = []
+        # Decodes of this process's tests that the end-of-run audit may ask again (judge.audit),
+        # by node id; a case counts once its test passed (audit_passed).
+        self.audit_cases: dict[str, Any] = {}
 
     # ---- engines ---------------------------------------------------------------------
 
@@ -96,6 +99,15 @@ class Harness:
                                  "seconds": round(time.perf_counter() - started, 2), "why": why,
                                  "n": self._n_starts})
             self._n_starts += 1
+
+    def engine_args_of(self, engine) -> Optional[dict]:
+        """The test's own engine args a shared engine was started with (None: not a shared engine)."""
+        key = next((k for k, e in self._engines.items() if e is engine), None)
+        return None if key is None else self._engine_extra.get(key, {})
+
+    def audit_passed(self, nodeid: str) -> None:
+        if nodeid in self.audit_cases:
+            self.audit_cases[nodeid].passed = True
 
     def take_starts(self) -> list[dict]:
         """The engine starts since the last call (the plugin attaches them to the running test)."""

@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--workers", default=None, metavar="N|auto",
                         help="pytest-xdist worker processes (default: auto, chosen from cores, devices and memory; "
                              "1 runs in one process)")
+    parser.add_argument("--certified", action="store_true", dest="lora_certified", default=None,
+                        help="a certified run, what a published badge requires (the same as --lora-certified; "
+                             "docs/certifying.md): refuses to start when narrowed")
     parser.add_argument("--autoload-plugins", action="store_true",
                         help="load every installed pytest plugin, as plain pytest does (default: only "
                              + ", ".join(SUITE_PLUGINS) + "; add others with -- -p NAME)")
@@ -248,6 +251,13 @@ def check_report_dir(report_dir: Path) -> Optional[str]:
 
 
 def run(args, runner=None) -> int:
+    if args.lora_certified:
+        from lora_conformance.certification import launch_refusal
+
+        refusal = launch_refusal(_extra_args(args), args.suite_dir)
+        if refusal:
+            print(f"lora-conformance certify: error: --certified: {refusal}; nothing was run", file=sys.stderr)
+            return 2
     try:
         workers, workers_said = worker_arguments(args)
     except ValueError as exc:

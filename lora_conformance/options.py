@@ -66,7 +66,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("lora_test_timeout", "--lora-test-timeout", "time budget in seconds for each phase (setup, call, "
            "teardown) of a test; past it the test fails with a message and the run goes on (0: none)", "600"),
     Option("lora_report", "--lora-report", "write report.json/md/html and badge.svg to this directory", None),
-    Option("expectations", "--expectations", "expectations file (test-id prefix -> xfail/skip with reason)", None),
+    Option("expectations", "--expectations", "expectations file (feature -> xfail/skip with reason)", None),
+    Option("lora_certified", "--lora-certified", "a certified run (what a published badge requires): the whole bundled "
+           "suite, waivers naming their upstream issue and suite version, stale ones re-confirmed "
+           "(docs/certifying.md)", False, is_flag=True),
     Option("ci_hw", "--ci-hw", "run only suite files registered for this hardware (cpu, cuda, xpu, npu, ...)", None),
     Option("ci_suite", "--ci-suite", "with --ci-hw: the registered suite name", None),
     Option("ci_nightly", "--ci-nightly", "with --ci-hw: include nightly registrations", False, is_flag=True),
@@ -203,6 +206,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
         refresh_references=bool(r["lora_refresh_references"]),
         report_dir=Path(r["lora_report"]) if r["lora_report"] else None,
         expectations=Path(r["expectations"]) if r["expectations"] else None,
+        certified=bool(r["lora_certified"]),
         ci_hw=r["ci_hw"],
         ci_suite=r["ci_suite"],
         ci_nightly=bool(r["ci_nightly"]),

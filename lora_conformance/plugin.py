@@ -105,9 +105,16 @@ def _register_subplugins(config: pytest.Config, settings: Settings) -> None:
                                                  on_timeout=_engines_failed),
                                       "lora-conformance-time-budget")
 
+    if settings.certified:
+        from lora_conformance.certification import run_refusal
+        from lora_conformance.settings import suites_dir
+
+        refusal = run_refusal(config, suites_dir())
+        if refusal:
+            raise options.OptionError(f"--lora-certified: {refusal}")
     path = settings.expectations or default_expectations_path(settings.engine, settings.device_type)
     if path is not None:
-        config.pluginmanager.register(ExpectationsPlugin(path), "lora-conformance-expectations")
+        config.pluginmanager.register(ExpectationsPlugin(path, settings.certified), "lora-conformance-expectations")
     if settings.ci_hw or settings.ci_suite or settings.ci_partition:
         from lora_conformance.ci.pytest_ci import CISelection
 
@@ -250,21 +257,30 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         from lora_conformance.report.recorder import run_environment  # the partial report says it is one
 
         run_environment(config)["interrupted"] = True
-    if hasattr(config, "workeroutput"):
-        from lora_conformance.harness import existing_harness
+    from lora_conformance.harness import existing_harness
 
-        harness = existing_harness(config)
-        if harness is not None:
-            from lora_conformance.report.recorder import ship_environment
+    harness = existing_harness(config)
+    if harness is not None and exitstatus != pytest.ExitCode.INTERRUPTED:
+        import random
 
-            ship_environment(config, harness.environment)
+        from lora_conformance.context import run_audit
+        from lora_conformance.report.recorder import keep_audit
+
+        keep_audit(config, run_audit(harness, random.SystemRandom().randrange(2**31)))
+        harness.close()  # the audit's engines
+    if hasattr(config, "workeroutput") and harness is not None:
+        from lora_conformance.report.recorder import ship_environment
+
+        ship_environment(config, harness.environment)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
-    from lora_conformance.report.recorder import receive_environment
+    from lora_conformance.report.recorder import receive_audit, receive_environment
 
     receive_environment(node)
+    receive_audit(node)
+
 
 
 # ---- evidence for the report -----------------------------------------------------------
@@ -295,7 +311,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
             if isinstance(call.excinfo.value, EngineFailure):
                 _engines_failed(item)
-    yield
+    outcome = yield
+    report = outcome.get_result()
+    if harness is not None and report.when == "call" and report.passed and not hasattr(report, "wasxfail"):
+        harness.audit_passed(item.nodeid)  # its decode may be audited at the end of the run (judge.audit)
 
 
 def pytest_deselected(items: list) -> None:

@@ -26,6 +26,7 @@ class Settings:
     refresh_references: bool
     report_dir: Optional[Path]
     expectations: Optional[Path]
+    certified: bool = False  # --lora-certified (lora_conformance.certification)
     ci_hw: Optional[str] = None
     ci_suite: Optional[str] = None
     ci_nightly: bool = False

@@ -149,9 +149,11 @@ def _counts() -> dict[str, int]:
 
 
 def verify(records: Iterable["Record | Mapping[str, Any]"],
-           selection: Optional[Mapping[str, Any]] = None) -> Verdict:
+           selection: Optional[Mapping[str, Any]] = None,
+           certification: Optional[Mapping[str, Any]] = None) -> Verdict:
     """The verdict of ``records`` (Records, or their stored form); ``selection`` is what the run
-    selected (``selection.describe``), None where it was not recorded."""
+    selected (``selection.describe``), None where it was not recorded; ``certification`` its mode,
+    waivers and audit (``lora_conformance.certification``), None for a report from before them."""
     from lora_conformance.judge.root_causes import root_causes
 
     records = sorted(as_records(records), key=lambda r: r.nodeid)
@@ -199,6 +201,9 @@ def verify(records: Iterable["Record | Mapping[str, Any]"],
                       and (covered is None or covered["complete"])),
         "coverage": covered,
     }
+    if certification is not None:
+        summary["certification"] = certification_summary(certification)
+        summary["certified"] = summary["certified"] and summary["certification"]["holds"]
     causes = root_causes(cases)
     summary["root_causes"] = len(causes)
     return Verdict(cases, dict(sorted(features.items())), dict(sorted(suites.items())), summary, causes)
@@ -221,3 +226,19 @@ def coverage(records: Iterable[Any], selection: Optional[Mapping[str, Any]]) -> 
     not_run = sorted(declared - ran)
     return {"complete": not not_run, "features_run": len(ran), "features_declared": len(declared),
             "not_run": not_run[:MAX_LISTED], "deselected_cases": sum(1 for n in deselected if n not in recorded)}
+
+
+def certification_summary(certification: Mapping[str, Any]) -> dict[str, Any]:
+    """What the run's mode, waivers and audit mean for the verdict: in a certified run every waiver
+    recorded against another suite version must have been re-confirmed (it ran and still failed);
+    in any run, an audited case that gave other outputs on a fresh engine in another batch order
+    (non-determinism or stale state) keeps the run from being certified."""
+    waived = list(certification.get("waived") or ())
+    certified_mode = certification.get("mode") == "certified"
+    not_reconfirmed = sorted(w["nodeid"] for w in waived if certified_mode and w.get("stale") and not w.get("reconfirmed"))
+    audit = certification.get("audit") or {}
+    mismatches = list(audit.get("mismatches") or ())
+    return {"mode": certification.get("mode") or "open", "suite_version": certification.get("suite_version"),
+            "waived_features": len({w["feature"] for w in waived}), "waived_cases": len(waived),
+            "not_reconfirmed": not_reconfirmed[:MAX_LISTED], "audit_sampled": int(audit.get("sampled") or 0),
+            "audit_mismatches": len(mismatches), "holds": not not_reconfirmed and not mismatches}

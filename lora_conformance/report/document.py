@@ -45,9 +45,11 @@ def report_digest(report: Mapping[str, Any]) -> dict[str, str]:
 def _finish(report: Mapping[str, Any]) -> tuple[dict[str, Any], Verdict]:
     """``report`` with its verdict recomputed from records and selection, and its digest."""
     records = sorted((r.as_dict() for r in as_records(report["records"])), key=lambda r: r["nodeid"])
-    verdict = verify(records, report.get("selection"))
+    verdict = verify(records, report.get("selection"), report.get("certification"))
     out = {"schema": SCHEMA, "environment": dict(report.get("environment") or {}),
            "selection": report.get("selection"), "records": records, "verdict": verdict.as_dict()}
+    if report.get("certification") is not None:  # its mode, waivers and audit (reports from before have none)
+        out["certification"] = report["certification"]
     for mark in ("legacy", "unverified"):  # rendered from a schema-1 or an unchecked report: stays marked
         if report.get(mark):
             out[mark] = report[mark]
@@ -56,8 +58,12 @@ def _finish(report: Mapping[str, Any]) -> tuple[dict[str, Any], Verdict]:
 
 
 def build_report(environment: Mapping[str, Any], records: Iterable["Record | Mapping[str, Any]"],
-                 selection: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
-    return _finish({"environment": environment, "selection": selection, "records": list(records)})[0]
+                 selection: Optional[Mapping[str, Any]] = None,
+                 certification: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    report = {"environment": environment, "selection": selection, "records": list(records)}
+    if certification is not None:
+        report["certification"] = certification
+    return _finish(report)[0]
 
 
 def device_type(report: Mapping[str, Any]) -> str:
@@ -200,7 +206,7 @@ def verdict_core(verdict: Any) -> Any:
 
 def reverify(report: Mapping[str, Any]) -> tuple[Verdict, bool]:
     """(verdict recomputed from the records and selection, whether the stored one says the same)."""
-    verdict = verify(report["records"], report.get("selection"))
+    verdict = verify(report["records"], report.get("selection"), report.get("certification"))
     return verdict, verdict_core(verdict.as_dict()) == verdict_core(report.get("verdict"))
 
 

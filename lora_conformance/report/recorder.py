@@ -34,6 +34,8 @@ from lora_conformance.evidence import Record
 ENV_KEY = pytest.StashKey[dict]()
 DESELECTED_OUTPUT = "lora_deselected"  # workeroutput key: JSON {nodeid: feature id}
 ENVIRONMENT_OUTPUT = "lora_environment"  # workeroutput key: JSON of a worker's environment facts
+AUDIT_OUTPUT = "lora_audit"  # workeroutput key: JSON of a worker's audit (judge.audit)
+AUDITS_KEY = pytest.StashKey[list]()  # every process's audit, gathered on the controller
 MAX_TEXT = 8000
 
 
@@ -65,6 +67,29 @@ def receive_environment(node: Any) -> None:
         environment = run_environment(node.config)
         for key, value in json.loads(raw).items():
             environment.setdefault(key, value)
+
+
+def keep_audit(config: pytest.Config, audit: dict) -> None:
+    """This process's audit: on a pytest-xdist worker shipped to the controller, else kept for the report."""
+    if hasattr(config, "workeroutput"):
+        config.workeroutput[AUDIT_OUTPUT] = json.dumps(audit, default=str)
+    else:
+        config.stash.setdefault(AUDITS_KEY, []).append(audit)
+
+
+def receive_audit(node: Any) -> None:
+    """On the controller, as a worker goes down: its audit."""
+    raw = getattr(node, "workeroutput", {}).get(AUDIT_OUTPUT)
+    if raw:
+        node.config.stash.setdefault(AUDITS_KEY, []).append(json.loads(raw))
+
+
+def gathered_audit(config: pytest.Config) -> dict:
+    """Every process's audit as one: cases sampled, their ids and seeds, and every mismatch."""
+    audits = config.stash.get(AUDITS_KEY, [])
+    return {"sampled": sum(int(a.get("sampled") or 0) for a in audits),
+            "seeds": [a.get("seed") for a in audits], "cases": [c for a in audits for c in a.get("cases") or ()],
+            "mismatches": [m for a in audits for m in a.get("mismatches") or ()]}
 
 
 def ship_deselected(config: pytest.Config, items: list) -> None:
@@ -179,9 +204,25 @@ class ReportRecorder:
         from lora_conformance.judge.verdict import verify
 
         selection = describe(config, self.deselected, self.records, exitstatus)
-        self.report = build_report(self.environment(config), self.records.values(), selection)
+        certification = self.certification(config, selection)
+        self.report = build_report(self.environment(config), self.records.values(), selection, certification)
         self.written = write_report(self.report, self.report_dir)
-        self.verdict = verify(self.report["records"], selection)
+        self.verdict = verify(self.report["records"], selection, certification)
+        if certification["audit"]["mismatches"] and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # the audit failed the run
+
+    def certification(self, config: pytest.Config, selection: dict) -> dict[str, Any]:
+        """The run's mode, the waivers its expectations applied (each with whether a stale one was
+        re-confirmed) and its audit (``lora_conformance.certification``, ``judge.audit``)."""
+        from lora_conformance import certification as cert
+
+        mode = cert.CERTIFIED if self.settings.certified else cert.OPEN
+        expectations = config.pluginmanager.get_plugin("lora-conformance-expectations")
+        waived = cert.waivers(self.records.values(), expectations.lookup, mode) if expectations else []
+        return {"mode": mode, "suite_version": cert.suite_version(),
+                "suite_sha256": ((selection or {}).get("suite") or {}).get("sha256"),
+                "expectations": str(expectations.path) if expectations else None,
+                "waived": waived, "audit": gathered_audit(config)}
 
     def pytest_terminal_summary(self, terminalreporter):
         if self.verdict is None:
