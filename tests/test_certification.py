@@ -259,3 +259,16 @@ def test_every_run_reports_its_audit(tmp_path):
     assert cert["mode"] == "open" and cert["suite_version"] == certification.suite_version()
     assert cert["audit"]["sampled"] == 1 and cert["audit"]["mismatches"] == [], cert["audit"]
     assert data["verdict"]["summary"]["certification"]["holds"]
+
+
+def test_a_certified_mode_badge_counts_waived_features_apart():
+    from lora_conformance.report.badge import badge_text
+
+    records = [_record("t.py::test_a", {"setup": "passed", "call": "passed"}, None, "x/a").as_dict(),
+               _record("t.py::test_b", {"setup": "passed", "call": "skipped"}, "expected", "x/b").as_dict()]
+    waived = [{"nodeid": "t.py::test_b", "feature": "x/b", "status": "xfail", "issue": "https://e.org/1",
+               "recorded_against": certification.suite_version(), "stale": False, "reconfirmed": None}]
+    verdict = verify(records, None, {"mode": "certified", "waived": waived, "audit": {"sampled": 1}})
+    assert badge_text(verdict, "cpu") == ("LoRA conformance · cpu · certified mode", "1 passed, 1 waived / 2")
+    open_verdict = verify(records, None, {"mode": "open", "waived": waived, "audit": {}})
+    assert badge_text(open_verdict, "cpu")[1] == "1/2"

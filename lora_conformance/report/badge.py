@@ -10,8 +10,13 @@ GREEN, YELLOW, RED, GREY = "#2e7d32", "#b58900", "#c62828", "#555"
 
 
 def badge_text(verdict: Verdict, device_type: str) -> tuple[str, str]:
-    """A partial run's value says so: ``2/2 partial``."""
+    """A partial run's value says so: ``2/2 partial``; a certified run's counts its waived features
+    apart: ``41 passed, 12 waived / 62``."""
     passed, counted = verdict.score()
+    cert = verdict.summary.get("certification") or {}
+    if cert.get("mode") == "certified":
+        return (f"LoRA conformance · {device_type} · certified mode",
+                f"{passed} passed, {cert['waived_features']} waived / {counted}")
     return f"LoRA conformance · {device_type}", f"{passed}/{counted}" + (" partial" if verdict.partial else "")
 
 

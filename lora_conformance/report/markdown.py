@@ -179,6 +179,28 @@ def root_causes_markdown(causes: list, report: Mapping[str, Any] | None = None,
     return lines
 
 
+def certification_markdown(report: Mapping[str, Any], verdict: Verdict) -> list[str]:
+    """The run's mode, its waivers apart from what passed (issue, suite version, re-confirmed) and its audit."""
+    cert = report.get("certification")
+    summary = verdict.summary.get("certification")
+    if not isinstance(cert, Mapping) or not isinstance(summary, Mapping):
+        return []
+    audit = cert.get("audit") or {}
+    lines = ["", f"## Certification: {text(summary['mode'])} run of suite {text(summary.get('suite_version'))}", "",
+             f"Waived: {summary['waived_features']} features ({summary['waived_cases']} cases), counted apart from "
+             f"the passed ones. Audit: {summary['audit_sampled']} passed cases asked again of a fresh engine in "
+             f"reversed batch order, {summary['audit_mismatches']} different.", ""]
+    if cert.get("waived"):
+        lines += ["| Case | Waiver | Issue | Recorded against | Re-confirmed |", "| --- | --- | --- | --- | --- |"]
+        for w in cert["waived"]:
+            again = {True: "yes", False: "**no: it no longer fails**", None: "not needed"}[w.get("reconfirmed")]
+            lines.append(f"| {code(w['nodeid'])} | {text(w['status'])} | {text(w.get('issue') or '-')} | "
+                         f"{text(w.get('recorded_against') or '-')} | {again} |")
+    for m in audit.get("mismatches") or ():
+        lines.append(f"- audit: {code(m.get('nodeid'))}: {text(_short(str(m.get('difference')), 300))}")
+    return lines
+
+
 def render_markdown(report: Mapping[str, Any], verdict: Verdict) -> str:
     env = report.get("environment") or {}
     device = (env.get("device") or {}).get("type") or "unknown"
@@ -211,6 +233,7 @@ def render_markdown(report: Mapping[str, Any], verdict: Verdict) -> str:
     if notes:
         lines += ["", "## What the passing tests could not establish", ""]
         lines += [f"- {code(nodeid)}: {text(_short(str(n), 300))}" for nodeid, n in notes]
+    lines += certification_markdown(report, verdict)
     lines += ["", "## Run", "", "| | |", "| --- | --- |"]
     lines += [f"| {k} | {text(v)} |" for k, v in selection_rows(report, verdict)]
     if report.get("legacy"):
