@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "ci": ("lora_conformance.ci.cli", "CI tooling: list registrations, print a GitHub Actions matrix"),
     "report": ("lora_conformance.report.cli", "verify, render, merge and sign certification reports"),
     "engines": ("lora_conformance.engines.cli", "list the engines and whether each can run here; describe one"),
+    "scoreboard": ("lora_conformance.scoreboard.cli", "build the static scoreboard site from a directory of reports"),
+    "submit": ("lora_conformance.submit", "check a certified, signed report and write a scoreboard pull request"),
 }
 
 DESCRIPTION = "Certify LoRA inference engines on any accelerator against the HF transformers + PEFT reference."
@@ -43,6 +45,11 @@ EXAMPLES = {
   lora-conformance engines                                   # every engine, and whether it can run here
   lora-conformance engines describe vllm                     # its arguments and capabilities
   lora-conformance engines describe builtin --device cuda --engine-arg prefix_cache=0""",
+    "scoreboard": """\
+  lora-conformance scoreboard reports/ -o site/              # keys from reports/keys, revocations from reports/revoked.toml
+  lora-conformance scoreboard reports/ -o site/ --keys keys/ --revoked revoked.toml""",
+    "submit": """\
+  lora-conformance submit lora-report/report.json --key vendor.pub -o submission/""",
 }
 
 

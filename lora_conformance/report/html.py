@@ -8,7 +8,9 @@ run's selection, the environment. Every value from a run is escaped.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from html import escape
 from pathlib import Path
 from string import Template
@@ -24,6 +26,16 @@ MAX_ROWS = 64
 
 def page(title: str, body: str) -> str:
     return _TEMPLATE.substitute(title=escape(title), body=body)
+
+
+def case_anchor(nodeid: str) -> str:
+    """The id of a failing case's block in report.html (the scoreboard links to it)."""
+    return "case-" + hashlib.sha256(nodeid.encode("utf-8")).hexdigest()[:12]
+
+
+def feature_anchor(feature_id: str) -> str:
+    """The id of a feature's row in report.html's feature matrix."""
+    return "feature-" + re.sub(r"[^A-Za-z0-9_-]", "-", feature_id)
 
 
 def status_badge(status: Optional[str], title: str = "") -> str:
@@ -114,7 +126,7 @@ def _failure_html(case: Any, record: Any, env: Mapping[str, Any], by_place: bool
     failed = case.status in ("failed", "error", "xfail")
     note = ('<p class="muted">no diagnosis of its own: a comparison failure in the suite of this cause</p>'
             if by_place else "")
-    return ('<div class="failure">'
+    return (f'<div class="failure" id="{case_anchor(case.nodeid)}">'
             f"<h4>{status_badge(case.status)} <code>{escape(case.nodeid)}</code></h4>{note}"
             f"<pre>{escape(case.reason[:4000])}</pre>"
             + evidence_html(case.evidence)
@@ -196,7 +208,8 @@ def render_html(report: Mapping[str, Any], verdict: Verdict) -> str:
     rows = []
     for fid, feat in verdict.features.items():
         c = feat.counts
-        rows.append([f'<td><code title="{escape(feat.description)}">{escape(fid)}</code></td>',
+        rows.append([f'<td id="{feature_anchor(fid)}">'
+                     f'<code title="{escape(feat.description)}">{escape(fid)}</code></td>',
                      f"<td>{status_badge(feat.status)}</td>"]
                     + [f'<td class="num">{c[s]}</td>' for s in STATUSES]
                     + [f"<td>{escape(feat.reason[:300])}</td>"])
