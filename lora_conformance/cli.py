@@ -18,7 +18,7 @@ SUBCOMMANDS = {
     "report": ("lora_conformance.report.cli", "verify, render, merge and sign certification reports"),
     "engines": ("lora_conformance.engines.cli", "list the engines and whether each can run here; describe one"),
     "scoreboard": ("lora_conformance.scoreboard.cli", "build the static scoreboard site from a directory of reports"),
-    "submit": ("lora_conformance.submit", "check a certified, signed report and write a scoreboard pull request"),
+    "submit": ("lora_conformance.submit", "check a signed certified-mode report, write a pull request"),
 }
 
 DESCRIPTION = "Certify LoRA inference engines on any accelerator against the HF transformers + PEFT reference."

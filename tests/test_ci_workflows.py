@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / "ci" / "workflows"
 REUSABLE = WORKFLOWS / "conformance.yml"
 # Workflows that run something else than a CI suite selection (the project's tests).
-STANDALONE = (WORKFLOWS / "transformers-newest.yml",)
+STANDALONE = (WORKFLOWS / "transformers-newest.yml", WORKFLOWS / "scoreboard.yml")
 # Every other workflow calls the reusable one; its name is <hw>.yml or <engine>-<hw>.yml.
 CALLERS = sorted(p for p in WORKFLOWS.glob("*.yml") if p != REUSABLE and p not in STANDALONE)
 

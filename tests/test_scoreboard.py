@@ -271,3 +271,20 @@ def test_submit_writes_what_a_pull_request_needs(tmp_path, vendor):
     pr = (out / "PULL_REQUEST.md").read_text()
     assert pr.startswith("# Certification: vllm on cuda (bfloat16), suite 0.1.0")
     assert "**1 passed, 1 waived / 4**" in pr and R.ISSUE in pr and m["digest"] in pr
+
+
+def test_the_workflow_builds_the_site_from_reports_and_deploys_it_as_a_pages_artifact():
+    yaml = pytest.importorskip("yaml", reason="pyyaml is needed to read the workflows (pip install pyyaml)")
+    wf = yaml.safe_load((REPO / "ci" / "workflows" / "scoreboard.yml").read_text())
+    build_job, deploy = wf["jobs"]["build"], wf["jobs"]["deploy"]
+    runs = [s.get("run") or "" for s in build_job["steps"]]
+    assert "lora-conformance scoreboard reports/ -o site/" in runs
+    [upload] = [s for s in build_job["steps"] if str(s.get("uses", "")).startswith("actions/upload-pages-artifact@")]
+    assert upload["with"]["path"] == "site/"
+    assert deploy["needs"] == "build" and "pull_request" in deploy["if"]  # a submission builds, main deploys
+    assert deploy["permissions"] == {"pages": "write", "id-token": "write"}
+    assert [s["uses"].split("@")[0] for s in deploy["steps"]] == ["actions/deploy-pages"]
+    parser = argparse.ArgumentParser()
+    scoreboard_cli.add_arguments(parser)
+    args = parser.parse_args(runs[runs.index("lora-conformance scoreboard reports/ -o site/")].split()[2:])
+    assert (args.reports, args.output) == (Path("reports"), Path("site"))
