@@ -19,15 +19,8 @@ a test function renames nothing. ``case`` narrows it to the parametrisations who
 whole ``-``-separated parts: ``case = "bfloat16"`` matches ``cpu-bfloat16`` and
 ``cpu-bfloat16-A``, never ``cpu-bfloat16x``. An entry with a case beats one without.
 
-Deprecated, still working: ``id = "<node-id prefix>"`` instead of ``feature``. It applies
-to every collected test whose node id equals ``id`` or starts with it at a boundary (the id
-ends with ``/ : [ - ]``, or the next character of the node id is one of ``/ : [ -``); the
-longest id wins; each such entry that matches draws an ``ExpectationNodeIdDeprecationWarning``
-naming the ``feature`` (and ``case``) to write instead. A feature entry beats an id entry.
-
 Entries matching nothing are reported (a pytest warning and a terminal-summary line) when
-their suite was part of the run (an ``id`` entry: its file was, or does not exist), so stale
-entries surface without noise from partial runs.
+their suite was part of the run, so stale entries surface without noise from partial runs.
 
 Which file: ``--expectations FILE`` (or LORA_CONFORMANCE_EXPECTATIONS / the ini key);
 otherwise the packaged ``expectations/<engine>-<device type>.toml`` if present, else
@@ -46,23 +39,17 @@ from typing import Any, Optional
 import pytest
 
 STATUSES = ("xfail", "skip")
-FIELDS = ("feature", "case", "id", "status", "reason", "link", "strict", "recorded_against")
+FIELDS = ("feature", "case", "status", "reason", "link", "strict", "recorded_against")
 PACKAGED_DIR = Path(__file__).parent / "expectations"
-_BOUNDARY_END = "/:[-]"
-_BOUNDARY_NEXT = "/:[-"
 
 
 class UnmatchedExpectationWarning(pytest.PytestWarning):
-    """An expectation entry matched no collected test (stale or misspelled id)."""
-
-
-class ExpectationNodeIdDeprecationWarning(pytest.PytestDeprecationWarning):
-    """An entry matched by node-id prefix (``id = ...``): write ``feature = ...`` (+ ``case``) instead."""
+    """An expectation entry matched no collected test (stale or misspelled feature id)."""
 
 
 @dataclass(frozen=True)
 class Expectation:
-    id: str  # deprecated node-id prefix; "" for a feature entry
+    feature: str  # a feature id (suite/name)
     status: str
     reason: str
     link: str
@@ -70,40 +57,24 @@ class Expectation:
     # xfail only: False for a failure that depends on engine state (an unexpected pass is reported,
     # not failed). Default True.
     strict: bool = True
-    feature: str = ""  # a feature id (suite/name)
-    case: str = ""  # optional, with feature: a parametrisation id or a run of its '-'-separated parts
+    case: str = ""  # optional: a parametrisation id or a run of its '-'-separated parts
     recorded_against: str = ""  # the suite version the entry was recorded against (certified runs need it)
 
     @property
-    def key(self) -> tuple[str, ...]:
-        return ("feature", self.feature, self.case) if self.feature else ("id", self.id)
+    def key(self) -> tuple[str, str]:
+        return (self.feature, self.case)
 
     @property
     def label(self) -> str:
-        if not self.feature:
-            return self.id
         return self.feature + (f" [case {self.case}]" if self.case else "")
 
-    def matches_nodeid(self, nodeid: str) -> bool:
-        if not self.id:
-            return False
-        if nodeid == self.id:
-            return True
-        if not nodeid.startswith(self.id):
-            return False
-        return self.id[-1] in _BOUNDARY_END or nodeid[len(self.id)] in _BOUNDARY_NEXT
-
-    def matches(self, nodeid: str, feature: str = "", case: str = "") -> bool:
-        """Does this entry apply to a test with this node id, feature id and parametrisation id?"""
-        if not self.feature:
-            return self.matches_nodeid(nodeid)
+    def matches(self, feature: str, case: str = "") -> bool:
+        """Does this entry apply to a test with this feature id and parametrisation id?"""
         return feature == self.feature and (not self.case or case_matches(self.case, case))
 
     def rank(self) -> tuple[int, int]:
-        """Specificity: feature + case > feature > node id; then the longer case or id."""
-        if self.feature:
-            return (2 if self.case else 1, len(self.case))
-        return (0, len(self.id))
+        """Specificity: feature + case > feature; then the longer case."""
+        return (1 if self.case else 0, len(self.case))
 
     def describe(self) -> str:
         return f"expected: {self.reason}" + (f" ({self.link})" if self.link else "")
@@ -149,11 +120,11 @@ def load_expectations(path: Path) -> list[Expectation]:
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise _bad(path, "top level", "'expect' must be an array of tables, written [[expect]]")
     out: list[Expectation] = []
-    seen: dict[tuple[str, ...], int] = {}
+    seen: dict[tuple[str, str], int] = {}
     for i, raw in enumerate(entries, start=1):
         e = _entry(path, i, raw)
         if e.key in seen:
-            field = "feature' and 'case" if e.case else ("feature" if e.feature else "id")
+            field = "feature' and 'case" if e.case else "feature"
             raise _bad(path, f"entry {i}", f"field '{field}': {e.label!r} repeats entry {seen[e.key]}")
         seen[e.key] = i
         out.append(e)
@@ -164,24 +135,23 @@ def _entry(path: Path, i: int, raw: dict[str, Any]) -> Expectation:
     from lora_conformance.features import FEATURE_ID
 
     where = f"entry {i}"
+    if "id" in raw:
+        raise _bad(path, where, "field 'id' (a node-id prefix) is no longer accepted; write "
+                                'feature = "suite/name" (and case = "..." for some parametrisations only) '
+                                "as the report's rows show")
     unknown = sorted(set(raw) - set(FIELDS))
     if unknown:
         raise _bad(path, where, f"unknown field(s) {', '.join(unknown)}; expected fields: {', '.join(FIELDS)}")
-    if ("feature" in raw) == ("id" in raw):
-        raise _bad(path, where, "expected exactly one of 'feature' (a feature id, suite/name) and 'id' "
-                                f"(a node-id prefix, deprecated); got {'both' if 'id' in raw else 'neither'}")
-    for field in ("feature" if "feature" in raw else "id", "status", "reason"):
+    for field in ("feature", "status", "reason"):
         value = raw.get(field)
         if not isinstance(value, str) or not value.strip():
             raise _bad(path, where, f"field {field!r} is {'missing' if value is None else repr(value)}; "
                                     f"expected a non-empty string")
-    feature = raw.get("feature", "").strip()
-    if feature and not FEATURE_ID.match(feature):
+    feature = raw["feature"].strip()
+    if not FEATURE_ID.match(feature):
         raise _bad(path, where, f"field 'feature' is {feature!r}; expected a feature id of the form suite/name "
                                 "(lower case letters, digits, '_', '.', '-'), as in the report's rows")
     case = raw.get("case", "")
-    if "case" in raw and not feature:
-        raise _bad(path, where, "field 'case' goes with 'feature', not with 'id'")
     if not isinstance(case, str) or ("case" in raw and not case.strip()):
         raise _bad(path, where, f"field 'case' is {case!r}; expected a parametrisation id such as 'cpu-bfloat16' "
                                 "or a part of it such as 'bfloat16'")
@@ -198,9 +168,8 @@ def _entry(path: Path, i: int, raw: dict[str, Any]) -> Expectation:
                                                                                           recorded.strip())):
         raise _bad(path, where, f"field 'recorded_against' is {recorded!r}; expected the suite version the entry was "
                                 "recorded against, such as '0.1.0' (lora-conformance --version)")
-    return Expectation(id=str(raw.get("id", "")).strip(), status=raw["status"], reason=raw["reason"].strip(),
-                       link=link, index=i, strict=strict, feature=feature, case=case.strip(),
-                       recorded_against=recorded.strip())
+    return Expectation(feature=feature, status=raw["status"], reason=raw["reason"].strip(), link=link, index=i,
+                       strict=strict, case=case.strip(), recorded_against=recorded.strip())
 
 
 def default_expectations_path(engine: str, device_type: str) -> Optional[Path]:
@@ -232,8 +201,10 @@ class ExpectationsPlugin:
         self.unmatched: list[Expectation] = []
         self.collected = False
 
-    def lookup(self, nodeid: str, feature: str = "", case: str = "") -> Optional[Expectation]:
-        hits = [e for e in self.entries if e.matches(nodeid, feature, case)]
+    def lookup(self, nodeid: str, feature: str, case: str = "") -> Optional[Expectation]:
+        """The entry for a test (the most specific of those matching its feature and case); ``nodeid``
+        is what the caller has to hand (``certification.waivers``) and is not matched."""
+        hits = [e for e in self.entries if e.matches(feature, case)]
         return max(hits, key=Expectation.rank) if hits else None
 
     def pytest_report_header(self, config: pytest.Config) -> str:
@@ -246,20 +217,14 @@ class ExpectationsPlugin:
 
         self.collected = True
         used: set[int] = set()
-        suggestions: dict[int, set[str]] = {}  # id entry -> the feature (and case) lines to write instead
         suites: set[str] = set()
         for item in items:
             feature, case = item_feature_and_case(item)
             suites.add(feature.split("/", 1)[0])
-            hits = [e for e in self.entries if e.matches(item.nodeid, feature, case)]
+            hits = [e for e in self.entries if e.matches(feature, case)]
             if not hits:
                 continue
             used.update(e.index for e in hits)
-            for e in hits:
-                if not e.feature:  # an id up to the function (or its "[") covers the whole feature
-                    whole = "[" not in e.id.rstrip("[") or not case
-                    suggestions.setdefault(e.index, set()).add(
-                        f'feature = "{feature}"' + ("" if whole else f', case = "{case}"'))
             e = max(hits, key=Expectation.rank)
             if self.certified and is_stale(e):
                 # Recorded against another suite version: it runs, and must still fail (a skip too,
@@ -271,26 +236,11 @@ class ExpectationsPlugin:
             else:
                 item.add_marker(pytest.mark.skip(reason=e.describe()))
             self.applied[e.status] += 1
-        for index, lines in sorted(suggestions.items()):
-            e = self.entries[index - 1]
-            warnings.warn(ExpectationNodeIdDeprecationWarning(
-                f"{self.path} entry {index}: id = {e.id!r} matches by node id, which is deprecated; "
-                f"write {' or '.join(sorted(lines))} instead"))
-        files = {item.nodeid.split("::", 1)[0] for item in items}
         for e in self.entries:
-            if e.index in used:
-                continue
-            if e.feature:
-                in_run, exists = e.feature.split("/", 1)[0] in suites, True
-            else:
-                file_part = e.id.split("::", 1)[0]
-                in_run = any(f == file_part or f.startswith(file_part.rstrip("/") + "/") for f in files)
-                exists = (config.rootpath / file_part).exists()
-            if in_run or not exists:
+            if e.index not in used and e.feature.split("/", 1)[0] in suites:
                 self.unmatched.append(e)
                 warnings.warn(UnmatchedExpectationWarning(
-                    f"{self.path} entry {e.index}: {'feature' if e.feature else 'id'} {e.label!r} "
-                    "matches no collected test"
+                    f"{self.path} entry {e.index}: feature {e.label!r} matches no collected test"
                 ))
 
     def pytest_terminal_summary(self, terminalreporter) -> None:

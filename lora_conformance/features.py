@@ -95,7 +95,7 @@ def check_declarations(items: Any) -> None:
     """The collection's feature declarations, before any test runs: every ``feature`` marker well
     formed, each feature id declared by one test function, every required capability a name of the
     engine protocol. FeatureMarkerError names the test."""
-    from lora_conformance.engines.base import Capability
+    from lora_conformance.capabilities import Capability
 
     owners: dict[str, str] = {}  # feature id -> the test function that declares it
     for item in items:

@@ -44,6 +44,6 @@ def test_rank_pattern_zero_blames_rank_pattern(base, tmp_path, capsys):
 
 def test_expectations_file_that_is_not_utf8(tmp_path):
     f = tmp_path / "e.toml"
-    f.write_bytes(b'[[expect]]\nid = "suites/test_x.py"\nreason = "caf\xe9"\n')
+    f.write_bytes(b'[[expect]]\nfeature = "x/y"\nreason = "caf\xe9"\n')
     with pytest.raises(pytest.UsageError, match=r"e.toml: not UTF-8 \(invalid .* at byte \d+\)"):
         load_expectations(f)

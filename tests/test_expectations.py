@@ -1,5 +1,8 @@
-"""Expectation files: parsing, validation messages, prefix matching, and the pytest plugin
-run through pytester (registered from a conftest, and through --expectations)."""
+"""Expectation files: parsing, validation messages, feature and case matching, and the pytest
+plugin run through pytester (registered from a conftest, and through --expectations).
+
+The test files written here have no feature markers unless stated: a test's feature id is the one
+its report row shows, ``suite/function`` (``test_sample.py::test_alpha`` is ``sample/alpha``)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from lora_conformance.expectations import (
     PACKAGED_DIR,
     Expectation,
     ExpectationsPlugin,
+    case_matches,
     default_expectations_path,
     load_expectations,
 )
@@ -28,25 +32,26 @@ TESTS = """
 ENTRIES = """
     # ---- engine bug class: routing ----
     [[expect]]
-    id = "test_sample.py::test_alpha"
+    feature = "sample/alpha"
     status = "xfail"
     reason = "routes base rows to slot 0"
     link = "https://github.com/example/engine/issues/1"
 
     [[expect]]
-    id = "test_sample.py::test_param[cpu"
+    feature = "sample/param"
+    case = "cpu"
     status = "xfail"
     reason = "cpu params broken"
     link = ""
 
     [[expect]]
-    id = "test_sample.py::test_skipme"
+    feature = "sample/skipme"
     status = "skip"
     reason = "crashes the engine"
     link = ""
 
     [[expect]]
-    id = "test_sample.py::test_gone"
+    feature = "sample/gone"
     status = "xfail"
     reason = "stale entry"
     link = ""
@@ -61,26 +66,29 @@ def write(tmp_path, body, name="exp.toml"):
 
 def test_parses_entries_in_order(tmp_path):
     entries = load_expectations(write(tmp_path, ENTRIES))
-    assert [e.id for e in entries][:2] == ["test_sample.py::test_alpha", "test_sample.py::test_param[cpu"]
+    assert [(e.feature, e.case) for e in entries][:2] == [("sample/alpha", ""), ("sample/param", "cpu")]
     assert entries[0].describe() == "expected: routes base rows to slot 0 (https://github.com/example/engine/issues/1)"
     assert entries[2].status == "skip" and entries[2].index == 3
     assert load_expectations(write(tmp_path, "# header comments only\n")) == []
 
 
 @pytest.mark.parametrize("body, expected", [
-    ('[[expect]]\nid = "a"\nstatus = "fail"\nreason = "r"\nlink = ""\n',
+    ('[[expect]]\nfeature = "a/b"\nstatus = "fail"\nreason = "r"\nlink = ""\n',
      r"entry 1: field 'status' is 'fail'; expected one of xfail, skip"),
-    ('[[expect]]\nid = "a"\nstatus = "skip"\nlink = ""\n', r"entry 1: field 'reason' is missing"),
-    ('[[expect]]\nid = "a"\nstatus = "skip"\nreason = "r"\nlink = ""\n[[expect]]\nid = ""\nstatus = "skip"\nreason = "r"\n',
-     r"entry 2: field 'id' is ''; expected a non-empty string"),
-    ('[[expect]]\nid = "a"\nstatus = "skip"\nreason = "r"\nlink = "see the tracker"\n',
+    ('[[expect]]\nfeature = "a/b"\nstatus = "skip"\nlink = ""\n', r"entry 1: field 'reason' is missing"),
+    ('[[expect]]\nfeature = "a/b"\nstatus = "skip"\nreason = "r"\nlink = ""\n'
+     '[[expect]]\nfeature = ""\nstatus = "skip"\nreason = "r"\n',
+     r"entry 2: field 'feature' is ''; expected a non-empty string"),
+    ('[[expect]]\nfeature = "a/b"\nstatus = "skip"\nreason = "r"\nlink = "see the tracker"\n',
      r"entry 1: field 'link' is 'see the tracker'; expected an http\(s\) URL or an empty string"),
-    ('[[expect]]\nid = "a"\nstatus = "skip"\nreason = "r"\nowner = "me"\n', r"entry 1: unknown field\(s\) owner"),
-    ('[[expect]]\nid = "a"\nstatus = "skip"\nreason = "r"\n[[expect]]\nid = "a"\nstatus = "xfail"\nreason = "r"\n',
-     r"entry 2: field 'id': 'a' repeats entry 1"),
-    ('[skip]\nid = "a"\n', r"top level: unknown key\(s\) skip"),
+    ('[[expect]]\nfeature = "a/b"\nstatus = "skip"\nreason = "r"\nowner = "me"\n',
+     r"entry 1: unknown field\(s\) owner"),
+    ('[[expect]]\nfeature = "a/b"\nstatus = "skip"\nreason = "r"\n'
+     '[[expect]]\nfeature = "a/b"\nstatus = "xfail"\nreason = "r"\n',
+     r"entry 2: field 'feature': 'a/b' repeats entry 1"),
+    ('[skip]\nfeature = "a/b"\n', r"top level: unknown key\(s\) skip"),
     ('expect = "x"\n', r"'expect' must be an array of tables"),
-    ('[[expect]\nid = "a"\n', r"not valid TOML"),
+    ('[[expect]\nfeature = "a/b"\n', r"not valid TOML"),
 ])
 def test_bad_files_name_file_entry_field_and_expected_values(tmp_path, body, expected):
     path = write(tmp_path, body)
@@ -94,30 +102,41 @@ def test_missing_file_is_a_usage_error(tmp_path):
         load_expectations(tmp_path / "nope.toml")
 
 
-def test_prefix_matching_stops_at_boundaries():
-    e = Expectation("suite.py::test_x", "xfail", "r", "", 1)
-    assert e.matches("suite.py::test_x") and e.matches("suite.py::test_x[cpu-float32]")
-    assert not e.matches("suite.py::test_x_other") and not e.matches("suite.py::test_")
-    assert Expectation("suite.py::test_x[cpu", "xfail", "r", "", 1).matches("suite.py::test_x[cpu-float32]")
-    assert not Expectation("suite.py::test_x[cp", "xfail", "r", "", 1).matches("suite.py::test_x[cpu-float32]")
-    assert Expectation("suites/", "skip", "r", "", 1).matches("suites/test_a.py::t")
-    assert Expectation("suites/test_a.py", "skip", "r", "", 1).matches("suites/test_a.py::t")
+def test_feature_is_matched_whole_and_case_at_part_boundaries():
+    e = Expectation("suite/x", "xfail", "r", "", 1)
+    assert e.matches("suite/x") and e.matches("suite/x", "cpu-float32")  # every case of the feature
+    assert not e.matches("suite/x_other") and not e.matches("suite/") and not e.matches("other/x")
+    cpu = Expectation("suite/x", "xfail", "r", "", 1, case="cpu")
+    assert cpu.matches("suite/x", "cpu-float32") and cpu.matches("suite/x", "cpu")
+    assert not cpu.matches("suite/x", "gpu-float32") and not cpu.matches("suite/x")  # unparametrised: no case
+    assert not cpu.matches("suite/y", "cpu-float32")
+    assert not Expectation("suite/x", "xfail", "r", "", 1, case="cp").matches("suite/x", "cpu-float32")
+    assert Expectation("suite/x", "skip", "r", "", 1, case="float32-A").matches("suite/x", "cpu-float32-A")
+    assert case_matches("cpu-float32", "cpu-float32") and case_matches("float32", "cpu-float32-A")
+    assert not case_matches("bfloat16", "cpu-bfloat16x") and not case_matches("cpu-A", "cpu-float32-A")
 
 
-def test_longest_matching_id_wins(tmp_path):
+def test_longest_matching_case_wins(tmp_path):
     plugin = ExpectationsPlugin(write(tmp_path, """
         [[expect]]
-        id = "s.py"
+        feature = "s/a"
         status = "skip"
-        reason = "whole file"
+        reason = "whole feature"
         [[expect]]
-        id = "s.py::test_a[x"
+        feature = "s/a"
+        case = "x"
         status = "xfail"
         reason = "just x"
+        [[expect]]
+        feature = "s/a"
+        case = "x-1"
+        status = "xfail"
+        reason = "just x-1"
     """))
-    assert plugin.lookup("s.py::test_a[x-1]").reason == "just x"
-    assert plugin.lookup("s.py::test_b").reason == "whole file"
-    assert plugin.lookup("t.py::test_a") is None
+    assert plugin.lookup("s.py::test_a[x-1]", "s/a", "x-1").reason == "just x-1"
+    assert plugin.lookup("s.py::test_a[x-2]", "s/a", "x-2").reason == "just x"
+    assert plugin.lookup("s.py::test_a[y-1]", "s/a", "y-1").reason == "whole feature"
+    assert plugin.lookup("t.py::test_a", "t/a", "") is None
 
 
 def test_default_lookup_precedence(tmp_path, monkeypatch):
@@ -152,13 +171,13 @@ def run_with_conftest(pytester, entries=ENTRIES, *args):
 
 def test_plugin_marks_items_and_reports_unmatched(pytester):
     result = run_with_conftest(pytester)
-    # test_alpha xfails (strict), test_alpha_other is untouched, two cpu params xfail,
-    # gpu passes, test_skipme is skipped without running.
+    # test_alpha xfails (strict), test_alpha_other (feature sample/alpha_other) is untouched, the
+    # two cpu cases (cpu-a, cpu-b) xfail, gpu passes, test_skipme is skipped without running.
     result.assert_outcomes(passed=3, xfailed=3, skipped=1)
     result.stdout.fnmatch_lines([  # in report order
-        "*UnmatchedExpectationWarning*entry 4*test_sample.py::test_gone*matches no collected test*",
+        "*UnmatchedExpectationWarning*entry 4: feature 'sample/gone' matches no collected test*",
         "lora-conformance expectations *exp.toml: 4 entries, 3 tests marked xfail, 1 skipped, 1 unmatched",
-        "  unmatched entry 4: test_sample.py::test_gone",
+        "  unmatched entry 4: sample/gone",
         "XFAIL test_sample.py::test_alpha - expected: routes base rows to slot 0 (https://github.com/example/engine/issues/1)",
         "*SKIPPED*expected: crashes the engine*",
     ])
@@ -168,7 +187,7 @@ def test_plugin_marks_items_and_reports_unmatched(pytester):
 def test_strict_xfail_turns_an_unexpected_pass_into_a_failure(pytester):
     result = run_with_conftest(pytester, """
         [[expect]]
-        id = "test_sample.py::test_fixed"
+        feature = "sample/fixed"
         status = "xfail"
         reason = "fixed upstream since"
         link = ""
@@ -180,7 +199,7 @@ def test_strict_xfail_turns_an_unexpected_pass_into_a_failure(pytester):
 def test_non_strict_xfail_reports_an_unexpected_pass_without_failing(pytester):
     result = run_with_conftest(pytester, """
         [[expect]]
-        id = "test_sample.py::test_fixed"
+        feature = "sample/fixed"
         status = "xfail"
         reason = "depends on engine state"
         link = ""
@@ -191,12 +210,12 @@ def test_non_strict_xfail_reports_an_unexpected_pass_without_failing(pytester):
 
 def test_strict_false_is_only_for_xfail(tmp_path):
     path = tmp_path / "exp.toml"
-    path.write_text('[[expect]]\nid = "a"\nstatus = "skip"\nreason = "r"\nstrict = false\n')
+    path.write_text('[[expect]]\nfeature = "a/b"\nstatus = "skip"\nreason = "r"\nstrict = false\n')
     with pytest.raises(pytest.UsageError, match="entry 1: field 'strict'"):
         load_expectations(path)
 
 
-def test_entries_for_files_outside_the_run_are_not_reported(pytester):
+def test_entries_for_suites_outside_the_run_are_not_reported(pytester):
     pytester.makepyfile(test_other="def test_o(): pass")
     result = run_with_conftest(pytester, ENTRIES, "test_other.py")
     result.assert_outcomes(passed=1)
@@ -211,7 +230,7 @@ def test_deselection_does_not_make_entries_stale(pytester):
 
 
 def test_bad_file_stops_the_run_with_a_usage_error(pytester):
-    result = run_with_conftest(pytester, '[[expect]]\nid = "x"\nstatus = "maybe"\nreason = "r"\n')
+    result = run_with_conftest(pytester, '[[expect]]\nfeature = "x/y"\nstatus = "maybe"\nreason = "r"\n')
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*exp.toml: entry 1: field 'status' is 'maybe'; expected one of xfail, skip*"])
 
@@ -283,16 +302,10 @@ def test_feature_entries_match_by_marker_id_and_case(pytester):
     result.stdout.fnmatch_lines(["*3 entries, 3 tests marked xfail, 0 skipped, 0 unmatched*"])
     out = result.stdout.str()
     assert "XFAIL test_sample.py::test_each[cpu-bfloat16] - expected: bf16 only" in out
-    assert "Deprecation" not in out
 
 
-def test_case_entry_beats_feature_entry_beats_node_id(tmp_path):
+def test_case_entry_beats_feature_entry(tmp_path):
     path = write(tmp_path, """
-        [[expect]]
-        id = "suites/test_x.py::test_f"
-        status = "skip"
-        reason = "by node id"
-
         [[expect]]
         feature = "x/f"
         status = "xfail"
@@ -307,31 +320,25 @@ def test_case_entry_beats_feature_entry_beats_node_id(tmp_path):
     plugin = ExpectationsPlugin(path)
     assert plugin.lookup("suites/test_x.py::test_f[cpu-bfloat16]", "x/f", "cpu-bfloat16").reason == "one case"
     assert plugin.lookup("suites/test_x.py::test_f[cpu-float32]", "x/f", "cpu-float32").reason == "whole feature"
-    assert plugin.lookup("suites/test_x.py::test_f[cpu-float32]", "x/renamed", "cpu-float32").reason == "by node id"
+    # the node id is not matched: a feature named otherwise has no entry
+    assert plugin.lookup("suites/test_x.py::test_f[cpu-float32]", "x/renamed", "cpu-float32") is None
     assert plugin.lookup("suites/test_y.py::test_f", "y/f", "") is None
 
 
-def test_node_id_entries_warn_with_the_feature_to_write(pytester):
-    result = run_features(pytester, """
-        [[expect]]
-        id = "test_sample.py::test_renamed_function"
-        status = "xfail"
-        reason = "old style"
-        link = ""
-
-        [[expect]]
-        id = "test_sample.py::test_each[cpu-bfloat16]"
-        status = "xfail"
-        reason = "old style, one case"
-        link = ""
-    """)
-    result.assert_outcomes(passed=2, failed=1, xfailed=2)  # test_unmarked is not covered
-    result.stdout.fnmatch_lines([
-        "*ExpectationNodeIdDeprecationWarning*entry 1: id = 'test_sample.py::test_renamed_function' matches by "
-        "node id, which is deprecated; write feature = \"routing/base_rows\" instead*",
-        "*ExpectationNodeIdDeprecationWarning*entry 2*write feature = \"routing/dtypes\", case = \"cpu-bfloat16\" "
-        "instead*",
-    ])
+def test_an_id_entry_is_refused_saying_what_to_write_instead(tmp_path):
+    """Node-id prefix entries (``id = ...``) are gone: a file with one is refused, naming the file, the
+    entry and the field, and saying to write the feature (and case) a report row shows."""
+    for body in ('[[expect]]\nid = "test_x.py::test_f"\nstatus = "skip"\nreason = "r"\n',
+                 '[[expect]]\nfeature = "a/b"\nstatus = "skip"\nreason = "r"\n'
+                 '[[expect]]\nfeature = "x/f"\nid = "test_x.py::test_f[cpu"\ncase = "cpu"\nstatus = "xfail"\n'
+                 'reason = "r"\n'):
+        path = write(tmp_path, body)
+        with pytest.raises(pytest.UsageError) as info:
+            load_expectations(path)
+        message = str(info.value)
+        assert message.startswith(f"expectations file {path}: entry {body.count('[[expect]]')}: field 'id' "
+                                  "(a node-id prefix) is no longer accepted; "), message
+        assert 'write feature = "suite/name" (and case = "..." ' in message and "report's rows" in message, message
 
 
 def test_unmatched_feature_entry_of_a_suite_in_the_run_is_reported(pytester):
@@ -354,13 +361,10 @@ def test_unmatched_feature_entry_of_a_suite_in_the_run_is_reported(pytester):
 
 
 @pytest.mark.parametrize("body, expected", [
-    ('[[expect]]\nfeature = "a/b"\nid = "x"\nstatus = "skip"\nreason = "r"\n',
-     r"entry 1: expected exactly one of 'feature' .* and 'id' .*; got both"),
-    ('[[expect]]\nstatus = "skip"\nreason = "r"\n', r"entry 1: expected exactly one of .*; got neither"),
+    ('[[expect]]\nstatus = "skip"\nreason = "r"\n',
+     r"entry 1: field 'feature' is missing; expected a non-empty string"),
     ('[[expect]]\nfeature = "Accuracy base"\nstatus = "skip"\nreason = "r"\n',
      r"entry 1: field 'feature' is 'Accuracy base'; expected a feature id of the form suite/name"),
-    ('[[expect]]\nid = "x"\ncase = "cpu"\nstatus = "skip"\nreason = "r"\n',
-     r"entry 1: field 'case' goes with 'feature', not with 'id'"),
     ('[[expect]]\nfeature = "a/b"\ncase = ""\nstatus = "skip"\nreason = "r"\n',
      r"entry 1: field 'case' is ''; expected a parametrisation id"),
     ('[[expect]]\nfeature = "a/b"\ncase = "c"\nstatus = "skip"\nreason = "r"\n'
@@ -373,7 +377,7 @@ def test_bad_feature_entries_name_the_field(tmp_path, body, expected):
 
 
 def test_shipped_files_use_feature_ids_that_exist():
-    """Every packaged entry is a feature entry naming a feature some suite test declares."""
+    """Every packaged entry names a feature some suite test declares."""
     import ast
 
     from lora_conformance.settings import suites_dir
@@ -387,5 +391,4 @@ def test_shipped_files_use_feature_ids_that_exist():
     assert len(declared) > 40, declared
     for f in sorted(PACKAGED_DIR.glob("*.toml")):
         for e in load_expectations(f):
-            assert e.feature, f"{f.name} entry {e.index}: still a node-id entry ({e.id!r}); write feature = ..."
             assert e.feature in declared, f"{f.name} entry {e.index}: feature {e.feature!r} is declared by no suite test"

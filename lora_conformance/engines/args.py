@@ -297,7 +297,7 @@ def class_capabilities(cls: type, cfg: Any, model_dir: Any, device: str):
 
 def capability_list(value: str) -> str:
     """An arg naming capabilities (comma or space separated): each must be in the vocabulary."""
-    from lora_conformance.engines.capabilities import Capability
+    from lora_conformance.capabilities import Capability
 
     for c in value.replace(",", " ").split():
         Capability.parse(c)  # ValueError listing the vocabulary

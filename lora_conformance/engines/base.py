@@ -16,7 +16,7 @@ from typing import Any, Callable, ClassVar, Hashable, Mapping, Optional, Sequenc
 
 from lora_conformance.types import GenerationRequest, GenerationResult
 # The vocabulary and the errors live below the engines; every engine plugin imports them from here.
-from lora_conformance.engines.capabilities import ALL_CAPABILITIES, Capability, Limits  # noqa: F401
+from lora_conformance.capabilities import ALL_CAPABILITIES, Capability, Limits  # noqa: F401
 from lora_conformance.errors import (  # noqa: F401
     AdapterFormatError,
     AdapterIncompatibleError,

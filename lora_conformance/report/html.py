@@ -174,6 +174,36 @@ def _verdict_status(verdict: Verdict) -> str:
     return "failed" if by["failed"] or by["error"] else "not certified"  # a partial run included
 
 
+def certification_html(report: Mapping[str, Any], verdict: Verdict) -> str:
+    """The run's mode, its waivers apart from what passed, and its audit ('' for a report without them)."""
+    cert, summary = report.get("certification"), verdict.summary.get("certification")
+    if not isinstance(cert, Mapping) or not isinstance(summary, Mapping):
+        return ""
+    out = [f'<h2 id="certification">Certification: {escape(str(summary["mode"]))} run of suite '
+           f'{escape(str(summary.get("suite_version")))}</h2>',
+           f'<p>Waived: {summary["waived_features"]} features ({summary["waived_cases"]} cases), counted apart from '
+           f'the passed ones. Audit: {summary["audit_sampled"]} passed cases asked again of a fresh engine in '
+           f'reversed batch order, {summary["audit_mismatches"]} different.</p>']
+    again = {True: "yes", False: "no: it no longer fails", None: "not needed"}
+    rows = [[f"<td><code>{escape(w['nodeid'])}</code></td>", f"<td>{escape(str(w['status']))}</td>",
+             f"<td>{_link(w.get('issue'))}</td>", f"<td>{escape(str(w.get('recorded_against') or '-'))}</td>",
+             f"<td>{again[w.get('reconfirmed')]}</td>"] for w in cert.get("waived") or ()]
+    if rows:
+        out.append(_table(("case", "waiver", "issue", "recorded against", "re-confirmed"), rows))
+    mismatches = (cert.get("audit") or {}).get("mismatches") or ()
+    if mismatches:
+        out.append("<ul>" + "".join(f"<li>audit: <code>{escape(str(m.get('nodeid')))}</code>: "
+                                    f"{escape(str(m.get('difference')))}</li>" for m in mismatches) + "</ul>")
+    return "\n".join(out)
+
+
+def _link(url: Optional[str]) -> str:
+    if not url:
+        return "-"
+    safe = escape(str(url))
+    return f'<a href="{safe}">{safe}</a>' if str(url).startswith(("https://", "http://")) else safe
+
+
 def render_html(report: Mapping[str, Any], verdict: Verdict) -> str:
     from lora_conformance.evidence import as_records
     from lora_conformance.report.effects_svg import effects_html
@@ -220,6 +250,7 @@ def render_html(report: Mapping[str, Any], verdict: Verdict) -> str:
                     + "".join(f"<li><code>{escape(str(k))}</code>: {escape(str(n))}</li>" for k, n in notes)
                     + "</ul>")
     body.append(effects_html(verdict.cases, records))
+    body.append(certification_html(report, verdict))
     body.append('<h2 id="run">Run</h2>')
     run_rows = selection_rows(report, verdict)
     if report.get("legacy"):

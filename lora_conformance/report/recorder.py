@@ -216,7 +216,7 @@ class ReportRecorder:
         re-confirmed) and its audit (``lora_conformance.certification``, ``judge.audit``)."""
         from lora_conformance import certification as cert
 
-        mode = cert.CERTIFIED if self.settings.certified else cert.OPEN
+        mode = cert.CERTIFIED if getattr(self.settings, "certified", False) else cert.OPEN
         expectations = config.pluginmanager.get_plugin("lora-conformance-expectations")
         waived = cert.waivers(self.records.values(), expectations.lookup, mode) if expectations else []
         return {"mode": mode, "suite_version": cert.suite_version(),

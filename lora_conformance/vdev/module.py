@@ -1,4 +1,4 @@
-"""``torch.vdev``: the device module the device layer (``lora_conformance/devices.py``) asks.
+"""``torch.vdev``: the device module the device layer (``lora_conformance/devices/``) asks.
 
 Every answer is honest about the device being a Python program on the host:
 
