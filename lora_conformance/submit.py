@@ -77,7 +77,8 @@ def manifest(report: Mapping[str, Any], verdict, integrity, name: str) -> dict[s
     return {"schema": MANIFEST_SCHEMA, "report": f"{name}.json.xz",
             "engine": (env.get("engine") or {}).get("name"), "version": (env.get("engine") or {}).get("version"),
             "variant": board.variant_of((env.get("engine") or {}).get("args") or {}),
-            "device": (env.get("device") or {}).get("type"), "device_name": (env.get("device") or {}).get("device_name"),
+            "device": (env.get("device") or {}).get("type"),
+            "device_name": (env.get("device") or {}).get("device_name"),
             "dtype": env.get("dtype"), "suite_version": board.suite_version_of(report), "date": env.get("date"),
             "counts": {"passed": c["passed"], "waived": c["waived"], "failed": c["failed"] + c["error"],
                        "not certified": c["not certified"], "features": c["counted"]},
@@ -96,6 +97,7 @@ def description(m: Mapping[str, Any], report: Mapping[str, Any]) -> str:
              f"- suite version: {m['suite_version']} (certified mode), run {m['date'] or 'at an unrecorded date'}",
              f"- result: **{m['badge']}**, {'certified' if m['certified'] else 'not certified'} "
              f"({m['counts']['failed']} failed, {m['counts']['not certified']} not certified)",
+             f"- waivers from: {cert.get('expectations') or 'no expectations file'}",
              f"- audit: {int(audit.get('sampled') or 0)} passed cases asked again, "
              f"{len(audit.get('mismatches') or ())} different",
              f"- digest: `{m['digest']}`", f"- signed with key `{m['key_id']}` (`reports/keys/{m['key_id']}.pub`: "
@@ -103,8 +105,9 @@ def description(m: Mapping[str, Any], report: Mapping[str, Any]) -> str:
     waived = [w for w in cert.get("waived") or () if isinstance(w, Mapping)]
     if waived:
         lines += ["## Waivers", "", "| case | issue | recorded against | re-confirmed |", "| --- | --- | --- | --- |"]
+        again = {True: "yes", False: "no: it no longer fails", None: "not needed"}
         lines += [f"| `{w.get('nodeid')}` | {w.get('issue')} | {w.get('recorded_against')} | "
-                  f"{ {True: 'yes', False: 'no', None: 'not needed'}.get(w.get('reconfirmed'), '?') } |" for w in waived]
+                  f"{again.get(w.get('reconfirmed'), '?')} |" for w in waived]
         lines.append("")
     lines += ["## What the scoreboard's CI checks again", "", "```",
               f"lora-conformance report verify reports/{m['report']} --key reports/keys/{m['key_id']}.pub",

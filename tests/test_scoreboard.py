@@ -194,12 +194,16 @@ def test_a_malformed_revocation_list_is_an_error_naming_the_entry_and_field(tmp_
     assert str(path) in str(exc.value) and words in str(exc.value)
 
 
-def test_the_stored_reports_build():
+def test_the_stored_reports_build(tmp_path):
     """``scoreboard reports/`` reads every stored report, of every age and schema: none unreadable,
     each checked, the one committed with a digest mismatch marked tampered, schema 1 ones legacy."""
     from test_report_digest import DIGEST_MISMATCH_AS_COMMITTED
 
     b = build.read_board(REPO / "reports")
+    build.write_site(b, tmp_path / "site")
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert all(f'href="r/{e.slug}.html">{e.rel}</a>' in index for e in b.entries)
+    assert all((tmp_path / "site" / "r" / f"{e.slug}.html").exists() for e in b.entries)
     assert not b.unreadable and len(b.entries) == len(integrity.report_files(REPO / "reports")) > 10
     for e in b.entries:
         assert (e.integrity.digest == "mismatch") == (e.rel in DIGEST_MISMATCH_AS_COMMITTED), e.rel

@@ -6,4 +6,6 @@
 - ``cli``: ``lora-conformance scoreboard REPORTS -o SITE``.
 """
 
-from lora_conformance.scoreboard.board import suite_version_of  # noqa: F401
+from lora_conformance.scoreboard.board import suite_version_of
+
+__all__ = ["suite_version_of"]

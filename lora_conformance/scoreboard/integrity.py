@@ -128,7 +128,8 @@ def load_keys_from(paths) -> dict[str, tuple[str, Any]]:
     return keys
 
 
-def signature_state(raw: Mapping[str, Any], keys: Mapping[str, tuple[str, Any]]) -> tuple[str, Optional[str], Optional[str], str]:
+def signature_state(raw: Mapping[str, Any],
+                    keys: Mapping[str, tuple[str, Any]]) -> tuple[str, Optional[str], Optional[str], str]:
     """(state, key id, key name, detail) of ``raw``'s signature against the known ``keys``."""
     from lora_conformance.report import signing
 
@@ -177,7 +178,8 @@ def load_revoked(path: Optional[Path]) -> dict[str, str]:
         raise RevocationListError(f"{path}: cannot read the revocation list: {exc}") from None
     unknown = set(data) - {"revoked"}
     if unknown:
-        raise RevocationListError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}; expected [[revoked]] entries")
+        raise RevocationListError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}; "
+                                  "expected [[revoked]] entries")
     entries = data.get("revoked", [])
     if not isinstance(entries, list):
         raise RevocationListError(f"{path}: 'revoked' must be an array of tables ([[revoked]])")

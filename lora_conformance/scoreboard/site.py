@@ -123,7 +123,7 @@ def reports_html(b: Any) -> str:
             f'<td><span class="mark integrity-{e.integrity.level}">{escape(e.integrity.level)}</span> '
             f"{escape(e.integrity.words())}"
             + (f'<br><span class="why">revoked: {escape(e.revoked)}</span>' if e.revoked else "")
-            + (f'<br><span class="why">stored verdict differs from its records</span>'
+            + ('<br><span class="why">stored verdict differs from its records</span>'
                if not e.stored_verdict_same else "") + f"</td><td>{_role(e)}</td></tr>")
     out = ('<h2 id="reports">Every report read</h2><table class="reports"><thead><tr><th>file</th><th>product</th>'
            "<th>suite</th><th>mode</th><th>date</th><th>verdict</th><th>features</th><th>integrity</th>"
@@ -156,24 +156,6 @@ def index_page(b: Any, aligned: bool) -> str:
     return page(title, body)
 
 
-def _waivers_html(cert: Mapping[str, Any]) -> str:
-    rows = []
-    for w in cert.get("waived") or ():
-        if not isinstance(w, Mapping):
-            continue
-        issue = str(w.get("issue") or "")
-        link = (f'<a href="{escape(issue)}">{escape(issue)}</a>' if issue.startswith(("https://", "http://"))
-                else escape(issue or "-"))
-        again = {True: "yes", False: "no: it no longer fails", None: "not needed"}.get(w.get("reconfirmed"), "?")
-        rows.append(f"<tr><td><code>{escape(str(w.get('nodeid') or w.get('feature')))}</code></td>"
-                    f"<td>{escape(str(w.get('status') or ''))}</td><td>{link}</td>"
-                    f"<td>{escape(str(w.get('recorded_against') or '-'))}</td><td>{escape(again)}</td></tr>")
-    if not rows:
-        return ""
-    return ("<table><thead><tr><th>waived case</th><th>as</th><th>issue</th><th>recorded against</th>"
-            f"<th>re-confirmed</th></tr></thead><tbody>{''.join(rows)}</tbody></table>")
-
-
 def banner_html(e: board.Entry) -> str:
     cert = e.report.get("certification")
     parts = [_head("../scoreboard.css"), '<p><a href="../index.html">&larr; scoreboard</a> · '
@@ -188,11 +170,11 @@ def banner_html(e: board.Entry) -> str:
     if e.superseded_by:
         parts.append(f'<p>Superseded in the matrix by <a href="{quote(e.superseded_by)}.html">'
                      f"{escape(e.superseded_by)}</a>.</p>")
-    if isinstance(cert, Mapping):
-        audit = cert.get("audit") if isinstance(cert.get("audit"), Mapping) else {}
+    if isinstance(cert, Mapping):  # report.html's own section lists the waivers and the audit
         parts.append(f"<p><b>{escape(e.mode)} run</b> of suite {escape(e.suite_version)}: {escape(e.count_text())}; "
-                     f"audit: {int(audit.get('sampled') or 0)} passed cases asked again, "
-                     f"{len(audit.get('mismatches') or ())} different.</p>" + _waivers_html(cert))
+                     '<a href="#certification">its waivers and audit</a>'
+                     + (f"; waivers from <code>{escape(str(cert['expectations']))}</code>" if cert.get("expectations")
+                        else "") + "</p>")
     else:
         parts.append(f"<p><b>open run</b> of suite {escape(e.suite_version)} (written before certified mode: no "
                      f"certification block): {escape(e.count_text())}</p>")
