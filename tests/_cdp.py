@@ -14,10 +14,20 @@ from typing import Any, Optional
 NETWORK_OFF = ("--host-resolver-rules=MAP * ~NOTFOUND", "--proxy-server=127.0.0.1:9")
 
 
+def _above(fd: int, lowest: int) -> int:
+    import fcntl
+
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, lowest)
+    os.close(fd)
+    return moved
+
+
 class Browser:
     def __init__(self, executable: str, profile: str, width: int = 1400, height: int = 1000):
         to_browser, self._commands = os.pipe()
         self._answers, from_browser = os.pipe()
+        # Above 4, so that dup2 onto 3 and 4 below never meets itself (a no-op that would keep close-on-exec).
+        to_browser, from_browser = (_above(fd, 10) for fd in (to_browser, from_browser))
 
         def wire():  # in the child: the protocol's two descriptors
             os.dup2(to_browser, 3)
@@ -73,8 +83,8 @@ class Browser:
 
     def open(self, url: str) -> None:
         self.events = [e for e in self.events if e.get("method") != "Page.loadEventFired"]
-        self.send("Page.navigate", {"url": url})
-        self.wait_for("Page.loadEventFired")
+        if "loaderId" in self.send("Page.navigate", {"url": url}):  # none: the same page, another fragment
+            self.wait_for("Page.loadEventFired")
 
     def run(self, expression: str) -> Any:
         """The value of a JavaScript expression in the page (an exception in it raises here)."""

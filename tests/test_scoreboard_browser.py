@@ -36,6 +36,10 @@ def site(tmp_path_factory):
     tampered = R.signed(R.report("certified", routing_fails=False, engine="openvino", device="cpu"), private)
     tampered["environment"]["engine"]["version"] = "openvino 2.0"  # relabelled after signing
     R.store(tampered, root / "reports" / "openvino-cpu.json")
+    revoked = R.report("certified", suite="0.0.9")  # the vllm product at an older suite version
+    R.store(revoked, root / "reports" / "vllm-cuda-older.json")
+    (root / "reports" / "revoked.toml").write_text(
+        f'[[revoked]]\ndigest = "{revoked["digest"]["sha256"]}"\nreason = "ran a patched build"\n')
     build.write_site(build.read_board(root / "reports"), root / "site")
     return root / "site"
 
@@ -79,14 +83,17 @@ def test_the_matrix_renders(page):
     b = page("index.html")
     heads = b.run(f"{COLUMNS}.map(th => [th.dataset.engine, th.querySelector('.counts').textContent])")
     assert heads == [["openvino", "2 passed, 1 waived / 4"], ["sglang", "1 passed, 1 xfail / 4"],
-                     ["vllm", "1 passed, 1 waived / 4"]]
+                     ["vllm", "1 passed, 1 waived / 4"], ["vllm", "1 passed, 1 waived / 4"]]
+    assert b.run(f"{COLUMNS}.map(th => th.dataset.suite)") == ["0.1.0", "0.1.0", "0.0.9", "0.1.0"]
     cells = b.run(f"{ROWS}.map(tr => [tr.dataset.feature, Array.from(tr.cells).slice(1).map(td => td.innerText)])")
-    assert dict(cells)["mixed_batch/nearest_reference_routing"] == ["passed", "failed", "failed"]
-    assert dict(cells)["dora/dora"] == ["waived", "xfail", "waived"]
+    assert dict(cells)["mixed_batch/nearest_reference_routing"] == ["passed", "failed", "failed", "failed"]
+    assert dict(cells)["dora/dora"] == ["waived", "xfail", "waived", "waived"]
     assert b.run("document.getElementById('board').getBoundingClientRect().width") > 400
     assert b.run("getComputedStyle(document.querySelector('.st-waived')).backgroundColor") == "rgb(219, 231, 251)"
-    assert b.run("document.getElementById('shown').textContent") == "3 of 3 columns, 4 features"
-    page("aligned.html")  # loads cleanly too
+    assert b.run("document.getElementById('shown').textContent") == "4 of 4 columns, 4 features"
+    b = page("aligned.html")  # suite 0.1.0 only: vllm alone ran 0.0.9
+    assert b.run(f"{COLUMNS}.map(th => th.dataset.engine + ' ' + th.dataset.suite)") == [
+        "openvino 0.1.0", "sglang 0.1.0", "vllm 0.1.0"]
 
 
 def test_the_filters_choose_columns_and_rows(page):
@@ -98,10 +105,10 @@ def test_the_filters_choose_columns_and_rows(page):
     b.run("const t = document.getElementById('filter-status'); t.value = 'failed';"
           "t.dispatchEvent(new Event('change')); 0")
     assert b.run(f"{ROWS}.map(tr => tr.dataset.feature)") == ["mixed_batch/nearest_reference_routing"]
-    assert b.run("document.getElementById('shown').textContent") == "1 of 3 columns, 1 features"
+    assert b.run("document.getElementById('shown').textContent") == "1 of 4 columns, 1 features"
     # The query string chooses the same on load (a filtered view can be linked).
     b = page("index.html?device=cuda&status=waived")
-    assert b.run(f"{COLUMNS}.map(th => th.dataset.engine)") == ["vllm"]
+    assert b.run(f"{COLUMNS}.map(th => th.dataset.engine)") == ["vllm", "vllm"]
     assert b.run(f"{ROWS}.map(tr => tr.dataset.feature)") == ["dora/dora"]
     assert b.run("document.getElementById('view-aligned').search") == "?device=cuda&status=waived"
 
@@ -135,3 +142,40 @@ def test_a_tampered_report_is_marked(page):
     b = page("r/openvino-cpu.html")
     banner = b.run("document.querySelector('.sb-banner').innerText")
     assert "tampered" in banner and "signature does not match" in banner
+
+
+def test_a_revoked_report_is_struck_through_with_its_reason(page):
+    b = page("index.html")
+    th = b.run("(() => { const th = document.querySelector('#board th.revoked');"
+               "return [th.className, getComputedStyle(th.querySelector('a')).textDecorationLine,"
+               "th.querySelector('.why').textContent,"
+               "getComputedStyle(document.querySelector('#board td.revoked .status')).textDecorationLine]; })()")
+    assert th == ["col integrity-unverified revoked", "line-through", "revoked: ran a patched build", "line-through"]
+
+
+@pytest.fixture(scope="module")
+def stored_site(tmp_path_factory):
+    """The site of the stored reports (reports/), as the workflow builds it."""
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("stored") / "site"
+    b = build.read_board(Path(__file__).resolve().parents[1] / "reports")
+    build.write_site(b, out)
+    return out, b
+
+
+def test_the_stored_reports_site_renders_and_every_failure_link_resolves(browser, stored_site):
+    site_dir, b = stored_site
+    browser.events.clear()
+    browser.open((site_dir / "index.html").as_uri())
+    assert browser.run(f"{COLUMNS}.length") == len(b.columns)
+    tampered = browser.run(f"{COLUMNS}.filter(th => th.classList.contains('integrity-tampered')).length")
+    assert tampered == sum(c.integrity.tampered for c in b.columns)
+    links = browser.run("Array.from(document.querySelectorAll('#board td[data-status=failed] a')).map(a => a.href)")
+    assert links, "the stored reports have failed features (pick another example if none is left)"
+    for href in links:
+        browser.open(href)
+        target = browser.run("(() => { const t = document.querySelector(':target');"
+                             "return t && [t.className, t.closest('section.cause') !== null]; })()")
+        assert target == ["failure", True], href
+    assert browser.problems() == []

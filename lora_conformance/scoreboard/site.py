@@ -57,6 +57,7 @@ def _column_head(c: board.Entry) -> str:
             + f"<span>{escape(c.device)} · {escape(c.dtype)}</span>"
             f'<span class="suite">suite {escape(c.suite_version)}</span>'
             f'<span class="mode mode-{c.mode}">{mode}</span>'
+            f'<span class="verdict{" partial" if c.verdict.partial else ""}">{escape(c.verdict.status_text())}</span>'
             f'<span class="integrity">{escape(c.integrity.level)}</span>'
             f'<span class="counts">{escape(c.count_text())}</span>{revoked}</th>')
 
