@@ -2,14 +2,14 @@
 exactly as it was (same adapter list, bit-identical outputs for the base and every loaded adapter).
 
 The malformed adapters are made from a valid one by ``lora_conformance.adapters.malformed``
-(one broken thing each); the health check is ``lora_conformance.engine_health``.
+(one broken thing each); the health check is ``lora_conformance.judge.health``.
 """
 
 import pytest
 
 from lora_conformance.adapters.malformed import BAD_NAMES, MALFORMED, make_malformed
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_xpu_ci
-from lora_conformance.engine_health import assert_healthy, snapshot
+from lora_conformance.judge.health import assert_healthy, snapshot
 from lora_conformance.engines import EngineError, EngineFailure
 
 register_cpu_ci(est_time=20, suite="per-commit")

@@ -11,7 +11,6 @@ device string and hand over to the kind of its type, and resolve ``--device`` an
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 import os
 from typing import Any, Optional
@@ -49,12 +48,9 @@ _BUILTIN_DEVICE_PLUGINS = {"vdev": "lora_conformance.vdev:register"}
 
 def device_plugins() -> dict[str, str]:
     """Device type -> ``module:function`` that registers it with torch (entry points add to ours)."""
-    from importlib.metadata import entry_points
+    from lora_conformance.entry_points import targets
 
-    found = dict(_BUILTIN_DEVICE_PLUGINS)
-    for ep in entry_points(group=DEVICE_PLUGIN_GROUP):
-        found.setdefault(ep.name, ep.value)
-    return found
+    return targets(DEVICE_PLUGIN_GROUP, _BUILTIN_DEVICE_PLUGINS)
 
 
 def register_device_plugin(device_type_: str) -> bool:
@@ -66,9 +62,10 @@ def register_device_plugin(device_type_: str) -> bool:
     target = device_plugins().get(device_type_)
     if target is None:
         return False
-    module, _, attr = target.partition(":")
+    from lora_conformance.entry_points import load
+
     try:
-        register = getattr(importlib.import_module(module), attr or "register")
+        register = load(target, "register")
         register()
     except Exception as exc:  # noqa: BLE001 - a plugin's failure is the user's answer, said clearly
         raise DeviceError(f"device plugin {device_type_!r} ({target}) failed to register: {exc}") from exc

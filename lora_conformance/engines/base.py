@@ -119,6 +119,27 @@ class AdaptersInUse:
 # each with its type and meaning); each plugin maps them onto its own (``Engine.standard_args``).
 
 
+def replace_or_restore(name: str, new: Path, old: Optional[Path], unload: Callable[[], None],
+                       load: Callable[[Path], None], restorable: Callable[[], bool] = lambda: True,
+                       restore_errors: tuple = (EngineError,)) -> None:
+    """A transactional reload: ``load(new)`` as ``name``, unloading the loaded one first (``old``:
+    its directory, None when ``name`` is new); when the engine refuses the new one (EngineError),
+    ``load(old)`` puts the previous adapter back (where ``restorable()``: an engine that died of the
+    refusal is not asked), and an engine that cannot do even that is broken (EngineFailure)."""
+    if old is not None:
+        unload()
+    try:
+        load(new)
+    except EngineError:
+        if old is not None and restorable():
+            try:
+                load(old)
+            except restore_errors as exc:
+                raise EngineFailure(f"reloading {name!r} from {new} was refused and the previous adapter from "
+                                    f"{old} could not be restored: {exc}") from exc
+        raise
+
+
 def only(engine: str, key: str, supported: str) -> Callable[[str], dict[str, str]]:
     """A standard arg the engine has no knob for: accept only the value it always behaves as."""
     from lora_conformance.engines.args import Only

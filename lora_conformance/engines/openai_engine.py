@@ -95,6 +95,7 @@ from lora_conformance.engines.base import (
     RequestHandle,
     UnsupportedFeatureError,
     only,
+    replace_or_restore,
 )
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
@@ -399,18 +400,9 @@ class OpenAIEngine(Engine):
             validate_name(name)
             validate_adapter(Path(path), self.model_dir, self.limits.max_rank, self.dtype)
         old = self._adapters.get(name)
-        if old is not None:
-            self.unload_adapter(name)  # servers refuse a loaded name; a reload must be fresh
-        try:
-            self._load_on_server(name, path, pinned)
-        except EngineError:
-            if old is not None:
-                try:
-                    self._load_on_server(name, Path(old), pinned)
-                except EngineError as exc:
-                    raise EngineFailure(f"reloading {name!r} from {path} was refused and the previous adapter "
-                                        f"from {old} could not be restored: {exc}") from exc
-            raise
+        # Servers refuse a loaded name: a reload unloads first, and a refused one puts the old back.
+        replace_or_restore(name, Path(path), None if old is None else Path(old), lambda: self.unload_adapter(name),
+                           lambda p: self._load_on_server(name, p, pinned))
 
     def _load_on_server(self, name: str, path: Path, pinned: bool) -> None:
         try:

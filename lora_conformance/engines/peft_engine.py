@@ -58,10 +58,10 @@ from lora_conformance.engines.base import (
     AdapterNotLoadedError,
     Capability,
     Engine,
-    EngineError,
     EngineFailure,
     Limits,
     UnsupportedFeatureError,
+    replace_or_restore,
 )
 from lora_conformance.engines.args import arg
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
@@ -156,18 +156,10 @@ class PeftEngine(Engine):
         validate_adapter(Path(path), self.model_dir, MAX_RANK, self.dtype)
         info = read_adapter_info(Path(path))
         old = self._adapters.get(name)
-        if old is not None:
-            self.unload_adapter(name)  # replace: the new weights must not mix with the old
-        try:
-            self._load_into_peft(name, Path(path), info)
-        except EngineError:
-            if old is not None:
-                try:
-                    self._load_into_peft(name, old.path, old)
-                except Exception as exc:
-                    raise EngineFailure(f"peft engine: reloading {name!r} from {path} failed and the previous "
-                                        f"adapter from {old.path} could not be restored ({exc})") from exc
-            raise
+        # Replace: the new weights must not mix with the old; a refused one puts the old back.
+        replace_or_restore(name, Path(path), None if old is None else old.path, lambda: self.unload_adapter(name),
+                           lambda p: self._load_into_peft(name, p, info if old is None or p != old.path else old),
+                           restore_errors=(Exception,))
 
     def _load_into_peft(self, name: str, path: Path, info: AdapterInfo) -> None:
         from peft import LoraConfig, PeftModel

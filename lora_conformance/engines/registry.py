@@ -10,12 +10,11 @@ A third-party engine registers itself in its own package::
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Mapping, Union
 
 from lora_conformance.engines.base import Engine
+from lora_conformance.entry_points import load, targets
 
 GROUP = "lora_conformance.engines"
 
@@ -37,10 +36,7 @@ class UnknownEngineError(LookupError):
 
 def available_engines() -> dict[str, str]:
     """Engine name -> ``module:attr`` target, entry points overriding nothing of ours."""
-    found = dict(_BUILTIN)
-    for ep in entry_points(group=GROUP):
-        found.setdefault(ep.name, ep.value)
-    return found
+    return targets(GROUP, _BUILTIN)
 
 
 def check_engine_name(name: str) -> str:
@@ -49,14 +45,6 @@ def check_engine_name(name: str) -> str:
     if name not in available_engines() and ":" not in name:
         raise ValueError(f"expected one of {', '.join(sorted(available_engines()))}, or module:Class")
     return name
-
-
-def _load_target(target: str):
-    module, _, attr = target.partition(":")
-    obj = importlib.import_module(module)
-    for part in attr.split(".") if attr else []:
-        obj = getattr(obj, part)
-    return obj
 
 
 def engine_class(name: str) -> type[Engine]:
@@ -74,7 +62,7 @@ def engine_class(name: str) -> type[Engine]:
                 f"unknown engine {name!r}; {hint}registered engines: {', '.join(sorted(engines))} "
                 f"(or give module:Class; `lora-conformance engines` lists them)"
             )
-    cls = _load_target(target)
+    cls = load(target)
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
         raise UnknownEngineError(f"engine {name!r} resolves to {target!r}, which is not an Engine subclass")
     return cls

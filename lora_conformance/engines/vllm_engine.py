@@ -79,6 +79,7 @@ from lora_conformance.engines.base import (
     RequestHandle,
     UnsupportedFeatureError,
     only,
+    replace_or_restore,
 )
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
@@ -499,19 +500,12 @@ class VllmEngine(Engine):
             validate_name(name)
             validate_adapter(Path(path), self.model_dir, self.max_lora_rank, self.dtype)
         info = read_adapter_info(Path(path))
-        old = self._infos.get(name)
-        if name in self._ids:
-            self.unload_adapter(name)  # a new id, or vLLM would keep serving the cached weights
-        try:
-            self._add(name, info, pinned)
-        except EngineError:
-            if old is not None and self._dead is None:
-                try:
-                    self._add(name, old, False)
-                except EngineError as exc:
-                    raise EngineFailure(f"reloading {name!r} from {path} was refused and the previous adapter "
-                                        f"from {old.path} could not be restored: {exc}") from exc
-            raise
+        old = self._infos.get(name) if name in self._ids else None
+        # A new id (or vLLM would keep serving the cached weights); a refused one puts the old back,
+        # unless the engine died of it.
+        replace_or_restore(name, Path(path), None if old is None else old.path, lambda: self.unload_adapter(name),
+                           lambda p: self._add(name, info, pinned) if old is None or p != old.path
+                           else self._add(name, old, False), restorable=lambda: self._dead is None)
 
     def _add(self, name: str, info: AdapterInfo, pinned: bool) -> None:
         self._ids[name], self._infos[name] = self._next_id, info
