@@ -146,6 +146,9 @@ def run(args) -> int:
     except Refused as exc:
         print(f"lora-conformance submit: refused: {exc}", file=sys.stderr)
         return REFUSED_EXIT
+    except OSError as exc:  # the output directory cannot be written
+        print(f"lora-conformance submit: error: {exc}", file=sys.stderr)
+        return REFUSED_EXIT
     print(f"wrote {len(paths)} files under {args.output}: open a pull request to the scoreboard repository with "
           f"them; its description is {paths['description']}")
     return 0

@@ -194,6 +194,30 @@ def test_a_malformed_revocation_list_is_an_error_naming_the_entry_and_field(tmp_
     assert str(path) in str(exc.value) and words in str(exc.value)
 
 
+@pytest.mark.parametrize("bad, words", [
+    ("key", "not a PEM public key"), ("revoked", "entry 1: field 'reason' is missing"),
+    ("output", "exists and is not a directory"), ("keys option", "no such file or directory"),
+])
+def test_scoreboard_bad_input_is_one_error_naming_the_file(tmp_path, capsys, bad, words):
+    root = _tree(tmp_path, {"a.json": R.report()})
+    args = argparse.Namespace(reports=root, output=tmp_path / "site", keys=None, revoked=None)
+    if bad == "key":
+        (root / "keys").mkdir()
+        (root / "keys" / "vendor.pub").write_text("not a key")
+        named = root / "keys" / "vendor.pub"
+    elif bad == "revoked":
+        named = root / "revoked.toml"
+        named.write_text(f'[[revoked]]\ndigest = "{"a" * 64}"\n')
+    elif bad == "output":
+        named = args.output
+        named.write_text("a file, not a directory")
+    else:
+        named = args.keys = tmp_path / "nope"
+    assert scoreboard_cli.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lora-conformance scoreboard: error: ") and str(named) in err and words in err, err
+
+
 def test_the_stored_reports_build(tmp_path):
     """``scoreboard reports/`` reads every stored report, of every age and schema: none unreadable,
     each checked, the one committed with a digest mismatch marked tampered, schema 1 ones legacy."""

@@ -91,6 +91,8 @@ def write_site(b: Board, out_dir: Path) -> dict[str, Path]:
         path.write_text(text, encoding="utf-8")
 
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"{out_dir}: exists and is not a directory; the site is a directory of files")
     (out_dir / "r").mkdir(parents=True, exist_ok=True)
     here = Path(__file__).parent
     for name in ASSETS:

@@ -29,7 +29,7 @@ def run(args) -> int:
     try:
         b = read_board(args.reports, args.keys, args.revoked)
         paths = write_site(b, args.output)
-    except (FileNotFoundError, RevocationListError, SignatureError) as exc:
+    except (OSError, RevocationListError, SignatureError) as exc:
         print(f"lora-conformance scoreboard: error: {exc}", file=sys.stderr)
         return 2
     levels = {}
