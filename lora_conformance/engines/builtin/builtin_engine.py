@@ -35,6 +35,8 @@ class BuiltinEngine(Engine):
     Args = EngineArgs
     standard_args = {"tensor_parallel": Rename("tensor_parallel_size")}
     requires = ("torch",)
+    base_quantizations = {"int8": "its own int8 weight-only linear, per output channel, dequantised in the matmul "
+                                  "(layers/int8_linear.py)"}
 
     @classmethod
     def parse_args(cls, raw, source="the engine's arguments"):
