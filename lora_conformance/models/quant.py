@@ -145,9 +145,10 @@ def _unpack_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def quantize_q4_k(w: np.ndarray) -> dict[str, np.ndarray]:
     """Rows of Q4_K super-blocks (144 bytes per 256 weights), written from the GGUF block layout:
-    per sub-block j of 32, its range over 15 levels and its min (at most 0, stored as a positive
-    m_j subtracted), both as 6-bit multiples of the super-block's float16 ``d`` / ``dmin``. The
-    nibbles are computed from the *stored* (rounded) scales, so dequantising is the nearest grid."""
+    per sub-block j of 32, its range over 15 levels (rounded up to a 6-bit multiple of the
+    super-block's float16 ``d``, so its top never clips) and its min (at most 0, stored as a
+    positive 6-bit multiple m_j of ``dmin``, subtracted). The nibbles are computed from the
+    *stored* scales: each weight is off by at most half its sub-block's step plus half ``dmin``."""
     w = np.asarray(w, dtype=np.float32)
     b = _blocks(w, QK_K, "q4_k").reshape(-1, 8, 32)
     lo = np.minimum(b.min(axis=2), 0).astype(np.float32)  # (n, 8)
@@ -157,7 +158,7 @@ def quantize_q4_k(w: np.ndarray) -> dict[str, np.ndarray]:
     dmin = ((-lo).max(axis=1) / np.float32(63)).astype(np.float16)
     d32, dmin32 = d.astype(np.float32), dmin.astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d32[:, None] > 0, np.rint(scale_j / d32[:, None]), 0)
+        sc = np.where(d32[:, None] > 0, np.ceil(scale_j / d32[:, None]), 0)  # up: the top never clips
         mn = np.where(dmin32[:, None] > 0, np.rint(-lo / dmin32[:, None]), 0)
     sc, mn = np.clip(sc, 0, 63).astype(np.uint8), np.clip(mn, 0, 63).astype(np.uint8)
     step = d32[:, None] * sc.astype(np.float32)  # (n, 8)
@@ -191,7 +192,9 @@ def _quantize_asym(w: np.ndarray, levels: int) -> dict[str, np.ndarray]:
     zero point and codes come from the *stored* float16 scale."""
     lo = np.minimum(w.min(axis=1, keepdims=True), 0)
     hi = np.maximum(w.max(axis=1, keepdims=True), 0)
-    scale = ((hi - lo) / np.float32(levels)).astype(np.float16)
+    exact = (hi - lo) / np.float32(levels)
+    scale = exact.astype(np.float16)
+    scale = np.where(scale.astype(np.float32) < exact, np.nextafter(scale, np.float16(np.inf)), scale)  # up: no clip
     s = scale.astype(np.float32)
     safe = np.where(s == 0, np.float32(1), s)
     zp = np.clip(np.rint(-lo / safe), 0, levels).astype(np.uint8)
