@@ -25,7 +25,12 @@ def weights(rows=48, cols=512, seed=0, std=0.05):
 
 
 def test_option_choices_are_the_schemes():
+    from lora_conformance.options import BY_NAME
+
     assert tuple(quant.SCHEMES) == BASE_QUANT_SCHEMES
+    option = BY_NAME["base_quant"]
+    assert option.choices == BASE_QUANT_SCHEMES and option.default == "none"
+    assert option.flag == "--base-quant" and option.env == "LORA_CONFORMANCE_BASE_QUANT"
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -182,3 +187,22 @@ def test_engines_refuse_schemes_they_do_not_hold(float_base, tmp_path):
         PeftEngine.check_base_quant(q4)
     assert BuiltinEngine.check_base_quant(quant.snapped_checkpoint(float_base, "int8", tmp_path)) == "int8"
     assert PeftEngine.check_base_quant(float_base) == "none"
+
+
+def test_the_report_names_the_scheme_and_how_the_reference_was_made():
+    from types import SimpleNamespace
+
+    from lora_conformance.report.environment import fingerprint
+    from lora_conformance.report.markdown import environment_rows, rerun_command
+
+    settings = SimpleNamespace(device="cpu", engine="llamacpp", engine_args={}, dtype="bfloat16",
+                               reference_device="cpu", reference_dtype="float32", base_model="synthetic:llama",
+                               base_quant="q4_k")
+    env = fingerprint(settings, {"device": {"device_name": "test cpu"}})
+    assert env["base_quant"]["scheme"] == "q4_k" and "dequantised" in env["base_quant"]["reference"]
+    rows = dict(environment_rows(env))
+    assert rows["base quantisation"].startswith("q4_k: GGUF Q4_K")
+    assert "HF transformers + PEFT on the dequantised base" in rows["reference made by"]
+    assert "--base-quant=q4_k" in rerun_command(env, "suites/test_accuracy.py::x")
+    plain = fingerprint(SimpleNamespace(**{**vars(settings), "base_quant": "none"}), {"device": {"device_name": "c"}})
+    assert plain["base_quant"] is None and "base quantisation" not in dict(environment_rows(plain))
