@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import pytest
 
 from lora_conformance.checkpoints import DTYPE_NAMES
+from lora_conformance.models import BASE_QUANT_SCHEMES
 from lora_conformance.settings import Settings, default_cache_dir
 
 GROUP = "lora-conformance"
@@ -52,6 +53,8 @@ OPTIONS: tuple[Option, ...] = (
         "synthetic:llama, synthetic:moe, synthetic:encoder, or a local HF checkpoint directory",
         "synthetic:llama",
     ),
+    Option("base_quant", "--base-quant", "the base model quantised by this scheme, the LoRA in float; the reference is "
+           "HF + PEFT on the dequantised base (docs/quantized-bases.md)", "none", choices=BASE_QUANT_SCHEMES),
     Option("dtype", "--dtype", "dtype of the engine under test (default: float32 on cpu, bfloat16 elsewhere)",
            None, choices=DTYPE_NAMES),
     Option("reference_device", "--reference-device", "device of the HF+PEFT reference", "cpu"),
@@ -199,6 +202,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
         engine=r["engine"],
         engine_args=r["engine_arg"] or {},
         base_model=r["base_model"],
+        base_quant=r["base_quant"],
         dtype=r["dtype"] or devices.default_dtype_for(device),
         reference_device=r["reference_device"],
         reference_dtype=r["reference_dtype"],

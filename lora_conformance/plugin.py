@@ -134,7 +134,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     versions = package_versions()
     lines = [
         f"lora-conformance: engine={s.engine} device={s.device} ({device_info(s.device)['device_name']}) dtype={s.dtype} "
-        f"base-model={s.base_model}",
+        f"base-model={s.base_model}" + ("" if s.base_quant == "none" else f" base-quant={s.base_quant}"),
         f"lora-conformance: reference={s.reference_device}/{s.reference_dtype} cache={s.cache_dir} "
         f"engine-args={json.dumps(s.engine_args, sort_keys=True)}",
         "lora-conformance: " + " ".join(f"{k}={versions[k]}" for k in ("torch", "transformers", "peft")),

@@ -35,6 +35,7 @@ class Settings:
     test_timeout: float = 0.0  # seconds per test phase (0: no budget; see lora_conformance.time_budget)
     threads: Any = None  # parallel.ThreadShare: torch threads of this process, and why
     sources: dict[str, str] = field(default_factory=dict)
+    base_quant: str = "none"  # models.quant scheme of the decoder bases (none: float)
 
     @property
     def device_type(self) -> str:
@@ -46,6 +47,7 @@ class Settings:
             "engine": self.engine,
             "engine_args": dict(self.engine_args),
             "base_model": self.base_model,
+            "base_quant": self.base_quant,
             "dtype": self.dtype,
             "reference_device": self.reference_device,
             "reference_dtype": self.reference_dtype,

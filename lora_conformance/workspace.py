@@ -38,8 +38,17 @@ class Workspace:
         if spec not in self._model_dirs:
             from lora_conformance.models import resolve_base_model
 
-            self._model_dirs[spec] = resolve_base_model(spec, self.settings.cache_dir / "models")
+            self._model_dirs[spec] = self._quantized(resolve_base_model(spec, self.settings.cache_dir / "models"))
         return self._model_dirs[spec]
+
+    def _quantized(self, model_dir: Path) -> Path:
+        """--base-quant: a decoder base snapped through its scheme (models/quant.py); encoders stay float."""
+        scheme = self.settings.base_quant
+        if scheme == "none" or self.kind_of(model_dir) == "encoder":
+            return model_dir
+        from lora_conformance.models.quant import snapped_checkpoint
+
+        return snapped_checkpoint(model_dir, scheme, self.settings.cache_dir / "models" / "quantized")
 
     def kind_of(self, model_dir: Path) -> str:
         if model_dir not in self._kinds:

@@ -173,6 +173,11 @@ class Engine(ABC):
     # file on one pytest-xdist worker (--dist loadfile), so an engine with a file's settings starts
     # once, not once per worker.
     slow_start: ClassVar[bool] = False
+    # Quantised bases (--base-quant, models/quant.py) this engine holds as quantised, scheme -> how.
+    # Any other scheme is refused at start (UnsupportedFeatureError: the run's tests are *not
+    # certified*, with this engine's list as the reason): an engine that would load the snapped
+    # checkpoint's dequantised float weights would certify a float base under a quantised name.
+    base_quantizations: ClassVar[Mapping[str, str]] = {}
 
     @classmethod
     def parse_args(cls, raw: Mapping[str, str], source: "str | Mapping[str, str]" = "the engine's arguments") -> Any:
@@ -218,6 +223,20 @@ class Engine(ABC):
         self.device = device
         self.dtype = dtype
         self.args = dict(args)
+        self.base_quant = self.check_base_quant(self.model_dir)
+
+    @classmethod
+    def check_base_quant(cls, model_dir: Path) -> str:
+        """The base quantisation of ``model_dir`` ('none': float), or UnsupportedFeatureError where
+        this engine does not hold that scheme (``base_quantizations``)."""
+        from lora_conformance.models.quant import scheme_of
+
+        scheme = scheme_of(model_dir)
+        if scheme != "none" and scheme not in cls.base_quantizations:
+            held = "; ".join(f"{k}: {v}" for k, v in cls.base_quantizations.items()) or "none (float bases only)"
+            raise UnsupportedFeatureError(f"engine {cls.name!r} cannot hold a {scheme} quantised base "
+                                          f"(--base-quant {scheme}); the schemes it holds: {held}")
+        return scheme
 
     # adapters
     @abstractmethod

@@ -158,6 +158,47 @@ def _vocab(model_dir: Path, size: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+class QuantizedBase:
+    """A quantised checkpoint's GGUF blocks (models/quant.py: q8_0, q4_k), written as they are
+    stored, so llama.cpp holds exactly the blocks the reference's weights dequantise from. A float
+    checkpoint has none; another scheme is the engine's refusal (``Engine.check_base_quant``)."""
+
+    GGML = {"q8_0": "Q8_0", "q4_k": "Q4_K"}
+    FILE_TYPES = {"q8_0": "MOSTLY_Q8_0", "q4_k": "MOSTLY_Q4_K_M"}
+
+    def __init__(self, scheme: str, blocks: Mapping, inputs: list):
+        self.scheme, self.blocks, self.inputs = scheme, blocks, inputs
+
+    @classmethod
+    def of(cls, model_dir: Path) -> "QuantizedBase":
+        from lora_conformance.models import quant
+
+        scheme = quant.scheme_of(model_dir)
+        if scheme == "none":
+            return cls(scheme, {}, [])
+        if scheme not in cls.GGML:
+            raise UnsupportedFeatureError(f"engine 'llamacpp': our converter writes GGUF blocks for "
+                                          f"{', '.join(cls.GGML)}, not {scheme!r}")
+        blocks = {name: t["blocks"] for name, t in quant.load_quantized(model_dir).items()}
+        return cls(scheme, blocks, [model_dir / quant.MANIFEST, model_dir / quant.QUANTIZED_FILE])
+
+    @property
+    def suffix(self) -> str:
+        return "" if self.scheme == "none" else f"-{self.scheme}"
+
+    def file_type(self):
+        import gguf
+
+        return getattr(gguf.LlamaFileType, self.FILE_TYPES[self.scheme]) if self.blocks else None
+
+    def add(self, writer, name: str, blocks) -> None:
+        import gguf
+        import numpy as np
+
+        writer.add_tensor(name, np.ascontiguousarray(blocks),
+                          raw_dtype=getattr(gguf.GGMLQuantizationType, self.GGML[self.scheme]))
+
+
 def convert_model(model_dir: Path, cache_dir: Path, weight_type: str) -> Path:
     """``model_dir`` (an HF llama / qwen2 checkpoint) as a GGUF file with weights in ``weight_type``."""
     import gguf
@@ -168,7 +209,9 @@ def convert_model(model_dir: Path, cache_dir: Path, weight_type: str) -> Path:
     config = checkpoints.read_model_config(model_dir)
     arch = arch_of(config)
     inputs = [model_dir / "config.json", model_dir / "tokenizer.json", *sorted(model_dir.glob("*.safetensors"))]
-    final = Path(cache_dir) / f"{model_dir.name}-{_digest(inputs, weight_type)}-{weight_type}.gguf"
+    quantized = QuantizedBase.of(model_dir)
+    inputs += quantized.inputs
+    final = Path(cache_dir) / f"{model_dir.name}-{_digest(inputs, weight_type)}-{weight_type}{quantized.suffix}.gguf"
 
     def write(tmp: Path) -> None:
         n_head = int(config["num_attention_heads"])
@@ -180,8 +223,9 @@ def convert_model(model_dir: Path, cache_dir: Path, weight_type: str) -> Path:
         vocab_size = int(config["vocab_size"])
         w = gguf.GGUFWriter(str(tmp), arch)
         w.add_name(model_dir.name)
-        w.add_file_type({"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
-                         "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[weight_type])
+        w.add_file_type(quantized.file_type() or {"float32": gguf.LlamaFileType.ALL_F32,
+                                                  "float16": gguf.LlamaFileType.MOSTLY_F16,
+                                                  "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[weight_type])
         w.add_context_length(int(config.get("max_position_embeddings", 2048)))
         w.add_embedding_length(hidden)
         w.add_block_count(int(config["num_hidden_layers"]))
@@ -214,9 +258,14 @@ def convert_model(model_dir: Path, cache_dir: Path, weight_type: str) -> Path:
             except KeyError:
                 raise UnsupportedFeatureError(f"engine 'llamacpp': our converter has no GGUF name for {name}") from None
             heads = _heads_to_interleave(config, arch, target)
+            if name in quantized.blocks:  # the stored blocks, as they are: rows move with their blocks
+                array = quantized.blocks[name]
             if heads is not None:
                 array = interleave_heads(array, heads)
-            _add(w, f"{target}.{kind}", array, weight_type)
+            if name in quantized.blocks:
+                quantized.add(w, f"{target}.{kind}", array)
+            else:
+                _add(w, f"{target}.{kind}", array, weight_type)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

@@ -122,6 +122,9 @@ class LlamaCppArgs:
     max_rank: int = arg(256, "the largest adapter rank accepted (llama.cpp has no limit of its own)", minimum=1)
     flash_attn: Optional[str] = arg(None, "llama.cpp's flash attention: auto, on or off (default: off in float32, "
                                           "llama.cpp's auto otherwise)", choices=("auto", "on", "off"))
+    extra_bufts: bool = arg(True, "llama.cpp's use_extra_bufts: repacked weight buffers (AMX, CPU_REPACK) for quantised "
+                                  "weights, llama.cpp's default; off: the plain CPU buffers (docs/quantized-bases.md: "
+                                  "the AMX path segfaults in llama_decode on a Q8_0 / Q4_K base on our AMX host)")
 
 
 CAPABILITIES = frozenset({Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.RANK_PATTERN,
@@ -133,6 +136,8 @@ class LlamaCppEngine(Engine):
     Args = LlamaCppArgs
     requires = ("llama_cpp", "gguf")
     extra = "llamacpp"
+    base_quantizations = {"q8_0": "GGUF Q8_0 blocks written by our converter (llamacpp_convert.QuantizedBase)",
+                          "q4_k": "GGUF Q4_K blocks written by our converter (llamacpp_convert.QuantizedBase)"}
     standard_args = {
         "max_loras_per_batch": only(name, "max_loras_per_batch", "1"),
         "max_loaded_loras": Ignore("no bound: adapters stay loaded until unloaded"),
@@ -200,6 +205,7 @@ class LlamaCppEngine(Engine):
         llama_cpp.llama_backend_init()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 0 if kind == "cpu" else 999
+        mp.use_extra_bufts = a.extra_bufts
         mark = _log_mark()
         self._model = llama_cpp.llama_model_load_from_file(str(gguf_file).encode(), mp)
         if not self._model:
@@ -223,7 +229,8 @@ class LlamaCppEngine(Engine):
         self.limits = self.declared_limits(a, self.model_dir, device)
         self._effective = {"n_ctx": self.n_ctx, "n_threads": self.n_threads, "flash_attn": flash,
                            "kv_cache_type (type_k, type_v)": dtype, "weights": dtype, "lora factors": "float32",
-                           "n_gpu_layers": mp.n_gpu_layers, "gguf": gguf_file.name}
+                           "n_gpu_layers": mp.n_gpu_layers, "gguf": gguf_file.name, "use_extra_bufts": a.extra_bufts,
+                           "base_quant": self.base_quant}
 
     # ---- adapters ----------------------------------------------------------------------
 
@@ -357,6 +364,10 @@ class LlamaCppEngine(Engine):
         if self._effective["flash_attn"] != "auto":
             differs["flash_attn"] = {"ours": self._effective["flash_attn"], "engine_default": "auto",
                                      "why": "llama.cpp's CPU flash attention computes in half precision"}
+        if not self._effective["use_extra_bufts"]:
+            differs["use_extra_bufts"] = {"ours": False, "engine_default": True,
+                                          "why": "asked for (engine arg extra_bufts=0): llama.cpp's AMX buffers segfault "
+                                                 "on a quantised base on this host (ggml-org/llama.cpp#20824)"}
         return {"effective": dict(self._effective), "differs_from_engine_default": differs,
                 "not_declared": {c.value: why for c, why in NOT_DECLARED.items()}}
 

@@ -67,8 +67,11 @@ def converted_model(model_dir: Path, cache_root: Path) -> Path:
     from lora_conformance.fileio import build_directory_once
     from lora_conformance.models import content_hash
 
+    from lora_conformance.models.quant import scheme_of
+
     check_convertible(model_dir)
-    key = f"{content_hash(model_dir)[:16]}-v{CONVERTER_VERSION}"
+    scheme = scheme_of(model_dir)
+    key = f"{content_hash(model_dir)[:16]}-v{CONVERTER_VERSION}" + ("" if scheme == "none" else f"-{scheme}")
     return build_directory_once(Path(cache_root) / key, lambda d: all((d / f).is_file() for f in IR_FILES),
                                 lambda tmp: convert(Path(model_dir), tmp))
 
@@ -80,6 +83,7 @@ def convert(model_dir: Path, out: Path) -> None:
 
     cfg = check_convertible(model_dir)
     model = _trace(model_dir, cfg)
+    compress_weights(model, model_dir)
     ov.save_model(model, str(out / "openvino_model.xml"), compress_to_fp16=False)
     _convert_tokenizer(model_dir, out)
     for name in ("config.json", "generation_config.json"):
@@ -88,6 +92,56 @@ def convert(model_dir: Path, out: Path) -> None:
     if not (out / "generation_config.json").is_file():
         (out / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id")}))
+
+
+QUANTIZED_SCHEMES = ("ov_int8", "ov_int4")
+
+
+def compress_weights(ov_model, model_dir: Path) -> int:
+    """A quantised checkpoint (models/quant.py: ov_int8, ov_int4): each quantised weight's float
+    Constant replaced by OpenVINO's weight-compression subgraph over the *stored* codes, as NNCF
+    writes it: Constant(u8 | u4) -> Convert(f32) -> Subtract(zero point) -> Multiply(scale)
+    [-> Reshape, int4 groups] -> the MatMul. The plugin keeps such subgraphs compressed (its
+    MarkDequantization), so the device holds the codes; the scale is the stored float16 value
+    as f32, so (q - zp) * scale is exact in f32 and equals the reference's dequantised weight.
+    Returns how many weights were compressed (0 for a float checkpoint)."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from lora_conformance.models import quant
+
+    scheme = quant.scheme_of(model_dir)
+    if scheme == "none":
+        return 0
+    if scheme not in QUANTIZED_SCHEMES:
+        raise UnsupportedModelError(f"openvino engine: {model_dir}: base quantisation {scheme!r} (the converter "
+                                    f"writes {', '.join(QUANTIZED_SCHEMES)})")
+    stored = quant.load_quantized(model_dir)
+    constants = {op.get_friendly_name(): op for op in ov_model.get_ops() if op.get_type_name() == "Constant"}
+    done = 0
+    for name, t in stored.items():
+        const = constants.get(f"self.{name}")
+        if const is None:
+            raise UnsupportedModelError(f"openvino engine: no weight constant for {name} in the traced model")
+        out_f, in_f = (int(d) for d in const.get_output_shape(0))
+        if scheme == "ov_int8":
+            q = ops.constant(t["qweight"], dtype=ov.Type.u8)
+            zp, scale = t["zero_point"], t["scale"]
+        else:
+            groups = in_f // quant.INT4_GROUP
+            q = ops.constant(t["qweight"].reshape(out_f, groups, quant.INT4_GROUP), dtype=ov.Type.u4)
+            zp, scale = t["zero_point"].reshape(out_f, groups, 1), t["scale"].reshape(out_f, groups, 1)
+        zp_c = ops.convert(ops.constant(zp, dtype=ov.Type.u8 if scheme == "ov_int8" else ov.Type.u4), "f32")
+        w = ops.multiply(ops.subtract(ops.convert(q, "f32"), zp_c),
+                         ops.constant(scale.astype(np.float32), dtype=ov.Type.f32))
+        if scheme == "ov_int4":
+            w = ops.reshape(w, ops.constant(np.array([out_f, in_f], dtype=np.int64)), special_zero=False)
+        for target in list(const.output(0).get_target_inputs()):
+            target.replace_source_output(w.output(0))
+        done += 1
+    ov_model.validate_nodes_and_infer_types()
+    return done
 
 
 def _convert_tokenizer(model_dir: Path, out: Path) -> None:

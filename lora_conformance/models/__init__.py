@@ -13,6 +13,8 @@ from lora_conformance.settings import fixtures_dir
 
 # (stdlib only: the plugin validates --base-model with it) synthetic.DECODER_KINDS + encoder
 SYNTHETIC_KINDS = ("llama", "moe", "encoder", "llama-hd128", "llama-hd256", "qwen2")
+# --base-quant's choices (stdlib only, like the kinds): models.quant.SCHEMES describes each
+BASE_QUANT_SCHEMES = ("none", "int8", "q8_0", "q4_k", "ov_int8", "ov_int4")
 HASH_FILE = ".content_hash"
 _HASHED = ("config.json", "tokenizer.json", "tokenizer_config.json")
 

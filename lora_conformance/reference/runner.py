@@ -70,6 +70,18 @@ class ReferenceRunner:
         self._model_hash: Optional[str] = None
         self._adapter_hashes: dict[Path, str] = {}
         self._encoder: Optional[bool] = None
+        self._base_quant: Optional[dict] = None
+
+    @property
+    def base_quant(self) -> dict:
+        """Cache-key part of a quantised base (models/quant.py): its scheme and quantiser version,
+        beside the model hash of the dequantised weights; empty for a float base (keys unchanged)."""
+        if self._base_quant is None:
+            from lora_conformance.models.quant import read_manifest
+
+            m = read_manifest(self.model_dir)
+            self._base_quant = {} if m is None else {"base_quant": [m["scheme"], m["quant_version"]]}
+        return self._base_quant
 
     # ---- lazily loaded state --------------------------------------------------------
 
@@ -157,6 +169,7 @@ class ReferenceRunner:
             "dtype": self.dtype,
             "device_type": self.device.split(":")[0],
             "versions": _versions(),
+            **self.base_quant,
         })
 
     def generate(self, requests: Sequence[GenerationRequest],
@@ -246,7 +259,8 @@ class ReferenceRunner:
                           "adapter": None if adapter_path is None else self.adapter_hash(adapter_path),
                           "hypothesis": hyp.key(), "sequences": [list(map(int, s)) for s in sequences],
                           "positions": [list(map(int, p)) for p in positions], "ids": ids, "top": top,
-                          "dtype": self.dtype, "device_type": self.device.split(":")[0], "versions": _versions()})
+                          "dtype": self.dtype, "device_type": self.device.split(":")[0], "versions": _versions(),
+                          **self.base_quant})
             hit = self.cache.get(key)
             if hit is not None and isinstance(hit, dict) and isinstance(hit.get("rows"), list):
                 return [[{int(k): float(v) for k, v in row.items()} for row in seq] for seq in hit["rows"]]

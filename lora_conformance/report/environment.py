@@ -147,6 +147,7 @@ def fingerprint(settings: Any, extra: Optional[Mapping[str, Any]] = None) -> dic
             "dtype": getattr(settings, "reference_dtype", None),
         },
         "base_model": getattr(settings, "base_model", None),
+        "base_quant": _base_quant(getattr(settings, "base_quant", "none")),
         "packages": package_versions(),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -160,6 +161,15 @@ def fingerprint(settings: Any, extra: Optional[Mapping[str, Any]] = None) -> dic
     elif device.startswith("cpu"):
         env["device"]["device_name"] = _cpu_name()
     return _deep_merge(env, extra)
+
+
+def _base_quant(scheme: str) -> Optional[dict[str, str]]:
+    """The base quantisation and how the reference was made (None: a float base)."""
+    if scheme in (None, "none"):
+        return None
+    from lora_conformance.models import quant
+
+    return {"scheme": scheme, "description": quant.SCHEMES[scheme], "reference": quant.REFERENCE_NOTE}
 
 
 def column_key(env: Mapping[str, Any]) -> str:

@@ -71,6 +71,7 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("dtype", str(env.get("dtype"))),
         ("reference", f"{ref.get('device')} / {ref.get('dtype')}"),
         ("base model", str(env.get("base_model"))),
+        *_base_quant_rows(env.get("base_quant")),
         ("torch / transformers / peft", " / ".join(str(pk.get(n)) for n in ("torch", "transformers", "peft"))),
         ("pytest plugins", _plugins_cell(env.get("pytest_plugins"))),
         ("suite version", str(env.get("suite_version"))),
@@ -78,6 +79,14 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("git commit", str(env.get("git_commit") or "-")),
         ("date", str(env.get("date"))),
     ]
+
+
+def _base_quant_rows(quant: Any) -> list[tuple[str, str]]:
+    """A quantised base: its scheme, and how the reference was made."""
+    if not isinstance(quant, Mapping):
+        return []
+    return [("base quantisation", f"{quant.get('scheme')}: {quant.get('description')}"),
+            ("reference made by", str(quant.get("reference")))]
 
 
 def selection_rows(report: Mapping[str, Any], verdict: Verdict) -> list[tuple[str, str]]:
@@ -130,6 +139,8 @@ def rerun_command(env: Mapping[str, Any], nodeid: str) -> str:
         parts.append(f"--dtype={env['dtype']}")
     if env.get("base_model") and env.get("base_model") != "synthetic:llama":
         parts.append(f"--base-model={env['base_model']}")
+    if isinstance(env.get("base_quant"), Mapping):
+        parts.append(f"--base-quant={env['base_quant'].get('scheme')}")
     return " ".join(shlex.quote(str(p)) for p in parts)
 
 

@@ -35,6 +35,8 @@ class BuiltinEngine(Engine):
     Args = EngineArgs
     standard_args = {"tensor_parallel": Rename("tensor_parallel_size")}
     requires = ("torch",)
+    base_quantizations = {"int8": "its own int8 weight-only linear, per output channel, dequantised in the matmul "
+                                  "(layers/int8_linear.py)"}
 
     @classmethod
     def parse_args(cls, raw, source="the engine's arguments"):
@@ -71,6 +73,9 @@ class BuiltinEngine(Engine):
         if self.cfg.graphs and self.cfg.tensor_parallel_size > 1:
             raise UnsupportedFeatureError("engine arg graphs=1 with tensor_parallel_size > 1: the builtin engine "
                                           "captures graphs on one device only; use graphs=0")
+        if self.base_quant != "none" and self.cfg.tensor_parallel_size > 1:
+            raise UnsupportedFeatureError(f"engine 'builtin': a {self.base_quant} base with tensor_parallel_size > 1 "
+                                          "(the shards are not cut from int8 codes)")
         self.workers = None
         if self.cfg.tensor_parallel_size > 1:
             plan, self.spec, self.fused_kernels, num_blocks, runner = self._start_ranks()

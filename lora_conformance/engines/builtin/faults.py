@@ -48,6 +48,11 @@ FAULTS: dict[str, str] = {
     "inflight_no_drain": "load / unload / reload of an adapter that running requests use neither waits nor refuses",
     "rotary_assumes_head_dim_64": "rotary frequencies are computed for head_dim 64 whatever the model's head_dim",
     "masked_prefill_padded_rows": "masked prefill routes packed token t by padded row t // longest (unequal prompts take a neighbour's adapter)",
+    # [quant] quantised-base faults: only an int8 base (--base-quant int8) has these code paths
+    "quant_delta_before_scale": "[quant] the LoRA delta is added to the int8 accumulator before the per-channel "
+                                "dequantisation scale, so it is scaled with the base",
+    "quant_lora_skipped": "[quant] layers with an int8 base apply no LoRA",
+    "quant_scale_of_channel_0": "[quant] every output channel of an int8 layer is dequantised with channel 0's scale",
     # [tp] sharding faults: only a tensor-parallel engine (tensor_parallel_size > 1) has these code paths
     "tp_scaling_per_shard": "[tp] row-parallel layers keep the scaled LoRA B on every rank: the delta, scaling "
                             "included, is added per shard before the all-reduce (tp times over)",

@@ -285,7 +285,7 @@ def build_rank(model_dir, device: str, dtype: str, cfg, tp=None):
     plan = EnginePlan.decide(cfg, device, tdt)  # fault, variant, LoRA path: decided once
     spec = load_spec(model_dir)
     max_len = max(cfg.max_model_len, 16)
-    model = build_model(model_dir, spec, max_len, device, tdt, plan.rope_exponent_dim, tp)
+    model = build_model(model_dir, spec, max_len, device, tdt, plan.rope_exponent_dim, tp, plan.quant)
     fused = kernels.select(device, cfg.kernels)
     kernels.attach(model, fused)
     bs = cfg.kv_block_size

@@ -18,6 +18,7 @@ from lora_conformance import devices
 from lora_conformance.checkpoints import scaling_rule
 from lora_conformance.engines.builtin.faults import DROPPABLE_LINEAR_MODULES, Faults
 from lora_conformance.engines.builtin.engine.sharding import ShardRules
+from lora_conformance.engines.builtin.layers.int8_linear import QuantRules
 from lora_conformance.engines.builtin.layers.lora import ExpertLora
 from lora_conformance.engines.builtin.variants import Variant
 
@@ -101,6 +102,7 @@ class EnginePlan:
     graphs_refresh_slots: bool = True  # graph replay writes the rows' slots every step
     wait_for_loads: bool = True  # the compute stream waits for the overlap-load event
     shards: ShardRules = ShardRules()  # how each tensor-parallel rank cuts an adapter (engine/sharding.py)
+    quant: QuantRules = QuantRules()  # how an int8 base applies its scale and LoRA (layers/int8_linear.py)
 
     @classmethod
     def decide(cls, cfg, device: str, dtype) -> "EnginePlan":
@@ -152,4 +154,6 @@ class EnginePlan:
             shards=ShardRules(b_rank_offset=1 if f.on("tp_b_shard_wrong_rank") else 0,
                               packed_as_one_block=f.on("tp_packed_slice_as_one_block"),
                               row_b_on_every_rank=f.on("tp_scaling_per_shard")),
+            quant=QuantRules(delta_before_scale=f.on("quant_delta_before_scale"),
+                             skip_lora=f.on("quant_lora_skipped"), one_scale=f.on("quant_scale_of_channel_0")),
         )

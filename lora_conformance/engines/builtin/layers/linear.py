@@ -105,12 +105,16 @@ class LinearGroup:
         self.part_starts = (0, 0)  # first output column of parts 2 and 3 (N where absent), for the expand kernel
         self._use_kernels = False  # decode LoRA through the fused kernels (layers/kernels.py)
         self._paths: Optional[dict] = None  # paths(): decided once per layout and kernel choice
+        self.quant = None  # layers/int8_linear.py's Int8Base: an int8 base (no float weight, never fused)
 
     # ---- layout --------------------------------------------------------------------
     def fuse(self, transposed: bool) -> None:
         """Once the checkpoint is loaded: one weight for the group; the parts' become views of it."""
         self.transposed = transposed
         self._paths = None
+        if self.quant is not None:  # the int8 codes are the weight: only the biases are joined
+            self.b_all = self._cat_bias(0)
+            return
         if self.fused or transposed:
             self._store(torch.cat([p.weight.data for p in self.parts]), self._cat_bias(0))
 
@@ -137,14 +141,14 @@ class LinearGroup:
         P, n_in = len(self.parts), self.in_features
         rows = num_slots * P * rank
         kw = dict(dtype=w.dtype, device=w.device)
-        if self.fused:  # A rides in the base weight: the base GEMM computes the shrink too
+        if self.fused and self.quant is None:  # A rides in the base weight: the base GEMM computes the shrink too
             w_all = torch.zeros(self.N + rows, n_in, **kw)
             w_all[: self.N] = self.wt[:, : self.N].t()
             self._store(w_all, self._cat_bias(rows))
             self.A = self.wt[:, self.N:].t()
         else:
             self.A = torch.zeros(rows, n_in, **kw)
-        if self.cat_input and not self.fused and not self.transposed:
+        if self.cat_input and not self.fused and not self.transposed and self.quant is None:
             # Bt rides under the base weight along K: (out, in + rows) row-major, read transposed as
             # the base GEMM reads (out, in). The part's weight and lora_Bt are views of it.
             p = self.parts[0]
@@ -205,11 +209,11 @@ class LinearGroup:
         (in, out)), fused parts, fused kernels. A forward only looks its batch's kind up here."""
         if self._paths is None:
             accel = not self.transposed
-            if self.fused:
+            if self.fused and self.quant is None:
                 masked_forward = self._fused_masked_accel if accel else self._fused_masked_cpu
             else:
                 masked_forward = None  # the base GEMM, then the masked delta
-            if self.use_kernels and not self.fused:
+            if self.use_kernels and len(self.parts) == 1:
                 masked = self._delta_kernels
             else:
                 masked = self._delta_masked if accel else self._delta_masked_cpu
@@ -222,6 +226,8 @@ class LinearGroup:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.N)
+        if self.quant is not None:
+            return self.quant.forward(self, x)
         batch = self._batch()
         if batch is None:
             return _mm(x, *self._base())
@@ -235,6 +241,9 @@ class LinearGroup:
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out += self(x), in place."""
         out2, x2 = out.view(-1, self.N), x.reshape(-1, self.in_features)
+        if self.quant is not None:
+            out2.add_(self.quant.forward(self, x2))
+            return out
         wt, b = self._base()
         _addmm_(out2, x2, wt)
         if b is not None:

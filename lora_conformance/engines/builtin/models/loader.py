@@ -116,11 +116,11 @@ def pooling_mode(model_dir: Path) -> str:
 
 
 def build_model(model_dir: Path, spec: ModelSpec, max_len: int, device: str, dtype, rope_exponent_dim: int = 0,
-                tp=None):
+                tp=None, quant=None):
     """rope_exponent_dim: the dimension in rotary theta's exponent (0: the head dim; another only
     under fault rotary_assumes_head_dim_64, decided in engine/plan.py). tp: this rank's
     TensorParallel (layers/parallel.py), None on one device: each rank loads the whole checkpoint
-    and keeps its shard."""
+    and keeps its shard. quant: layers/int8_linear.QuantRules for an int8 base (None: correct)."""
     raw = read_safetensors(model_dir)
     if spec.kind == "encoder":
         from lora_conformance.engines.builtin.models.bert import Encoder
@@ -134,6 +134,9 @@ def build_model(model_dir: Path, spec: ModelSpec, max_len: int, device: str, dty
         tensors = normalise_decoder_names(raw)
     model.to(device)
     load_weights(model, tensors, spec, dtype)
+    from lora_conformance.engines.builtin.layers import int8_linear
+
+    int8_linear.attach(model, model_dir, quant or int8_linear.QuantRules(), dtype, tp)  # an int8 base: its codes
     # q/k/v and gate/up: one weight each, the modules' weights views of it; (in, out) storage on cpu
     fuse_linear_groups(model, transposed=devices.device_type(device) == "cpu")
     model.eval()
