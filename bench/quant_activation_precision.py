@@ -99,8 +99,9 @@ def main() -> None:
             return ref.context_logprobs(seqs, positions, adapter_path, top=1024)
         m = ref._model_for(adapter_path)
         with quantised_activations(m, a.scheme):
-            return ref._context_rows(seqs, positions, adapter_path, __import__(
-                "lora_conformance.adapter_hypotheses", fromlist=["correct"]).correct(), None, 1024)
+            from lora_conformance.judge.hypotheses import correct
+
+            return ref._context_rows(seqs, positions, adapter_path, correct(), None, 1024)
 
     def engine_rows(adapter):
         reqs = [GenerationRequest(prompt=t, max_new_tokens=1, top_k=20, adapter=adapter) for t in texts]
