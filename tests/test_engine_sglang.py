@@ -105,6 +105,25 @@ def test_defaults_pass_sglangs_own_checks(fake_sglang, model_dir):
     assert {Capability.OVERLAP_LOADING, Capability.PREFIX_CACHE, Capability.EVICTION_LRU} <= e.capabilities
 
 
+def test_sharing_key_resolves_what_sglang_fills_in(fake_sglang):
+    """One engine for args that start the same SGLang: the radix cache on, torch_native on cpu, lru, the
+    default max_loaded_loras; any value that changes the start is another engine."""
+    def key(args, device="cpu"):
+        return SGLangEngine.sharing_key(SGLangEngine.parse_args(args), None, device)
+
+    same = [{"prefix_cache": "1"}, {"eviction": "lru"}, {"lora_backend": "torch_native"},
+            {"attention_backend": "torch_native"}, {"max_loaded_loras": "16"}, {"disable_radix_cache": "0"}]
+    assert all(key(a) == key({}) for a in same), [a for a in same if key(a) != key({})]
+    other = [{"prefix_cache": "0"}, {"eviction": "fifo"}, {"chunked_prefill_size": "16"}, {"max_rank": "8"},
+             {"max_loras_per_batch": "2"}, {"mode": "served"}, {"max_total_tokens": "4096"}]
+    keys = [key(a) for a in other]
+    assert key({}) not in keys and len(set(keys)) == len(keys)
+    # off cpu nothing resolves to torch_native
+    assert key({}, "cuda") != key({"lora_backend": "torch_native"}, "cuda")
+    capacity = {"max_loras_per_batch": "2", "max_loaded_loras": "4"}
+    assert key(capacity) == key({**capacity, "eviction": "lru"})
+
+
 def test_bad_args(fake_sglang, model_dir):
     with pytest.raises(EngineError, match="unknown engine argument"):
         SGLangEngine(model_dir, "cpu", "float32", {"max_loras": "4"})
