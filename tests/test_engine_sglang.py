@@ -590,3 +590,28 @@ def test_real_sglang_settings_name_every_change(real):
     assert eff["attention_backend (SGLang's)"] == "torch_native" and eff["lora_backend (SGLang's)"] == "torch_native"
     assert eff["SGLANG_USE_CPU_ENGINE"] == "1"
     assert {"attention_backend", "lora_backend", "max_total_tokens"} <= set(differs)
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_real_sglang_closing_one_offline_engine_leaves_another_serving(ckpt):
+    """SGLang's Engine.shutdown() SIGKILLs every child of the host process (srt/entrypoints/engine.py:925),
+    the scheduler and detokenizer of every other engine in it too; the plugin's close ends only its own
+    engine's processes, so a certification's other engines (and one starting meanwhile) keep serving."""
+    import importlib
+
+    sys.modules.pop("sglang", None)
+    importlib.import_module("sglang")
+    first = SGLangEngine(ckpt["base"], "cpu", "float32", {})
+    second = SGLangEngine(ckpt["base"], "cpu", "float32", {"chunked_prefill_size": "16"})
+    try:
+        mine = {p.pid for p in first._children}
+        first.close()
+        assert all(p.exitcode is not None for p in first._children), "close left the engine's processes running"
+        assert not second._dead_children(wait=3.0), "closing one engine ended another engine's processes"
+        assert mine.isdisjoint(p.pid for p in second._children)
+        out = second.generate([GenerationRequest(PROMPTS[0], None, 2, 1)])
+        assert len(out[0].token_ids) == 2
+    finally:
+        first.close()
+        second.close()
