@@ -312,14 +312,14 @@ class SGLangEngine(Engine):
             return
         devices.set_start_method_for(device)  # SGLang on accelerators needs spawn
         saved = {k: os.environ.get(k) for k in ("PYTHONPATH", workaround.ENV)}
+        import multiprocessing
+
+        before = set(multiprocessing.active_children())
         try:
             if self.workaround:
                 # The scheduler and detokenizer SGLang spawns read these at their start; this
                 # process (the reference's, the tests') never gets the workaround.
                 os.environ.update(workaround.environment(dict(os.environ)))
-            import multiprocessing
-
-            before = set(multiprocessing.active_children())
             self.engine = sglang.Engine(**self.kwargs, custom_sigquit_handler=_sglang_child_failed)
             # SGLang's scheduler and detokenizer processes: a dead one means this engine cannot serve.
             self._children = [p for p in multiprocessing.active_children() if p not in before]
