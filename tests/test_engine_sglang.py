@@ -105,6 +105,25 @@ def test_defaults_pass_sglangs_own_checks(fake_sglang, model_dir):
     assert {Capability.OVERLAP_LOADING, Capability.PREFIX_CACHE, Capability.EVICTION_LRU} <= e.capabilities
 
 
+def test_sharing_key_resolves_what_sglang_fills_in(fake_sglang):
+    """One engine for args that start the same SGLang: the radix cache on, torch_native on cpu, lru, the
+    default max_loaded_loras; any value that changes the start is another engine."""
+    def key(args, device="cpu"):
+        return SGLangEngine.sharing_key(SGLangEngine.parse_args(args), None, device)
+
+    same = [{"prefix_cache": "1"}, {"eviction": "lru"}, {"lora_backend": "torch_native"},
+            {"attention_backend": "torch_native"}, {"max_loaded_loras": "16"}, {"disable_radix_cache": "0"}]
+    assert all(key(a) == key({}) for a in same), [a for a in same if key(a) != key({})]
+    other = [{"prefix_cache": "0"}, {"eviction": "fifo"}, {"chunked_prefill_size": "16"}, {"max_rank": "8"},
+             {"max_loras_per_batch": "2"}, {"mode": "served"}, {"max_total_tokens": "4096"}]
+    keys = [key(a) for a in other]
+    assert key({}) not in keys and len(set(keys)) == len(keys)
+    # off cpu nothing resolves to torch_native
+    assert key({}, "cuda") != key({"lora_backend": "torch_native"}, "cuda")
+    capacity = {"max_loras_per_batch": "2", "max_loaded_loras": "4"}
+    assert key(capacity) == key({**capacity, "eviction": "lru"})
+
+
 def test_bad_args(fake_sglang, model_dir):
     with pytest.raises(EngineError, match="unknown engine argument"):
         SGLangEngine(model_dir, "cpu", "float32", {"max_loras": "4"})
@@ -498,16 +517,23 @@ def test_real_sglang_matches_peft(ckpt, real):
 
 @needs_sglang
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="finding (docs/sglang.md): SGLang 0.5.15.post1 on cpu serves an adapter with "
-                                       "embed_tokens, lm_head, q_proj and v_proj LoRA beside plain adapters in one "
-                                       "batch with other tokens than PEFT (seen 19,19,19,19,49,37 for 37,10,35,55,55,19)")
+@pytest.mark.xfail(strict=True, reason="finding (docs/sglang.md, expectations/sglang-cpu.toml): SGLang 0.5.15.post1's "
+                                       "torch_native LoRA backend applies lm_head LoRA in a prefill batch with the whole "
+                                       "batch's token segments, not the pruned ones (torch_backend.py:66-101, 193-300): "
+                                       "the emb row, third in the batch, gets a1's lm_head delta (none)")
 def test_real_sglang_embedding_and_lm_head_adapter_in_a_mixed_batch(ckpt, real):
+    """The lm_head row's first token is computed from the pruned hidden states (one row per sequence),
+    which torch_native slices with the unpruned segments: row 2 falls inside a1's segment when a1's
+    prompt has three or more uncached tokens. A radix-cache hit shortens a row's segment to its
+    uncached tokens and can align the rows by chance (the served variant XPASSed before, when a1's
+    prompt was one an earlier test had served): the a1 prompt here is one no other test serves."""
     se, pe = real
     for n in ("a1", "emb"):
         se.load_adapter(n, ckpt[n])
         pe.load_adapter(n, ckpt[n])
     try:
-        reqs = [GenerationRequest(p, a, 6, 4) for p, a in zip(PROMPTS, ["a1", None, "emb"])]
+        prompts = [f"seven six five four three two one {se.cfg.mode}", PROMPTS[1], PROMPTS[2]]
+        reqs = [GenerationRequest(p, a, 6, 4) for p, a in zip(prompts, ["a1", None, "emb"])]
         for s, p, r in zip(se.generate(reqs), pe.generate(reqs), reqs):
             _assert_same(s, p, f"adapter {r.adapter}")
     finally:
@@ -571,3 +597,28 @@ def test_real_sglang_settings_name_every_change(real):
     assert eff["attention_backend (SGLang's)"] == "torch_native" and eff["lora_backend (SGLang's)"] == "torch_native"
     assert eff["SGLANG_USE_CPU_ENGINE"] == "1"
     assert {"attention_backend", "lora_backend", "max_total_tokens"} <= set(differs)
+
+
+@needs_sglang
+@pytest.mark.slow
+def test_real_sglang_closing_one_offline_engine_leaves_another_serving(ckpt):
+    """SGLang's Engine.shutdown() SIGKILLs every child of the host process (srt/entrypoints/engine.py:925),
+    the scheduler and detokenizer of every other engine in it too; the plugin's close ends only its own
+    engine's processes, so a certification's other engines (and one starting meanwhile) keep serving."""
+    import importlib
+
+    sys.modules.pop("sglang", None)
+    importlib.import_module("sglang")
+    first = SGLangEngine(ckpt["base"], "cpu", "float32", {})
+    second = SGLangEngine(ckpt["base"], "cpu", "float32", {"chunked_prefill_size": "16"})
+    try:
+        mine = {p.pid for p in first._children}
+        first.close()
+        assert all(p.exitcode is not None for p in first._children), "close left the engine's processes running"
+        assert not second._dead_children(wait=3.0), "closing one engine ended another engine's processes"
+        assert mine.isdisjoint(p.pid for p in second._children)
+        out = second.generate([GenerationRequest(PROMPTS[0], None, 2, 1)])
+        assert len(out[0].token_ids) == 2
+    finally:
+        first.close()
+        second.close()

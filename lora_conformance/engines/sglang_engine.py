@@ -65,6 +65,7 @@ prompt position, the first one None (dropped, so entry i predicts token i+1); to
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -108,6 +109,8 @@ CPU_BACKEND = "torch_native"  # the attention and LoRA backend SGLang can run on
 # On cpu SGLang sizes its KV pool from mem_fraction_static of the host's free memory (two engines of
 # the synthetic model held 12 GB on a 23 GB host); the suites need a few thousand tokens at most.
 CPU_MAX_TOTAL_TOKENS = 32768
+# SGLang's lora_eviction_policy when none is given (srt/server_args.py:2149-2155), for sharing_key.
+SGLANG_DEFAULT_EVICTION = "lru"
 # The largest answer read from the server (a batch with prompt logprobs is a few MiB).
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 
@@ -310,19 +313,21 @@ class SGLangEngine(Engine):
             return
         devices.set_start_method_for(device)  # SGLang on accelerators needs spawn
         saved = {k: os.environ.get(k) for k in ("PYTHONPATH", workaround.ENV)}
+        import multiprocessing
+
+        before = set(multiprocessing.active_children())
         try:
             if self.workaround:
                 # The scheduler and detokenizer SGLang spawns read these at their start; this
                 # process (the reference's, the tests') never gets the workaround.
                 os.environ.update(workaround.environment(dict(os.environ)))
-            import multiprocessing
-
-            before = set(multiprocessing.active_children())
             self.engine = sglang.Engine(**self.kwargs, custom_sigquit_handler=_sglang_child_failed)
             # SGLang's scheduler and detokenizer processes: a dead one means this engine cannot serve.
             self._children = [p for p in multiprocessing.active_children() if p not in before]
             self._guard_sigquit()
         except Exception as exc:  # start-up failures come in many types; all mean "cannot serve"
+            self._children = [p for p in multiprocessing.active_children() if p not in before]
+            self._end_leftovers()
             raise EngineFailure(f"SGLang failed to start for {self.model_dir}: {type(exc).__name__}: {exc}") from exc
         finally:
             for k, v in saved.items():
@@ -358,6 +363,27 @@ class SGLangEngine(Engine):
             return None
         encoder = model_dir is not None and is_encoder_only(Path(model_dir))
         return cls._capabilities(cfg, release, config, encoder, device)
+
+    @classmethod
+    def sharing_key(cls, cfg: SGLangArgs, model_dir: Optional[Path], device: str):
+        """Args that resolve to the same SGLang start are the same engine: unset values stand for
+        what the plugin or SGLang fills in (the radix cache on, torch_native on cpu, lru, the
+        default max_loaded_loras), so a test asking for ``prefix_cache=1``, ``eviction=lru`` or
+        ``lora_backend=torch_native`` on cpu shares the engine started without them."""
+        release = installed_release()
+        if release is None or cfg.capabilities:
+            return repr(cfg)
+        c = cls._server_config(cfg, release, device)
+        c = dataclasses.replace(c, lora_eviction_policy=c.lora_eviction_policy or SGLANG_DEFAULT_EVICTION)
+        cpu = _on_cpu(device)
+        rest = dataclasses.replace(
+            cfg, max_loras_per_batch=0, max_loaded_loras=None, max_lora_rank=0, lora_target_modules="",
+            lora_backend=None, lora_eviction_policy=None, enable_lora_overlap_loading=False,
+            disable_radix_cache=None, chunked_prefill_size=None, tp_size=1,
+            attention_backend=cfg.attention_backend or (CPU_BACKEND if cpu else None),
+            max_total_tokens=cfg.max_total_tokens or (CPU_MAX_TOTAL_TOKENS if cpu else None),
+            disable_cuda_graph=_disable_cuda_graph(cfg, device))
+        return repr((c, rest))
 
     @classmethod
     def not_declared_reasons(cls, cfg: SGLangArgs, model_dir: Optional[Path], device: str):
@@ -739,9 +765,57 @@ class SGLangEngine(Engine):
             server.stop()
         if engine is not None:
             try:
-                engine.shutdown()
+                if hasattr(engine, "tokenizer_manager"):
+                    self._end_own_processes(engine)
+                else:
+                    engine.shutdown()  # not SGLang's Engine (the stand-in)
             except Exception:
                 pass  # already gone
+
+    # SGLang's Engine.shutdown() ends every child process of the host process
+    # (srt/entrypoints/engine.py:925: kill_process_tree(os.getpid(), include_parent=False)), so closing
+    # one offline engine SIGKILLs the scheduler and detokenizer of every other engine in that process,
+    # and of one starting meanwhile (its start then fails: "Rank 0 scheduler died during
+    # initialization"). A certification keeps several engines per worker (settings the suites ask for,
+    # the prompt-logprobs probe), and closes retired ones on a thread: the plugin ends this engine's own
+    # processes instead, as shutdown() does for all (its watchdog stopped first, its RPC socket closed).
+    SHUTDOWN_NOTE = ("the plugin ends this engine's own scheduler and detokenizer: SGLang's Engine.shutdown() "
+                     "SIGKILLs every child of the host process, other engines' included "
+                     "(srt/entrypoints/engine.py:925)")
+
+    def _end_leftovers(self) -> None:
+        """After a failed start: end the processes it left (a detokenizer beside a dead scheduler)."""
+        for child in self._children:
+            if child.exitcode is None:
+                child.kill()
+            child.join(timeout=5)
+
+    def _end_own_processes(self, engine) -> None:
+        tm = getattr(engine, "tokenizer_manager", None)
+        watchdog = getattr(tm, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()  # else it reports the processes ended below as a crash (SIGQUIT)
+        rpc = getattr(engine, "send_to_rpc", None)
+        if rpc is not None:
+            rpc.close(linger=0)
+            engine.send_to_rpc = None
+        import psutil  # an SGLang dependency
+
+        procs = []
+        for child in getattr(self, "_children", ()):
+            try:
+                top = psutil.Process(child.pid)
+                procs += top.children(recursive=True) + [top]
+            except psutil.NoSuchProcess:
+                continue
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=60)
+        for child in getattr(self, "_children", ()):
+            child.join(timeout=5)  # reap the multiprocessing handles
 
     def version(self) -> str:
         base = f"sglang {self._version}"
@@ -775,6 +849,7 @@ class SGLangEngine(Engine):
         effective.update({k: (" ".join(v) if isinstance(v, list) else v) for k, v in self.kwargs.items()
                           if k != "model_path"})
         if not self.served:
+            effective["close"] = self.SHUTDOWN_NOTE
             effective["custom_sigquit_handler"] = ("the plugin's: a failed SGLang child makes the engine's next call an "
                                                    "EngineFailure instead of killing the test process")
         read_back = self._read_back()
