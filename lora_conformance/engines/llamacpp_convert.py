@@ -342,8 +342,8 @@ def _write_bert(tmp: Path, model_dir: Path, config: Mapping, weight_type: str) -
     w.add_add_eos_token(False)
     for name, array in _load_tensors(model_dir).items():
         module, _, kind = name.rpartition(".")
-        if kind not in ("weight", "bias"):
-            continue  # position_ids and other buffers
+        if kind not in ("weight", "bias") or module.startswith("pooler."):
+            continue  # buffers (position_ids), and BertPooler: embeddings pool last_hidden_state, not it
         try:
             target = gguf_module_name(module)
         except KeyError:

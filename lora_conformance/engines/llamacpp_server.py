@@ -14,8 +14,11 @@ What the plugin does:
   (``temperature`` 0), ``n_probs`` = top_k with pre-sampling logprobs (``post_sampling_probs``
   false: ``tools/server/server-context.cpp`` populate_token_probs -> ``get_token_probabilities``,
   the softmax of the full logits), ``return_tokens``, and its adapter as ``"lora": [{"id": i,
-  "scale": 1.0}]`` (``[]`` for the base: every adapter at its global scale, 0 under
-  ``--lora-init-without-apply``; ``server-context.cpp:1689-1703``). The requests of one
+  "scale": 1.0}]`` with every other loaded adapter at scale 0 (for the base: all at 0). The scales
+  are always sent in full because of a finding (``FINDINGS``): ``--lora-init-without-apply`` leaves
+  the global scales at 1.0, and a request without ``lora`` (or with ``[]``) is served with them
+  (``server-context.cpp:1702-1703``), though the server's README (lines 603 and 1203) says such
+  adapters are at scale 0. The requests of one
   ``generate`` call are sent together, one thread each, so the server's parallel slots run them
   at once: which requests it decodes in one forward is the server's business (it batches slots
   with equal LoRA sets, ``server-context.cpp:419-425`` ``can_batch_with``, and runs the others in
@@ -29,8 +32,10 @@ What the plugin does:
   allows). A failed start (llama.cpp refusing an adapter) puts the previous set back and says
   why. ``engine_adapters`` asks ``GET /lora-adapters`` and maps its paths back to names.
 * Prefix cache: ``cache_prompt`` (the server's default, per request) with ``--cache-ram`` (its
-  host prompt cache); ``prefix_cache=0`` sends ``cache_prompt: false`` and turns ``--cache-ram``
-  off. ``cached_tokens`` comes from the answer's ``timings.cache_n``.
+  host prompt cache, the server's default size unless ``cache_ram`` says otherwise);
+  ``prefix_cache=0`` sends ``cache_prompt: false`` and turns ``--cache-ram`` off.
+  ``cached_tokens`` comes from the answer's ``timings.cache_n``. The host prompt cache does not
+  key its entries by adapter (``FINDINGS["cache_ram"]``): the suites judge it as served.
 * Chunked prefill: ``chunked_prefill_size=N`` starts the server with ``--batch-size N
   --ubatch-size N``: a prompt longer than N is prefilled over several server steps of N tokens
   (``server-context.cpp`` update_slots: a slot adds prompt tokens until ``n_batch``), each decode
@@ -107,6 +112,24 @@ NOT_DECLARED = {
     Capability.MODULES_TO_SAVE: "GGUF LoRA holds lora_a / lora_b only (src/llama-adapter.cpp); no full module copies",
     Capability.LORA_BIAS: "GGUF LoRA holds lora_a / lora_b only (src/llama-adapter.cpp); no LoRA bias",
 }
+# What llama-server does otherwise than its documentation says (docs/llamacpp.md; tested in
+# tests/test_engine_llamacpp_server.py).
+FINDINGS = {
+    "init_without_apply": f"--lora-init-without-apply does not set the adapters' scales to 0: common/common.cpp:1412-1414 "
+                          "only skips applying them to the context at start, params.lora_adapters keep scale 1.0, GET "
+                          f"/lora-adapters reports 1.0, and a /completion without 'lora' or with 'lora': [] is served "
+                          f"with every adapter at 1.0 ({_S}server-context.cpp:1702-1703); {_S}README.md:1203 says the "
+                          "flag initialises all adapters' scale to 0, and README.md:603 that an adapter missing from "
+                          "'lora' defaults to 0.0",
+    "cache_ram": f"the host prompt cache (--cache-ram, on by default) keeps a prompt's KV state with its tokens only "
+                 f"({_S}server-task.h:566-586 struct server_prompt: tokens and checkpoints, no LoRA); "
+                 f"{_S}server-task.cpp:1793-1830 server_prompt_cache::load restores the entry with the longest common "
+                 f"prefix, and {_S}server-context.cpp:1617-1634 (get_available_slot) loads it into the slot before "
+                 f"launch_slot_with_task ({_S}server-context.cpp:1689-1700) compares the task's LoRA with the slot's "
+                 "previous one, not with the restored state's: a request can decode on KV another adapter wrote "
+                 "(reproduced: 3 of 135 requests of mixed batches plus concurrent submissions on a tiny llama, "
+                 "each with cache_n > 0; 0 of 135 with cache_prompt off)",
+}
 ENCODER_NOT_DECLARED = {
     Capability.MIXED_BATCH: f"an embedding request takes no per-request adapter: {_S}server-context.cpp:5447-5461 "
                             "builds the embedding tasks with tokens and embd_normalize only (no params.lora), so "
@@ -126,6 +149,9 @@ class LlamaServerArgs:
                      minimum=16)
     n_threads: Optional[int] = arg(None, "llama-server --threads (default: torch's intra-op threads)", minimum=1)
     prefix_cache: bool = arg(True, "cache_prompt per request and --cache-ram (llama-server's default: on)")
+    cache_ram: Optional[int] = arg(None, "llama-server --cache-ram MiB, its host prompt cache (default: the server's "
+                                         "own, 8192; 0: off). Its entries are keyed by tokens only: FINDINGS['cache_ram']",
+                                   minimum=-1)
     chunked_prefill_size: int = arg(0, "--batch-size and --ubatch-size (0: llama-server's defaults, 2048 / 512)",
                                     minimum=0)
     gguf_cache: Optional[str] = arg(None, "where converted GGUF files are kept (default: beside the model's cache)")
@@ -202,11 +228,16 @@ def limits(cfg: LlamaServerArgs) -> Limits:
 
 def find_server(cfg: LlamaServerArgs) -> Path:
     """The llama-server binary: the engine arg, $LLAMA_SERVER_BIN, the install script's location, PATH."""
+    for named, where in ((cfg.server_bin, "--engine-arg server_bin"), (os.environ.get("LLAMA_SERVER_BIN"),
+                                                                         "$LLAMA_SERVER_BIN")):
+        if named:  # named, so no other binary is taken in its place
+            path = Path(named).expanduser()
+            if path.is_file() and os.access(path, os.X_OK):
+                return path
+            raise EngineFailure(f"engine 'llamacpp' (mode=served): {where}={named} is not an executable file; build "
+                                "llama-server with ci/install_llama_server.sh")
     tried = []
-    for candidate, where in ((cfg.server_bin, "engine arg server_bin"),
-                             (os.environ.get("LLAMA_SERVER_BIN"), "$LLAMA_SERVER_BIN"),
-                             (str(DEFAULT_BIN), "the default location"),
-                             (shutil.which("llama-server"), "PATH")):
+    for candidate, where in ((str(DEFAULT_BIN), "the default location"), (shutil.which("llama-server"), "PATH")):
         if not candidate:
             continue
         path = Path(candidate)
@@ -215,7 +246,7 @@ def find_server(cfg: LlamaServerArgs) -> Path:
         tried.append(f"{where}: {candidate}")
     raise EngineFailure("engine 'llamacpp' (mode=served) needs llama.cpp's llama-server: build it with "
                         "ci/install_llama_server.sh, or name it with $LLAMA_SERVER_BIN or --engine-arg server_bin=PATH "
-                        f"(tried: {'; '.join(tried) or 'engine arg, $LLAMA_SERVER_BIN, ' + str(DEFAULT_BIN) + ', PATH'})")
+                        f"(tried: {'; '.join(tried) or str(DEFAULT_BIN) + ', PATH'})")
 
 
 def _free_port() -> int:
@@ -425,6 +456,8 @@ class LlamaServerEngine(Engine):
                 "--threads-http", str(max(4, a.parallel + 2))]
         if not a.prefix_cache:
             argv += ["--no-cache-prompt", "--cache-ram", "0"]
+        elif a.cache_ram is not None:
+            argv += ["--cache-ram", str(a.cache_ram)]
         if a.chunked_prefill_size:
             argv += ["--batch-size", str(a.chunked_prefill_size), "--ubatch-size", str(a.chunked_prefill_size)]
         if self.kind == "encoder":
@@ -520,7 +553,9 @@ class LlamaServerEngine(Engine):
         if len(ids) + req.max_new_tokens > a.n_ctx:
             raise EngineFailure(f"engine 'llamacpp' (served): {len(ids)} prompt + {req.max_new_tokens} new tokens "
                                 f"> the slot's context n_ctx={a.n_ctx}")
-        lora = [] if req.adapter is None else [{"id": self._ids[req.adapter], "scale": 1.0}]
+        # Every loaded adapter's scale, explicitly: a request without "lora" (or with []) gets the global
+        # scales, which are 1.0 even under --lora-init-without-apply (FINDINGS["init_without_apply"]).
+        lora = [{"id": i, "scale": 1.0 if name == req.adapter else 0.0} for name, i in self._ids.items()]
         return {"prompt": ids, "n_predict": req.max_new_tokens, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
                 "min_p": 0.0, "repeat_penalty": 1.0, "n_probs": max(1, req.top_k), "post_sampling_probs": False,
                 "return_tokens": True, "ignore_eos": bool(req.ignore_eos), "cache_prompt": bool(a.prefix_cache),
