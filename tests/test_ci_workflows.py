@@ -18,7 +18,8 @@ WORKFLOWS = ROOT / "ci" / "workflows"
 REUSABLE = WORKFLOWS / "conformance.yml"
 # Workflows that run something else than a CI suite selection (the project's tests).
 STANDALONE = (WORKFLOWS / "transformers-newest.yml", WORKFLOWS / "scoreboard.yml")
-# Every other workflow calls the reusable one; its name is <hw>.yml or <engine>-<hw>.yml.
+# Every other workflow calls the reusable one; its name is <hw>.yml, <engine>-<hw>.yml or, for one
+# mode of an engine (engine-args mode=...), <engine>-<label>-<hw>.yml.
 CALLERS = sorted(p for p in WORKFLOWS.glob("*.yml") if p != REUSABLE and p not in STANDALONE)
 
 
@@ -95,7 +96,10 @@ def test_callers_use_the_reusable_workflow(caller):
         assert set(given) <= set(inputs), set(given) - set(inputs)
         assert {k for k, v in inputs.items() if v.get("required")} <= set(given)
         assert given["device"] == hw
-        assert given.get("engine", "builtin") == engine, f"{caller.name}: engine {given.get('engine')!r}"
+        mode = dict(kv.split("=", 1) for kv in str(given.get("engine-args", "")).split() if "=" in kv).get("mode")
+        named = given.get("engine", "builtin")
+        assert engine == named or (mode and engine.startswith(named + "-")), (
+            f"{caller.name}: engine {named!r}, engine-args {given.get('engine-args')!r}")
         for key, value in given.items():
             kind = inputs[key]["type"]
             if isinstance(value, str) and value.startswith("${{"):

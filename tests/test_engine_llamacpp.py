@@ -183,3 +183,84 @@ def test_settings_name_what_differs_from_llama_cpp_defaults(engine):
     s = engine.settings()
     assert s["effective"]["flash_attn"] == "off" and "flash_attn" in s["differs_from_engine_default"]
     assert "mixed_batch" in s["not_declared"]
+
+
+# ---- MoE (Mixtral) and BERT bases ------------------------------------------------------------
+
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    from _tiny_models import build_moe
+
+    root = tmp_path_factory.mktemp("llamacpp_moe")
+    base = build_moe(root / "moe")
+    return {"root": root, "base": base,
+            "experts": build_adapter(base, root / "experts", seed=5, r=4, alpha=8, target_modules=[],
+                                     target_parameters=EXPERT_PARAMS),
+            "attn": build_adapter(base, root / "attn", seed=6, target_modules=["q_proj", "k_proj", "v_proj"])}
+
+
+def test_moe_base_is_written_as_llama_cpp_expert_tensors(moe, tmp_path):
+    cfg = json.loads((moe["base"] / "config.json").read_text())
+    reader = gguf.GGUFReader(str(convert_model(moe["base"], tmp_path, "float32")))
+    shapes = {t.name: [int(n) for n in reversed(t.shape)] for t in reader.tensors}
+    E, I, H = cfg["num_local_experts"], cfg["intermediate_size"], cfg["hidden_size"]
+    assert shapes["blk.0.ffn_gate_exps.weight"] == shapes["blk.0.ffn_up_exps.weight"] == [E, I, H]
+    assert shapes["blk.0.ffn_down_exps.weight"] == [E, H, I]
+    assert shapes["blk.0.ffn_gate_inp.weight"] == [E, H]
+    assert int(reader.fields["llama.expert_count"].parts[-1][0]) == E
+
+
+def test_expert_lora_is_written_per_expert(moe, tmp_path):
+    cfg = json.loads((moe["base"] / "config.json").read_text())
+    alpha, tensors = _read_lora(convert_adapter(moe["experts"], moe["base"], tmp_path))
+    E, I, H, r = cfg["num_local_experts"], cfg["intermediate_size"], cfg["hidden_size"], 4
+    assert tensors["blk.0.ffn_gate_exps.weight.lora_a"].shape == (E, r, H)
+    assert tensors["blk.0.ffn_gate_exps.weight.lora_b"].shape == (E, I, r)
+    assert tensors["blk.0.ffn_down_exps.weight.lora_a"].shape == (E, r, I)
+    assert tensors["blk.0.ffn_down_exps.weight.lora_b"].shape == (E, H, r)
+    # gate and up share A; their B are the two halves of gate_up's B
+    np.testing.assert_array_equal(tensors["blk.0.ffn_gate_exps.weight.lora_a"], tensors["blk.0.ffn_up_exps.weight.lora_a"])
+
+
+def test_bert_base_and_its_lora_are_written_as_llama_cpp_bert(tmp_path):
+    from _tiny_models import build_bert
+
+    base = build_bert(tmp_path / "bert")
+    reader = gguf.GGUFReader(str(convert_model(base, tmp_path / "gguf", "float32")))
+    names = {t.name for t in reader.tensors}
+    assert {"token_embd.weight", "position_embd.weight", "token_types.weight", "token_embd_norm.bias",
+            "blk.1.attn_q.bias", "blk.1.attn_output_norm.weight", "blk.1.ffn_up.weight",
+            "blk.1.layer_output_norm.bias"} <= names
+    assert str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8") == "bert"
+    assert int(reader.fields["bert.pooling_type"].parts[-1][0]) == 1  # mean, as the reference pools
+    adapter = build_adapter(base, tmp_path / "qv", seed=7, model_cls="encoder", target_modules=["query", "value"])
+    _, tensors = _read_lora(convert_adapter(adapter, base, tmp_path / "gguf"))
+    assert {"blk.0.attn_q.weight.lora_a", "blk.1.attn_v.weight.lora_b"} <= set(tensors)
+
+
+@pytest.fixture(scope="module")
+def moe_engine(moe):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'lora-conformance[llamacpp]')")
+    from lora_conformance.engines.llamacpp_engine import LlamaCppEngine
+
+    e = LlamaCppEngine(moe["base"], "cpu", "float32", {"gguf_cache": str(moe["root"] / "gguf"), "n_threads": "2"})
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("adapter", [None, "experts", "attn"])
+def test_moe_engine_matches_the_peft_oracle(moe_engine, moe, adapter):
+    assert "moe" in {c.value for c in moe_engine.capabilities}
+    if adapter is not None and adapter not in moe_engine.list_adapters():
+        moe_engine.load_adapter(adapter, moe[adapter])
+    steps = 5
+    for prompt in PROMPTS:
+        got = moe_engine.generate([GenerationRequest(prompt, adapter=adapter, max_new_tokens=steps, top_k=3)])[0]
+        _, ids, rows = greedy_oracle(moe["base"], None if adapter is None else moe[adapter], prompt, steps)
+        assert got.token_ids == ids, (adapter, prompt)
+        for step, (top, row) in enumerate(zip(got.logprobs, rows)):
+            for tid, lp in top.items():
+                assert abs(lp - float(row[tid])) < ATOL, (adapter, prompt, step, tid, lp, float(row[tid]))

@@ -17,9 +17,10 @@ What llama.cpp offers, and so what this plugin declares (llama-cpp-python 0.3.36
   ``output`` LoRA on a model whose lm_head is tied to ``token_embd``) is its refusal, passed on.
 * Not declared: prefix caching (the low-level API keeps no cross-request prompt cache; the plugin
   clears the context's memory before every request), chunked prefill as a standard knob, graphs,
-  in-flight lifecycle (one context, served synchronously), MoE experts (our converter does not write
-  fused-expert LoRA) and encoders (no pooling path here), DoRA / modules_to_save / LoRA biases
-  (GGUF LoRA holds none of them: refused by the converter with that reason).
+  in-flight lifecycle (one context, served synchronously), encoders (no pooling path here; the
+  served mode has one), DoRA / modules_to_save / LoRA biases (GGUF LoRA holds none of them:
+  refused by the converter with that reason). MoE (Mixtral) bases and expert LoRA are declared:
+  ``llamacpp_convert`` writes them as llama.cpp's expert tensors.
 * Precision: ``float32`` writes F32 weights and keeps the KV cache in F32; ``float16`` /
   ``bfloat16`` write F16 / BF16 weights and a KV cache of the same type. LoRA factors stay F32.
   llama.cpp's CPU flash attention (on by default: ``flash_attn=auto``) computes in half precision,
@@ -67,8 +68,7 @@ NOT_DECLARED = {
     Capability.PREFIX_CACHE: "the low-level API keeps no prompt cache across requests",
     Capability.INFLIGHT_LIFECYCLE: "one context served synchronously: no adapter change while a request runs",
     Capability.CHUNKED_PREFILL: "no chunk-size knob in the plugin (n_ubatch is the whole context)",
-    Capability.MOE: "our GGUF converter does not write fused-expert (target_parameters) LoRA",
-    Capability.EMBEDDINGS: "no pooling / encoder path in this plugin",
+    Capability.EMBEDDINGS: "no pooling / encoder path in the offline mode (mode=served has one)",
     Capability.DORA: "GGUF LoRA has no DoRA magnitude vector",
     Capability.MODULES_TO_SAVE: "GGUF LoRA holds no full module copies",
     Capability.LORA_BIAS: "GGUF LoRA holds lora_a / lora_b only",
@@ -116,6 +116,8 @@ def _log_mark() -> int:
 
 @dataclass(frozen=True)
 class LlamaCppArgs:
+    mode: str = arg("offline", "offline: llama-cpp-python in this process; served: llama.cpp's llama-server "
+                               "(engines/llamacpp_server.py, its own args)", choices=("offline", "served"))
     n_threads: Optional[int] = arg(None, "llama.cpp's threads (default: torch's intra-op threads)", minimum=1)
     n_ctx: int = arg(512, "context length: prompt + generated tokens of one request", minimum=16)
     gguf_cache: Optional[str] = arg(None, "where converted GGUF files are kept (default: beside the model's cache)")
@@ -149,9 +151,41 @@ class LlamaCppEngine(Engine):
         "tensor_parallel": only(name, "tensor_parallel", "1"),
     }
 
+    def __new__(cls, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
+        """``mode=served`` is llama.cpp's server (``llamacpp_server.LlamaServerEngine``), under this name."""
+        if cls is LlamaCppEngine and dict(args).get("mode") == "served":
+            from lora_conformance.engines.llamacpp_server import LlamaServerEngine
+
+            return LlamaServerEngine(model_dir, device, dtype, args)
+        return super().__new__(cls)
+
+    @classmethod
+    def parse_args(cls, raw: Mapping[str, str], source="the engine's arguments"):
+        if cls is LlamaCppEngine and dict(raw).get("mode") == "served":
+            from lora_conformance.engines.llamacpp_server import LlamaServerEngine
+
+            return LlamaServerEngine.parse_args(raw, source)
+        return super().parse_args(raw, source)
+
+    @staticmethod
+    def _served(cfg) -> bool:
+        return getattr(cfg, "mode", "offline") == "served"
+
+    @classmethod
+    def not_declared_reasons(cls, cfg, model_dir: Optional[Path], device: str):
+        if cls._served(cfg):
+            from lora_conformance.engines import llamacpp_server
+
+            return llamacpp_server.not_declared(cfg, model_dir)
+        return {c: why for c, why in NOT_DECLARED.items()}
+
     @classmethod
     def declared_capabilities(cls, cfg: LlamaCppArgs, model_dir: Optional[Path], device: str):
         """None for a model the plugin refuses (MoE, encoders, other architectures): its start says why."""
+        if cls._served(cfg):
+            from lora_conformance.engines import llamacpp_server
+
+            return llamacpp_server.capabilities(cfg, model_dir)
         if model_dir is not None:
             from lora_conformance.checkpoints import model_kind, read_model_config
             from lora_conformance.engines.llamacpp_convert import ARCHES
@@ -160,12 +194,19 @@ class LlamaCppEngine(Engine):
                 model_type = read_model_config(model_dir).get("model_type")
             except (OSError, ValueError):
                 return None
-            if model_kind(Path(model_dir)) != "decoder" or model_type not in ARCHES:
+            kind = model_kind(Path(model_dir))
+            if kind not in ("decoder", "moe") or model_type not in ARCHES:
                 return None
+            if kind == "moe":
+                return CAPABILITIES | {Capability.MOE}
         return CAPABILITIES
 
     @classmethod
     def declared_limits(cls, cfg: LlamaCppArgs, model_dir: Optional[Path], device: str) -> Limits:
+        if cls._served(cfg):
+            from lora_conformance.engines import llamacpp_server
+
+            return llamacpp_server.limits(cfg)
         return Limits(max_loras_per_batch=1, max_loaded_loras=1024, max_rank=cfg.max_rank)
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
@@ -187,9 +228,10 @@ class LlamaCppEngine(Engine):
         if kind != "cpu" and not llama_cpp.llama_supports_gpu_offload():
             raise UnsupportedFeatureError(f"engine 'llamacpp': this llama.cpp build offloads to no accelerator "
                                           f"(device {device!r}); rebuild llama-cpp-python with that backend")
-        if model_kind(self.model_dir) != "decoder":
+        if model_kind(self.model_dir) not in ("decoder", "moe"):
             raise UnsupportedFeatureError(f"engine 'llamacpp': {self.model_dir.name} is a {model_kind(self.model_dir)} "
-                                          "model; the plugin serves decoders (llama, qwen2)")
+                                          "model; the offline mode serves decoders (llama, qwen2, mixtral); "
+                                          "mode=served serves encoders (llama-server --embedding)")
         self.max_rank, self.n_ctx = a.max_rank, a.n_ctx
         self.n_threads = a.n_threads or _torch_threads()
         # llama.cpp's default (auto) turns its CPU flash attention on, which computes in half
