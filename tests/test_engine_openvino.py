@@ -110,8 +110,11 @@ def engine(ckpt):
 
 def test_declares_what_genai_supports(engine):
     assert engine.capabilities == {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD,
-                                   Capability.PREFIX_CACHE, Capability.EMBED_TOKENS}
+                                   Capability.PREFIX_CACHE, Capability.EMBED_TOKENS, Capability.CHUNKED_PREFILL}
     assert engine.limits.max_loras_per_batch == 1
+    reasons = type(engine).not_declared_reasons(engine.cfg, engine.model_dir, "cpu")
+    assert "pipeline_impl.cpp#L570-L575" in reasons[Capability.MIXED_BATCH]
+    assert not set(reasons) & engine.capabilities
 
 
 def test_every_row_matches_its_own_single_adapter_oracle(engine, ckpt):
