@@ -131,9 +131,6 @@ def adapter_refusals(info: AdapterInfo) -> list[str]:
     the plugin's translation cannot express: GenAI itself decides on DoRA, modules_to_save, biases
     and embed_tokens LoRA (it reads the safetensors file and skips tensors it does not know)."""
     refused = []
-    if info.target_parameters:
-        refused.append(f"target_parameters {list(info.target_parameters)} (MoE experts: MoE models are not "
-                       "converted)")
     if info.has_rank_pattern:
         refused.append("rank_pattern / alpha_pattern (GenAI ignores adapter_config.json and takes one blend "
                        "weight per adapter, so per-module scaling cannot be passed on)")
@@ -141,6 +138,9 @@ def adapter_refusals(info: AdapterInfo) -> list[str]:
 
 
 MODES = ("generate", "continuous_batching")
+# GenAI's ways of applying LoRA (AdapterConfig::Mode, lora_adapter.hpp#L52-L58): the backends suite runs each.
+ADAPTER_MODES = {"auto": "MODE_AUTO", "dynamic": "MODE_DYNAMIC", "static_rank": "MODE_STATIC_RANK",
+                 "static": "MODE_STATIC", "fuse": "MODE_FUSE"}
 DEFAULT_CB_LORAS_PER_BATCH = 4  # what mode=continuous_batching declares unless told (GenAI has no limit)
 
 # Why a capability is not declared, with GenAI's own evidence (openvino.genai master da1db864,
@@ -208,6 +208,9 @@ class OpenVINOArgs:
     max_loras_per_batch: Optional[int] = arg(
         None, f"adapters declared per batch: mode=generate serves 1 (the default); mode=continuous_batching takes any "
               f"(GenAI's add_request has no limit; default {DEFAULT_CB_LORAS_PER_BATCH})", minimum=1)
+    lora_backend: str = arg("auto", "GenAI's AdapterConfig mode for the pipeline's adapters (lora_adapter.hpp's "
+                                    "AdapterConfig::Mode): auto, dynamic, static_rank, static or fuse",
+                            choices=tuple(ADAPTER_MODES))
     cache_size_gb: int = arg(1, "the KV cache, GiB (SchedulerConfig.cache_size)", minimum=1)
     num_threads: Optional[int] = arg(None, "INFERENCE_NUM_THREADS (default: the device's)", minimum=1)
     ir_cache: Optional[str] = arg(None, "where converted models are kept (default: beside the model's cache)")
@@ -245,6 +248,7 @@ class OpenVINOEngine(Engine):
         "overlap_loading": only(name, "overlap_loading", "0"),
         "graphs": only(name, "graphs", "0"),
         "chunked_prefill_size": Rename("chunked_prefill_size"),
+        "lora_backend": Rename("lora_backend"),
     }
 
     @classmethod
@@ -252,9 +256,10 @@ class OpenVINOEngine(Engine):
         """None for a model the converter refuses (MoE, encoders, ...): the engine's start says why."""
         from lora_conformance.engines.openvino_convert import check_convertible
 
+        moe = False
         if model_dir is not None:
             try:
-                check_convertible(Path(model_dir))
+                moe = bool(check_convertible(Path(model_dir)).get("num_local_experts"))
             except UnsupportedFeatureError:
                 return None
         # prefix_cache: GenAI has one (off unless asked for, as in its SchedulerConfig); the suites
@@ -263,6 +268,8 @@ class OpenVINOEngine(Engine):
         # prefill: SchedulerConfig.dynamic_split_fuse / max_num_batched_tokens, in both modes.
         caps = {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD, Capability.PREFIX_CACHE,
                 Capability.EMBED_TOKENS, Capability.CHUNKED_PREFILL}
+        if moe:  # a Mixtral IR; expert LoRA (target_parameters) goes to GenAI as the file holds it
+            caps.add(Capability.MOE)
         if cfg.mode == "continuous_batching":
             # GenAI's request API takes per-request adapters while others run (openvino_cb.py says
             # what GenAI then serves; the suites judge it).
@@ -275,6 +282,11 @@ class OpenVINOEngine(Engine):
         if cfg.mode == "generate":
             reasons.update(NOT_DECLARED_GENERATE)
         return reasons
+
+    @classmethod
+    def backends(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
+        """GenAI's LoRA modes other than auto (which picks one of them: dynamic on CPU and GPU)."""
+        return {"lora_backend": tuple(m for m in ADAPTER_MODES if m != "auto")}
 
     @classmethod
     def declared_limits(cls, cfg: OpenVINOArgs, model_dir: Optional[Path], device: str) -> Limits:
@@ -341,7 +353,7 @@ class OpenVINOEngine(Engine):
         if self.num_threads:
             props["INFERENCE_NUM_THREADS"] = self.num_threads
         if self._adapters:
-            config = g.AdapterConfig()
+            config = g.AdapterConfig(getattr(g.AdapterConfig.Mode, ADAPTER_MODES[self.cfg.lora_backend]))
             for _, adapter, scaling in self._adapters.values():
                 config.add(adapter, scaling)
             props["adapters"] = config
