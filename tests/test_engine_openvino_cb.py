@@ -235,3 +235,21 @@ def test_close_fails_what_is_in_flight_without_hanging(ckpt):
     with pytest.raises(EngineFailure, match="closed"):
         handle.result(60)
     eng.close()  # twice is safe
+
+
+def test_lora_backends_are_genai_s_adapter_modes_and_static_serves_the_build_s_adapter(ckpt, oracles):
+    """The backends the suite runs are GenAI's AdapterConfig modes. With ``static`` (A, B and alpha
+    constants of the compiled model) GenAI serves the adapter the pipeline was built with to every
+    added request, the base row included: the evidence behind the backends entry of
+    openvino-cb-cpu.toml."""
+    from lora_conformance.engines.openvino_engine import OpenVINOEngine
+
+    assert OpenVINOEngine.backends("cpu") == {"lora_backend": ("dynamic", "static_rank", "static", "fuse")}
+    assert OpenVINOEngine.parse_args({"lora_backend": "fuse"}).lora_backend == "fuse"
+    eng = make_engine(ckpt, lora_backend="static")
+    try:
+        eng.load_adapter("a1", ckpt["a1"])
+        outs = eng.generate([GenerationRequest(PROMPTS[0], adapter=a, max_new_tokens=STEPS) for a in (None, "a1")])
+        assert [o.token_ids for o in outs] == [oracles[PROMPTS[0], "a1"][1]] * 2
+    finally:
+        eng.close()

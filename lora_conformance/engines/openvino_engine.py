@@ -1,8 +1,12 @@
 """The ``openvino`` engine: OpenVINO GenAI's ``ContinuousBatchingPipeline`` serving PEFT LoRA adapters.
 
 The base model and its tokenizer are converted to OpenVINO IR once (``openvino_convert``) and
-served with GenAI's own tokenizer. What GenAI offers, and so what this plugin declares
-(openvino-genai 2026.4, read from its source and checked here):
+served with GenAI's own tokenizer. Two modes (engine arg ``mode``): ``generate`` (below: one
+``generate()`` call per adapter) and ``continuous_batching`` (``openvino_cb.py``: every request
+through ``add_request()`` with its own adapters while others run; it declares ``mixed_batch`` and
+``inflight_lifecycle``; docs/openvino.md). What GenAI offers, and so what this plugin declares
+(openvino-genai 2026.4, read from its source and checked here; ``NOT_DECLARED`` holds the evidence
+for what is not):
 
 * Adapters are ``openvino_genai.Adapter`` objects read from ``adapter_model.safetensors``;
   GenAI ignores ``adapter_config.json``, so the plugin passes PEFT's scaling (``lora_alpha / r``,
@@ -30,8 +34,8 @@ served with GenAI's own tokenizer. What GenAI offers, and so what this plugin de
   patterns do not know PEFT's ``lora_embedding_A/B`` keys and skip them silently) is what the
   suites judge. What the plugin still refuses, and the GenAI behaviour each refusal stands for:
   ``rank_pattern`` / ``alpha_pattern`` (GenAI ignores ``adapter_config.json``: one blend weight per
-  adapter cannot carry per-module scaling); ``target_parameters``, MoE and encoder base models
-  (the converter has no path for them); float16 on a CPU without FP16 support (OpenVINO reports
+  adapter cannot carry per-module scaling); encoder base models (GenAI's TextEmbeddingPipeline
+  takes no adapters; Mixtral MoE bases are converted and expert LoRA goes to GenAI); float16 on a CPU without FP16 support (OpenVINO reports
   no FP16 in ``OPTIMIZATION_CAPABILITIES``); an ``adapter_config.json`` that cannot be read (the
   blend weight is computed from it, so ``r`` must be positive); and ranks above the ``max_rank`` arg
   (a deployment's setting). Malformed
