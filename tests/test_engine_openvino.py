@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tiny_models import build_adapter, build_llama, build_moe, greedy_oracle  # noqa: E402
+from _tiny_models import build_adapter, build_bert, build_llama, build_moe, greedy_oracle  # noqa: E402
 
 from lora_conformance.engines._hf_common import read_adapter_info  # noqa: E402
 from lora_conformance.engines.base import (  # noqa: E402
@@ -79,12 +79,12 @@ def test_adapters_genai_cannot_serve_are_named(ckpt):
     assert any("rank_pattern" in r for r in adapter_refusals(read_adapter_info(ckpt["pattern"])))
 
 
-def test_converter_refuses_moe_and_unknown_models_before_tracing(ckpt, tmp_path):
+def test_converter_refuses_encoders_naming_genai_and_unknown_models_before_tracing(ckpt, tmp_path):
     from lora_conformance.engines.openvino_convert import UnsupportedModelError, check_convertible
 
-    moe = build_moe(tmp_path / "moe")
-    with pytest.raises(UnsupportedModelError, match="model_type 'mixtral'"):
-        check_convertible(moe)
+    assert check_convertible(build_moe(tmp_path / "moe"))["model_type"] == "mixtral"  # GenAI's LLM path serves MoE
+    with pytest.raises(UnsupportedModelError, match="TextEmbeddingPipeline, which takes no LoRA adapters"):
+        check_convertible(build_bert(tmp_path / "bert"))
     assert check_convertible(ckpt["base"])["model_type"] == "llama"
     scaled = tmp_path / "scaled"
     scaled.mkdir()
@@ -110,8 +110,11 @@ def engine(ckpt):
 
 def test_declares_what_genai_supports(engine):
     assert engine.capabilities == {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD,
-                                   Capability.PREFIX_CACHE, Capability.EMBED_TOKENS}
+                                   Capability.PREFIX_CACHE, Capability.EMBED_TOKENS, Capability.CHUNKED_PREFILL}
     assert engine.limits.max_loras_per_batch == 1
+    reasons = type(engine).not_declared_reasons(engine.cfg, engine.model_dir, "cpu")
+    assert "pipeline_impl.cpp#L570-L575" in reasons[Capability.MIXED_BATCH]
+    assert not set(reasons) & engine.capabilities
 
 
 def test_every_row_matches_its_own_single_adapter_oracle(engine, ckpt):
@@ -202,3 +205,35 @@ def test_one_token_requests_get_exact_top_k(engine, ckpt):
         diffs = [abs(lp - float(row[t])) for t, lp in res.logprobs[0].items()]
         assert max(diffs) < ATOL, (res.logprobs[0], want)
     engine.unload_adapter("k")
+
+
+def test_moe_base_and_attention_lora_match_the_oracle_and_expert_lora_reaches_genai(ckpt, tmp_path):
+    """Mixtral converted (its experts as the checkpoint holds them, routed top-2): the base and an
+    attention adapter match the PEFT oracle. An expert adapter (PEFT target_parameters on the fused
+    3-D experts) goes to GenAI as the file holds it; GenAI binds a LoRA A/B pair to every MatMul whose
+    name holds the module path, so its one expert-stacked pair for ``mlp.experts`` meets MatMuls of
+    other shapes: it warns of unused tensors and fails when serving (ParameterMismatch), the evidence
+    behind the moe entries of the openvino expectations."""
+    pytest.importorskip("openvino_genai")
+    from lora_conformance.engines.openvino_engine import OpenVINOEngine
+    from lora_conformance.engines.base import EngineFailure
+
+    moe = build_moe(tmp_path / "moe")
+    attn = build_adapter(moe, tmp_path / "attn", seed=7, target_modules=["q_proj", "v_proj"])
+    experts = build_adapter(moe, tmp_path / "experts", seed=8, target_modules=[],
+                            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    eng = OpenVINOEngine(moe, "cpu", "float32", {"ir_cache": str(tmp_path / "ir")})
+    try:
+        assert Capability.MOE in eng.capabilities
+        eng.load_adapter("attn", attn)
+        for name, adapter in ((None, None), ("attn", attn)):
+            out = eng.generate([GenerationRequest(PROMPTS[0], adapter=name, max_new_tokens=6)])[0]
+            prompt_ids, ids, lps = oracle(moe, adapter, PROMPTS[0], 6)
+            assert out.token_ids == ids, (name, out.token_ids, ids)
+            got = [step[t] for step, t in zip(out.logprobs, out.token_ids)]
+            assert max(abs(a - b) for a, b in zip(got, lps)) < ATOL, (name, got, lps)
+        eng.load_adapter("experts", experts)  # not refused by the plugin: GenAI gets it
+        with pytest.raises(EngineFailure, match="ParameterMismatch"):
+            eng.generate([GenerationRequest(PROMPTS[0], adapter="experts", max_new_tokens=2)])
+    finally:
+        eng.close()

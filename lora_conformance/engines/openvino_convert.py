@@ -13,11 +13,13 @@ one itself (continuous batching) by matching ScaledDotProductAttention over conc
 
 The traced forward (``_TracedDecoder``) is a plain Llama-family decoder (Llama, Mistral, Qwen2
 and Qwen3 without sliding windows: RMSNorm, default RoPE, GQA, SiLU MLP, optional q/k/v biases
-and q/k norms, tied or untied head) written for tracing, built from the checkpoint's own
-weights. Module paths keep the HF names (``model.layers.0.self_attn.q_proj``) because GenAI binds
+and q/k norms, tied or untied head; Mixtral's MoE block with its fused 3-D experts, which GenAI's
+LLM path serves like any other IR: its supported models list Mixtral) written for tracing, built
+from the checkpoint's own weights. Module paths keep the HF names (``model.layers.0.self_attn.q_proj``) because GenAI binds
 a LoRA tensor to the MatMul whose node name contains the tensor's module path.
-A checkpoint outside that family (MoE experts, encoders, rope scaling, sliding windows) is
-refused with ``UnsupportedModelError`` before anything is traced.
+A checkpoint outside that family (rope scaling, sliding windows, other architectures) is refused
+with ``UnsupportedModelError`` before anything is traced; an encoder is refused because GenAI's
+TextEmbeddingPipeline takes no adapters (``GENAI_EMBEDDINGS``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ from lora_conformance.engines.base import UnsupportedFeatureError
 IR_FILES = ("openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml", "openvino_detokenizer.xml")
 # Bump when the traced graph changes: it is part of the cache key.
 CONVERTER_VERSION = 3
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+# GenAI serves encoders through TextEmbeddingPipeline, which takes no LoRA adapters at all: its API
+# (embed_documents / embed_query) has no adapter argument and src/cpp/src/rag/ has no LoRA code.
+GENAI_EMBEDDINGS = ("https://github.com/openvinotoolkit/openvino.genai/blob/da1db864d2bc1a265e9a036f5b57ef13f0e86c2c/"
+                    "src/cpp/include/openvino/genai/rag/text_embedding_pipeline.hpp#L162-L192")
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "modernbert", "nomic_bert", "mpnet")
 
 
 class UnsupportedModelError(UnsupportedFeatureError):
@@ -47,10 +54,15 @@ def check_convertible(model_dir: Path) -> dict:
     except (OSError, ValueError) as exc:
         raise UnsupportedModelError(f"openvino engine: cannot read {path}: {exc}") from exc
     kind = cfg.get("model_type")
+    if kind in ENCODER_TYPES:
+        raise UnsupportedModelError(
+            f"openvino engine: {path}: model_type {kind!r} is an encoder; OpenVINO GenAI serves encoders with "
+            f"TextEmbeddingPipeline, which takes no LoRA adapters (no adapter argument, no LoRA code: "
+            f"{GENAI_EMBEDDINGS})")
     if kind not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"openvino engine: {path}: model_type {kind!r} is not converted by this plugin "
-            f"(expected one of {', '.join(SUPPORTED_MODEL_TYPES)}; MoE and encoder checkpoints are not served)")
+            f"(expected one of {', '.join(SUPPORTED_MODEL_TYPES)})")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise UnsupportedModelError(f"openvino engine: {path}: rope_type {rope.get('rope_type')!r} is not converted "

@@ -1,6 +1,6 @@
 """A Llama-family decoder forward written to be traced by ``openvino.convert_model``.
 
-Same arithmetic as transformers' Llama / Mistral / Qwen2 / Qwen3 (RMSNorm in float32, default
+Same arithmetic as transformers' Llama / Mistral / Qwen2 / Qwen3 / Mixtral (RMSNorm in float32, default
 RoPE with float32 angles, grouped-query attention through ``scaled_dot_product_attention``),
 with the KV cache as explicit tensors in and out so that the converter can turn each pair into
 OpenVINO state. Module paths are the HF ones, which GenAI's LoRA binding relies on.
@@ -89,6 +89,61 @@ class MLP(nn.Module):
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """Mixtral's fused experts (transformers 5: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]),
+    every expert computed for every token, one 2-D MatMul per expert and projection (slices of the
+    3-D parameters, folded to constants by the conversion; a batched MatMul over the 3-D constant
+    is mis-compiled by the CPU plugin 2026.4 as a FullyConnected); the routing weights, zero for
+    unselected experts, pick the sum."""
+
+    def __init__(self, state: dict, prefix: str):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(state[f"{prefix}.gate_up_proj"], requires_grad=False)
+        self.down_proj = nn.Parameter(state[f"{prefix}.down_proj"], requires_grad=False)
+        self.num_experts = self.gate_up_proj.shape[0]
+
+    def forward(self, x, weights):  # x [N, H], weights [N, E]
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, self.down_proj[e])
+            out = out + y * weights[:, e:e + 1]
+        return out
+
+
+def fused_experts(state: dict, prefix: str, experts: int) -> None:
+    """Mixtral checkpoints on disk hold each expert apart (``block_sparse_moe.experts.N.w1/w3/w2``:
+    gate, up, down; transformers 5 converts them when it loads and back when it saves); the traced
+    model uses transformers 5's runtime names and layout (``mlp.gate``, ``mlp.experts.gate_up_proj``
+    [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]), which PEFT's adapters name. In place."""
+    old = f"{prefix}.block_sparse_moe"
+    if f"{old}.gate.weight" not in state:
+        return
+    state[f"{prefix}.mlp.gate.weight"] = state.pop(f"{old}.gate.weight")
+    w = [{k: state.pop(f"{old}.experts.{e}.{k}.weight") for k in ("w1", "w2", "w3")} for e in range(experts)]
+    state[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([x["w1"], x["w3"]], 0) for x in w])
+    state[f"{prefix}.mlp.experts.down_proj"] = torch.stack([x["w2"] for x in w])
+
+
+class SparseMoE(nn.Module):
+    """Mixtral's MoE block: softmax router in float32, top-k experts, their weights renormalised."""
+
+    def __init__(self, cfg: dict, state: dict, prefix: str):
+        super().__init__()
+        self.top_k = cfg["num_experts_per_tok"]
+        self.gate = _linear(state, f"{prefix}.gate", False)
+        self.experts = Experts(state, f"{prefix}.experts")
+
+    def forward(self, x):
+        b, t, h = x.shape
+        flat = x.reshape(b * t, h)
+        probs = torch.softmax(self.gate(flat).float(), dim=-1)
+        kth = torch.topk(probs, self.top_k, dim=-1).values[:, -1:]
+        chosen = probs * (probs >= kth).to(probs.dtype)
+        weights = (chosen / chosen.sum(-1, keepdim=True)).to(x.dtype)
+        return self.experts(flat, weights).reshape(b, t, h)
+
+
 class Layer(nn.Module):
     def __init__(self, cfg: dict, state: dict, prefix: str):
         super().__init__()
@@ -96,7 +151,10 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(state[f"{prefix}.input_layernorm.weight"], eps)
         self.self_attn = Attention(cfg, state, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(state[f"{prefix}.post_attention_layernorm.weight"], eps)
-        self.mlp = MLP(cfg, state, f"{prefix}.mlp")
+        if cfg.get("num_local_experts"):
+            fused_experts(state, prefix, cfg["num_local_experts"])
+        moe = f"{prefix}.mlp.experts.gate_up_proj" in state
+        self.mlp = SparseMoE(cfg, state, f"{prefix}.mlp") if moe else MLP(cfg, state, f"{prefix}.mlp")
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
         a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)

@@ -1,8 +1,12 @@
 """The ``openvino`` engine: OpenVINO GenAI's ``ContinuousBatchingPipeline`` serving PEFT LoRA adapters.
 
 The base model and its tokenizer are converted to OpenVINO IR once (``openvino_convert``) and
-served with GenAI's own tokenizer. What GenAI offers, and so what this plugin declares
-(openvino-genai 2026.4, read from its source and checked here):
+served with GenAI's own tokenizer. Two modes (engine arg ``mode``): ``generate`` (below: one
+``generate()`` call per adapter) and ``continuous_batching`` (``openvino_cb.py``: every request
+through ``add_request()`` with its own adapters while others run; it declares ``mixed_batch`` and
+``inflight_lifecycle``; docs/openvino.md). What GenAI offers, and so what this plugin declares
+(openvino-genai 2026.4, read from its source and checked here; ``NOT_DECLARED`` holds the evidence
+for what is not):
 
 * Adapters are ``openvino_genai.Adapter`` objects read from ``adapter_model.safetensors``;
   GenAI ignores ``adapter_config.json``, so the plugin passes PEFT's scaling (``lora_alpha / r``,
@@ -30,8 +34,8 @@ served with GenAI's own tokenizer. What GenAI offers, and so what this plugin de
   patterns do not know PEFT's ``lora_embedding_A/B`` keys and skip them silently) is what the
   suites judge. What the plugin still refuses, and the GenAI behaviour each refusal stands for:
   ``rank_pattern`` / ``alpha_pattern`` (GenAI ignores ``adapter_config.json``: one blend weight per
-  adapter cannot carry per-module scaling); ``target_parameters``, MoE and encoder base models
-  (the converter has no path for them); float16 on a CPU without FP16 support (OpenVINO reports
+  adapter cannot carry per-module scaling); encoder base models (GenAI's TextEmbeddingPipeline
+  takes no adapters; Mixtral MoE bases are converted and expert LoRA goes to GenAI); float16 on a CPU without FP16 support (OpenVINO reports
   no FP16 in ``OPTIMIZATION_CAPABILITIES``); an ``adapter_config.json`` that cannot be read (the
   blend weight is computed from it, so ``r`` must be positive); and ranks above the ``max_rank`` arg
   (a deployment's setting). Malformed
@@ -67,10 +71,12 @@ from lora_conformance.engines.base import (
     AdapterIncompatibleError,
     AdapterNotLoadedError,
     Capability,
+    AdaptersInUse,
     Engine,
     EngineError,
     EngineFailure,
     Limits,
+    RequestHandle,
     UnsupportedFeatureError,
     only,
 )
@@ -79,6 +85,7 @@ from lora_conformance.types import GenerationRequest, GenerationResult
 PRECISIONS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 CAPABILITY_NAMES = {"float32": "FP32", "bfloat16": "BF16", "float16": "FP16"}  # OPTIMIZATION_CAPABILITIES
 SCORE_ATOL = 1e-3  # generate()'s score vs the sum of the handles' per-token logprobs
+UNSPLIT_BATCHED_TOKENS = 8192  # chunked_prefill_size=0: tokens a step may take (whole prompts)
 
 
 def openvino_device(device: str) -> str:
@@ -129,18 +136,86 @@ def adapter_refusals(info: AdapterInfo) -> list[str]:
     the plugin's translation cannot express: GenAI itself decides on DoRA, modules_to_save, biases
     and embed_tokens LoRA (it reads the safetensors file and skips tensors it does not know)."""
     refused = []
-    if info.target_parameters:
-        refused.append(f"target_parameters {list(info.target_parameters)} (MoE experts: MoE models are not "
-                       "converted)")
     if info.has_rank_pattern:
         refused.append("rank_pattern / alpha_pattern (GenAI ignores adapter_config.json and takes one blend "
                        "weight per adapter, so per-module scaling cannot be passed on)")
     return refused
 
 
+MODES = ("generate", "continuous_batching")
+# GenAI's ways of applying LoRA (AdapterConfig::Mode, lora_adapter.hpp#L52-L58): the backends suite runs each.
+ADAPTER_MODES = {"auto": "MODE_AUTO", "dynamic": "MODE_DYNAMIC", "static_rank": "MODE_STATIC_RANK",
+                 "static": "MODE_STATIC", "fuse": "MODE_FUSE"}
+DEFAULT_CB_LORAS_PER_BATCH = 4  # what mode=continuous_batching declares unless told (GenAI has no limit)
+
+# Why a capability is not declared, with GenAI's own evidence (openvino.genai master da1db864,
+# version 2026.4.0.0 in its pyproject; the installed 2026.4.1 behaves alike where tests here show it).
+GENAI = "https://github.com/openvinotoolkit/openvino.genai/blob/da1db864d2bc1a265e9a036f5b57ef13f0e86c2c/"
+_NO_BOUND = (f"GenAI holds every Adapter of a pipeline's AdapterConfig, a plain list of (Adapter, alpha) with no "
+             f"capacity, slots or eviction ({GENAI}src/cpp/include/openvino/genai/lora_adapter.hpp#L73-L82): "
+             "nothing is bounded, pinned or evicted")
+NOT_DECLARED_GENERATE = {
+    Capability.MIXED_BATCH: (
+        "mode=generate: GenAI's ContinuousBatchingPipeline.generate() asserts that all requests of a call carry the "
+        f"same adapters ({GENAI}src/cpp/src/continuous_batching/pipeline_impl.cpp#L570-L575; openvino-genai "
+        "2026.4.1's message names pipeline_impl.cpp:697), so this mode serves one call per adapter; "
+        "mode=continuous_batching submits per-request adapters"),
+    Capability.INFLIGHT_LIFECYCLE: (
+        "mode=generate: generate() asserts that no request is running "
+        f"({GENAI}src/cpp/src/continuous_batching/pipeline_impl.cpp#L553-L555); mode=continuous_batching "
+        "adds requests while others run (add_request / step)"),
+}
+NOT_DECLARED = {
+    Capability.MAX_LOADED: _NO_BOUND,
+    Capability.PINNING: _NO_BOUND,
+    Capability.EVICTION_LRU: _NO_BOUND,
+    Capability.EVICTION_FIFO: _NO_BOUND,
+    Capability.OVERLAP_LOADING: (
+        "GenAI reads an adapter's file when the Adapter is constructed "
+        f"({GENAI}src/cpp/src/lora/adapter.cpp#L1260) and sets the LoRA state of the infer request synchronously "
+        f"before a generate ({GENAI}src/cpp/src/continuous_batching/pipeline_impl.cpp#L535-L538): no loading "
+        "overlaps a running batch"),
+    Capability.GRAPHS: (
+        "OpenVINO compiles the whole model once when the pipeline is built "
+        f"({GENAI}src/cpp/src/continuous_batching/pipeline_impl.cpp#L182): there is no eager mode to compare"),
+    Capability.TENSOR_PARALLEL: (
+        "GenAI's continuous batching runs on one CPU device: 'execution device is expected to be single CPU / single "
+        f"GPU / multi GPUs' ({GENAI}src/cpp/src/continuous_batching/pipeline_impl.cpp#L186-L189)"),
+    Capability.EMBEDDINGS: (
+        "GenAI's TextEmbeddingPipeline takes no adapters: embed_documents / embed_query take texts only "
+        f"({GENAI}src/cpp/include/openvino/genai/rag/text_embedding_pipeline.hpp#L162-L192) and src/cpp/src/rag/ "
+        "has no LoRA code (git grep -i 'lora\\|adapter' there finds nothing)"),
+    Capability.RANK_PATTERN: (
+        "GenAI never reads adapter_config.json and takes one alpha per adapter: AdapterConfig(adapter, alpha) "
+        f"({GENAI}src/cpp/include/openvino/genai/lora_adapter.hpp#L75): per-module scaling cannot be passed on"),
+    Capability.PROMPT_LOGPROBS: (
+        "GenerationConfig.logprobs: 'Currently only single top logprob can be returned' "
+        f"({GENAI}src/cpp/include/openvino/genai/generation_config.hpp#L583): prompt tokens get their own "
+        "logprob only, not the distribution's top-k"),
+    Capability.DORA: ("GenAI reads only the LoRA A/B tensors of adapter_model.safetensors; the DoRA magnitude is "
+                      f"skipped ({GENAI}src/cpp/src/lora/adapter.cpp): judged by matches_or_refuses"),
+    Capability.MODULES_TO_SAVE: ("GenAI reads only LoRA tensors per request; a modules_to_save copy is served only "
+                                 "from a pipeline built with the adapter: judged by matches_or_refuses"),
+    Capability.LORA_BIAS: (f"GenAI skips lora_B biases ({GENAI}src/cpp/src/lora/adapter.cpp): judged by "
+                           "matches_or_refuses"),
+}
+
+
 @dataclass(frozen=True)
 class OpenVINOArgs:
+    mode: str = arg("generate", "generate: one GenAI generate() call per adapter (GenAI's one adapter configuration "
+                                "per call); continuous_batching: every request through add_request() with its own "
+                                "adapters, stepped by a serving loop while others run", choices=MODES)
     prefix_cache: bool = arg(False, "GenAI's SchedulerConfig.enable_prefix_caching (off by default, as in GenAI)")
+    chunked_prefill_size: Optional[int] = arg(
+        None, "SchedulerConfig.max_num_batched_tokens with dynamic_split_fuse (prompt tokens per step); 0: no split "
+              "(dynamic_split_fuse off); default: GenAI's (256, split on)", minimum=0)
+    max_loras_per_batch: Optional[int] = arg(
+        None, f"adapters declared per batch: mode=generate serves 1 (the default); mode=continuous_batching takes any "
+              f"(GenAI's add_request has no limit; default {DEFAULT_CB_LORAS_PER_BATCH})", minimum=1)
+    lora_backend: str = arg("auto", "GenAI's AdapterConfig mode for the pipeline's adapters (lora_adapter.hpp's "
+                                    "AdapterConfig::Mode): auto, dynamic, static_rank, static or fuse",
+                            choices=tuple(ADAPTER_MODES))
     cache_size_gb: int = arg(1, "the KV cache, GiB (SchedulerConfig.cache_size)", minimum=1)
     num_threads: Optional[int] = arg(None, "INFERENCE_NUM_THREADS (default: the device's)", minimum=1)
     ir_cache: Optional[str] = arg(None, "where converted models are kept (default: beside the model's cache)")
@@ -151,6 +226,21 @@ class OpenVINOArgs:
               "the plugin's own otherwise", choices=("on", "off"))
     validate_adapters: bool = arg(False, "check adapters with the shared validator before GenAI sees them (off: "
                                          "GenAI's own behaviour is what is certified)")
+    request_timeout_s: float = arg(600.0, "mode=continuous_batching: how long generate() waits for its requests",
+                                   minimum=1)
+
+    def __post_init__(self):
+        if self.mode == "generate" and self.max_loras_per_batch not in (None, 1):
+            raise UnsupportedFeatureError(
+                f"engine 'openvino' cannot run with max_loras_per_batch={self.max_loras_per_batch} in mode=generate "
+                "(GenAI's generate() takes one adapter configuration per call; mode=continuous_batching takes "
+                "per-request adapters)")
+
+    @property
+    def loras_per_batch(self) -> int:
+        if self.mode == "generate":
+            return 1
+        return self.max_loras_per_batch or DEFAULT_CB_LORAS_PER_BATCH
 
 
 class OpenVINOEngine(Engine):
@@ -163,13 +253,15 @@ class OpenVINOEngine(Engine):
                           "ov_int4": "u4 codes in groups of 128, zero points and scales in OpenVINO's weight-compression "
                                      "subgraph (openvino_convert.compress_weights)"}
     standard_args = {
-        "max_loras_per_batch": only(name, "max_loras_per_batch", "1"),
+        "max_loras_per_batch": Rename("max_loras_per_batch"),
         "max_loaded_loras": Ignore("no bound: every loaded adapter stays on the host"),
         "max_rank": Rename("max_rank"),
         "eviction": only(name, "eviction", "none"),
         "prefix_cache": Rename("prefix_cache"),
         "overlap_loading": only(name, "overlap_loading", "0"),
         "graphs": only(name, "graphs", "0"),
+        "chunked_prefill_size": Rename("chunked_prefill_size"),
+        "lora_backend": Rename("lora_backend"),
     }
 
     @classmethod
@@ -177,20 +269,41 @@ class OpenVINOEngine(Engine):
         """None for a model the converter refuses (MoE, encoders, ...): the engine's start says why."""
         from lora_conformance.engines.openvino_convert import check_convertible
 
+        moe = False
         if model_dir is not None:
             try:
-                check_convertible(Path(model_dir))
+                moe = bool(check_convertible(Path(model_dir)).get("num_local_experts"))
             except UnsupportedFeatureError:
                 return None
         # prefix_cache: GenAI has one (off unless asked for, as in its SchedulerConfig); the suites
         # ask for it with prefix_cache=1. embed_tokens: GenAI accepts such adapters (it loads the
-        # file and applies what its name patterns know), so what it serves is judged.
-        return frozenset({Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD, Capability.PREFIX_CACHE,
-                          Capability.EMBED_TOKENS})
+        # file and applies what its name patterns know), so what it serves is judged. chunked
+        # prefill: SchedulerConfig.dynamic_split_fuse / max_num_batched_tokens, in both modes.
+        caps = {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD, Capability.PREFIX_CACHE,
+                Capability.EMBED_TOKENS, Capability.CHUNKED_PREFILL}
+        if moe:  # a Mixtral IR; expert LoRA (target_parameters) goes to GenAI as the file holds it
+            caps.add(Capability.MOE)
+        if cfg.mode == "continuous_batching":
+            # GenAI's request API takes per-request adapters while others run (openvino_cb.py says
+            # what GenAI then serves; the suites judge it).
+            caps |= {Capability.MIXED_BATCH, Capability.INFLIGHT_LIFECYCLE}
+        return frozenset(caps)
+
+    @classmethod
+    def not_declared_reasons(cls, cfg: OpenVINOArgs, model_dir: Optional[Path], device: str):
+        reasons = dict(NOT_DECLARED)
+        if cfg.mode == "generate":
+            reasons.update(NOT_DECLARED_GENERATE)
+        return reasons
+
+    @classmethod
+    def backends(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
+        """GenAI's LoRA modes other than auto (which picks one of them: dynamic on CPU and GPU)."""
+        return {"lora_backend": tuple(m for m in ADAPTER_MODES if m != "auto")}
 
     @classmethod
     def declared_limits(cls, cfg: OpenVINOArgs, model_dir: Optional[Path], device: str) -> Limits:
-        return Limits(max_loras_per_batch=1, max_loaded_loras=1024, max_rank=cfg.max_rank)
+        return Limits(max_loras_per_batch=cfg.loras_per_batch, max_loaded_loras=1024, max_rank=cfg.max_rank)
 
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
@@ -231,6 +344,12 @@ class OpenVINOEngine(Engine):
         self._bound: set[str] = set()  # modules the current pipeline carries LoRA state for
         self._pipe = None
         self._build_pipeline()
+        self._loop = None  # mode=continuous_batching: the serving loop that steps the pipeline
+        self._in_use = AdaptersInUse()
+        if a.mode == "continuous_batching":
+            from lora_conformance.engines.openvino_cb import ServingLoop
+
+            self._loop = ServingLoop(lambda: self._pipe, self.name)
         self.capabilities = self.declared_capabilities(a, self.model_dir, device)
         self.limits = self.declared_limits(a, self.model_dir, device)
 
@@ -241,12 +360,19 @@ class OpenVINOEngine(Engine):
         sched = g.SchedulerConfig()
         sched.cache_size = self.cache_size_gb
         sched.enable_prefix_caching = self.prefix_cache
+        chunk = self.cfg.chunked_prefill_size
+        if chunk == 0:  # no split: a step takes whole prompts (GenAI refuses one longer than the batch)
+            sched.dynamic_split_fuse = False
+            sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, UNSPLIT_BATCHED_TOKENS)
+        elif chunk is not None:
+            sched.dynamic_split_fuse = True
+            sched.max_num_batched_tokens = chunk
         precision = PRECISIONS[self.dtype]
         props: dict = {"INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision, **self._plugin_props}
         if self.num_threads:
             props["INFERENCE_NUM_THREADS"] = self.num_threads
         if self._adapters:
-            config = g.AdapterConfig()
+            config = g.AdapterConfig(getattr(g.AdapterConfig.Mode, ADAPTER_MODES[self.cfg.lora_backend]))
             for _, adapter, scaling in self._adapters.values():
                 config.add(adapter, scaling)
             props["adapters"] = config
@@ -271,7 +397,7 @@ class OpenVINOEngine(Engine):
             validate_adapter(Path(path), self.model_dir, self.max_rank, self.dtype)
         info = read_adapter_info(Path(path))  # the blend weight needs the config (AdapterFormatError if unreadable)
         self._check_servable(name, info)
-        scaling = adapter_scaling(info)
+        adapter_scaling(info)  # r > 0 (the blend weight), checked before GenAI reads the file
         try:  # GenAI reads the weights file first: what it refuses, it refuses itself
             adapter = self._genai.Adapter(str(info.path / "adapter_model.safetensors"))
         except Exception as exc:  # noqa: BLE001 - GenAI raises RuntimeError and its own types
@@ -284,6 +410,16 @@ class OpenVINOEngine(Engine):
         # Tensors for a module the converted model has no MatMul for are GenAI's to skip or refuse
         # (it matches names to MatMuls itself); only bindable modules decide on a new pipeline.
         modules = {m for m in modules if any(m in mm for mm in self._matmuls)}
+        if self._loop is not None:
+            # Running requests keep the weights their name had at submission: a reload waits for them.
+            self._in_use.wait_unused(name, None)
+            if not modules <= self._bound:  # a new pipeline: only once nothing runs on the old one
+                self._loop.exclusive(lambda: self._replace(name, info, adapter, modules, path))
+                return
+        self._replace(name, info, adapter, modules, path)
+
+    def _replace(self, name: str, info: AdapterInfo, adapter, modules: set[str], path: Path) -> None:
+        scaling = adapter_scaling(info)
         old = self._adapters.pop(name, None)
         self._adapters[name] = (info, adapter, scaling)
         if not modules <= self._bound:
@@ -309,7 +445,8 @@ class OpenVINOEngine(Engine):
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
             raise AdapterNotLoadedError(name, self.list_adapters())
-        del self._adapters[name]
+        self._in_use.wait_unused(name, None)  # mode=continuous_batching: requests using it finish first
+        self._adapters.pop(name, None)
 
     def list_adapters(self) -> list[str]:
         return sorted(self._adapters)
@@ -317,6 +454,8 @@ class OpenVINOEngine(Engine):
     # ---- generation --------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        if self._loop is not None:
+            return self.submit(requests).result(self.cfg.request_timeout_s)
         self.require_loaded(requests)
         if any(r.prompt_logprobs for r in requests):
             raise UnsupportedFeatureError("engine 'openvino': GenAI returns no prompt top-k logprobs")
@@ -328,6 +467,51 @@ class OpenVINOEngine(Engine):
             for i, result in zip(rows, self._generate_group(adapter, [requests[i] for i in rows])):
                 results[i] = result
         return results  # type: ignore[return-value]
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> RequestHandle:
+        """mode=continuous_batching: every request enters GenAI's running batch with add_request(),
+        its GenerationConfig carrying its own adapters; the serving loop steps the pipeline."""
+        if self._loop is None:
+            return super().submit(requests)
+        self.require_loaded(requests)
+        if any(r.prompt_logprobs for r in requests):
+            raise UnsupportedFeatureError("engine 'openvino': GenAI returns no prompt top-k logprobs")
+        items = []
+        for r in requests:
+            ids = self._tokenizer.encode(r.prompt).input_ids
+            items.append((r, ids, self._config(r, r.adapter), r.adapter, _one_step_top_k(r)))
+        names = [r.adapter for r in requests if r.adapter is not None]
+        self._in_use.started(names)
+        try:
+            handle = self._loop.submit(items, self._served)
+        except BaseException:
+            self._in_use.finished(names)
+            raise
+        self._in_use.finished_with(handle._futures, names)
+        return handle
+
+    def _served(self, f) -> GenerationResult:
+        """The result of one request the serving loop finished (openvino_cb.InFlight)."""
+        req, ids = f.request, f.input_ids
+        if f.beam:
+            seqs = [x for _, x in f.beams]
+            if len(seqs) != req.top_k or any(len(x) != 1 for x in seqs) or len({x[0] for x in seqs}) != len(seqs):
+                raise EngineFailure(f"engine 'openvino': request {f.index} (adapter={f.adapter or 'base'}): one beam "
+                                    f"step gave {seqs}, expected {req.top_k} distinct one-token sequences")
+            ranked = sorted(((sc, x[0]) for sc, x in f.beams), key=lambda p: (-p[0], p[1]))
+            tokens, logprobs = [ranked[0][1]], [{t: sc for sc, t in ranked}]
+        else:
+            if len(f.logprobs) != len(f.tokens):
+                raise EngineFailure(f"engine 'openvino': request {f.index}: GenAI gave {len(f.tokens)} tokens and "
+                                    f"{len(f.logprobs)} logprobs")
+            tokens, logprobs = f.tokens, [{t: lp} for t, lp in zip(f.tokens, f.logprobs)]
+        return GenerationResult(
+            token_ids=tokens,
+            text=self._tokenizer.decode(tokens, skip_special_tokens=True),
+            logprobs=logprobs,
+            prompt_token_ids=[int(x) for x in ids.data[0]],
+            prompt_logprobs=None,
+        )
 
     def _config(self, request: GenerationRequest, adapter: Optional[str]):
         g = self._genai
@@ -399,6 +583,9 @@ class OpenVINOEngine(Engine):
     # ---- misc ----------------------------------------------------------------------------
 
     def close(self) -> None:
+        if getattr(self, "_loop", None) is not None:
+            self._loop.close()
+            self._loop = None
         self._pipe = None
         self._adapters.clear()
 
