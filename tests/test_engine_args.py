@@ -268,10 +268,11 @@ def test_openvino_class_declares_what_a_started_engine_reports(models, tmp_path)
 
     _same(OpenVINOEngine(models["llama"], "cpu", "float32", {"ir_cache": str(tmp_path / "ir"),
                                                               "max_rank": "32"})).close()
-    # a model the engine refuses (an encoder: GenAI's embedding pipeline takes no adapters): the
-    # class cannot say, the engine's start says why
+    # a model the converter refuses (an encoder: GenAI's embedding pipeline takes no adapters): the
+    # class cannot say, the engine's start says why; a Mixtral is converted and declares moe
     cfg = OpenVINOEngine.parse_args({})
     assert OpenVINOEngine.declared_capabilities(cfg, models["encoder"], "cpu") is None
+    assert Capability.MOE in OpenVINOEngine.declared_capabilities(cfg, models["moe"], "cpu")
 
 
 def _fake_vllm(monkeypatch):

@@ -92,10 +92,10 @@ class ServingLoop:
     # ---- submitting --------------------------------------------------------------------
 
     def submit(self, items: Sequence[tuple[GenerationRequest, Any, Any, Optional[str], bool]],
-               finish: Callable[[InFlight], GenerationResult]) -> RequestHandle:
+               finish: Callable[[InFlight], GenerationResult]) -> list[InFlight]:
         """``items``: (request, input_ids tensor, GenerationConfig, adapter name, beam?) each. All enter
         the running batch at once; a refusal of any (GenAI raises on add_request) fails the call
-        before any of them runs."""
+        before any of them runs. ``handle(flights)`` makes their RequestHandle."""
         with self._cv:
             self._cv.wait_for(lambda: not self._exclusive or self._closed)
             if self._closed:
@@ -118,7 +118,11 @@ class ServingLoop:
                 self._active[rid] = f
                 added.append(f)
             self._cv.notify_all()
-        return FuturesHandle([f.future for f in added], [f.started for f in added])
+        return added
+
+    @staticmethod
+    def handle(flights: Sequence[InFlight]) -> RequestHandle:
+        return FuturesHandle([f.future for f in flights], [f.started for f in flights])
 
     # ---- the loop --------------------------------------------------------------------------
 

@@ -483,12 +483,12 @@ class OpenVINOEngine(Engine):
         names = [r.adapter for r in requests if r.adapter is not None]
         self._in_use.started(names)
         try:
-            handle = self._loop.submit(items, self._served)
+            flights = self._loop.submit(items, self._served)
         except BaseException:
             self._in_use.finished(names)
             raise
-        self._in_use.finished_with(handle._futures, names)
-        return handle
+        self._in_use.finished_with([f.future for f in flights], names)
+        return self._loop.handle(flights)
 
     def _served(self, f) -> GenerationResult:
         """The result of one request the serving loop finished (openvino_cb.InFlight)."""
