@@ -17,10 +17,12 @@ PROMPT = "the cat sat on the mat and the dog ran fast to the big red tree"
 def world(tmp_path_factory):
     d = tmp_path_factory.mktemp("builtin_faults")
     base = build_decoder(d / "base", seed=2)
+    from lora_conformance.models.quant import snapped_checkpoint
     moe = build_decoder(d / "moe", arch="qwen3_moe", seed=2)
     bert = build_bert(d / "bert", seed=2)
     return {
         "base": base, "moe": moe, "bert": bert,
+        "int8": snapped_checkpoint(base, "int8", d / "quantized"),  # the quant_* faults' int8 base
         "e1": build_adapter(bert, d / "e1", 7, encoder=True),
         "e2": build_adapter(bert, d / "e2", 8, encoder=True),
         "a1": build_adapter(base, d / "a1", 1, r=8, alpha=16),
@@ -37,7 +39,8 @@ def world(tmp_path_factory):
 def scenario(w, fault, active: bool):
     """Run the scenario that exposes ``fault``, with it switched on or not; return observables."""
     args = {"fault": fault} if active else {}
-    model = w["moe"] if fault.startswith("moe_") else w["bert"] if fault.startswith("embedding_") else w["base"]
+    model = (w["moe"] if fault.startswith("moe_") else w["bert"] if fault.startswith("embedding_")
+             else w["int8"] if fault.startswith("quant_") else w["base"])
     if fault == "evict_pinned":
         args.update(max_loras_per_batch="2", max_loaded_loras="2")
     if fault.startswith("prefix_cache_"):
@@ -58,7 +61,9 @@ def scenario(w, fault, active: bool):
                 "chunk_continuation_drops_adapter": ["a1"], "masked_prefill_padded_rows": ["a1", "a2"],
                 "inflight_no_drain": ["a1"], "embed_tokens_lora_from_first_slot": ["a1", "emb"],
                 "lm_head_lora_from_first_slot": ["a1", "emb"],
-                **{f"drop_{m}": ["a1"] for m in DROPPABLE_LINEAR_MODULES}}.get(fault, [])
+                **{f"drop_{m}": ["a1"] for m in DROPPABLE_LINEAR_MODULES},
+                **{f: ["a1"] for f in ("quant_delta_before_scale", "quant_lora_skipped", "quant_scale_of_channel_0")},
+                }.get(fault, [])
         for n in load:
             eng.load_adapter(n, w[n])
         names = {"base_gets_last_adapter": [None, "a1"], "adapter_index_off_by_one": ["a1", "a2"]}.get(fault, load)
@@ -144,7 +149,7 @@ def test_fault_changes_behaviour(world, fault):
 
 
 def test_catalogue():
-    assert len(FAULTS) == 39 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait"}
+    assert len(FAULTS) == 42 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait"}
     assert Faults(None).name is None and Faults("").name is None
     assert not any(Faults(None).on(f) for f in FAULTS)
     with pytest.raises(ValueError, match="unknown fault"):

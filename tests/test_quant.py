@@ -206,3 +206,72 @@ def test_the_report_names_the_scheme_and_how_the_reference_was_made():
     assert "--base-quant=q4_k" in rerun_command(env, "suites/test_accuracy.py::x")
     plain = fingerprint(SimpleNamespace(**{**vars(settings), "base_quant": "none"}), {"device": {"device_name": "c"}})
     assert plain["base_quant"] is None and "base quantisation" not in dict(environment_rows(plain))
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_k"])
+def test_llama_cpp_loads_our_gguf_blocks_and_serves_the_dequantised_base(float_base, tmp_path, scheme):
+    """The converter writes the stored blocks (gguf-py reads them back as they are); llama.cpp loads
+    them and its base logprobs sit near the reference on the dequantised base (its dot products
+    quantise activations to 8 bits: within 0.1, not float32's 2e-3) and far nearer than the float base's."""
+    pytest.importorskip("llama_cpp")
+    gguf = pytest.importorskip("gguf")
+    from lora_conformance.engines import llamacpp_convert
+    from lora_conformance.engines.llamacpp_engine import LlamaCppEngine
+    from lora_conformance.reference import ReferenceRunner
+    from lora_conformance.types import GenerationRequest
+
+    snapped = quant.snapped_checkpoint(float_base, scheme, tmp_path)
+    path = llamacpp_convert.convert_model(snapped, tmp_path / "gguf", "float32")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    stored = quant.load_quantized(snapped)["model.layers.1.mlp.down_proj.weight"]["blocks"]
+    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == scheme.upper()
+    assert np.array_equal(np.asarray(tensors["blk.1.ffn_down.weight"].data).reshape(stored.shape), stored)
+    eng = LlamaCppEngine(snapped, "cpu", "float32", {"extra_bufts": "0", "gguf_cache": str(tmp_path / "g")})
+    try:
+        reqs = [GenerationRequest(prompt=p, max_new_tokens=3, top_k=5) for p in ("the cat sat on", "a b c d")]
+        got = eng.generate(reqs)
+    finally:
+        eng.close()
+    want, floats = ReferenceRunner(snapped).generate(reqs), ReferenceRunner(float_base).generate(reqs)
+    for g, w, f in zip(got, want, floats):
+        assert g.token_ids == w.token_ids
+        near = max(abs(g.logprobs[0][t] - w.logprobs[0][t]) for t in w.logprobs[0] if t in g.logprobs[0])
+        far = max(abs(f.logprobs[0][t] - w.logprobs[0][t]) for t in w.logprobs[0] if t in f.logprobs[0])
+        assert near < 0.1 and near < far, (near, far)
+
+
+@pytest.mark.parametrize("scheme", ["ov_int8", "ov_int4"])
+def test_openvino_ir_holds_the_stored_codes_and_computes_the_dequantised_base(float_base, tmp_path, scheme):
+    """The converted IR keeps the stored u8 / u4 codes as constants (the weight-compression subgraph is
+    not folded back to float), and with the plugin's dynamic quantization off its logits are the
+    reference's on the dequantised base, to float32 precision."""
+    ov = pytest.importorskip("openvino")
+    import torch
+
+    from lora_conformance.engines import openvino_convert
+    from lora_conformance.models import load_model
+
+    snapped = quant.snapped_checkpoint(float_base, scheme, tmp_path)
+    ir = openvino_convert.converted_model(snapped, tmp_path / "ir")
+    model = ov.Core().read_model(str(ir / "openvino_model.xml"))
+    want = ov.Type.u8 if scheme == "ov_int8" else ov.Type.u4
+    codes = [op for op in model.get_ops() if op.get_type_name() == "Constant" and op.get_output_element_type(0) == want
+             and op.get_output_shape(0)[-1] > 1]  # not the zero points: (out, 1) / (out, groups, 1)
+    assert len(codes) == 28  # every quantised weight's codes
+    stored = quant.load_quantized(snapped)["model.layers.0.mlp.up_proj.weight"]["qweight"]
+
+    def values(c):  # u4 constants hold two codes a byte, the first in the low nibble
+        d = np.asarray(c.get_data()).reshape(-1)
+        return (d if scheme == "ov_int8" else np.stack([d & 15, d >> 4], axis=1).reshape(-1)).reshape(stored.shape)
+
+    assert any(np.array_equal(values(c), stored) for c in codes if tuple(c.get_output_shape(0))[0] == stored.shape[0]
+               and np.prod(c.get_output_shape(0)) == stored.size)
+    ids = np.array([[1, 40, 77, 300, 512, 900, 33, 64]], dtype=np.int64)
+    with torch.no_grad():
+        ref = load_model(snapped)(torch.from_numpy(ids)).logits[0].numpy()
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
+                                                      "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0})
+    out = compiled.create_infer_request().infer({"input_ids": ids, "attention_mask": np.ones_like(ids),
+                                                 "position_ids": np.arange(ids.shape[1])[None],
+                                                 "beam_idx": np.array([0], dtype=np.int32)})
+    assert np.abs(out[compiled.output("logits")][0] - ref).max() < 5e-3

@@ -27,10 +27,11 @@ q4_k       GGUF Q4_K: super-blocks of 256 (8 sub-blocks of 32), w' = d * sc_j * 
            q in 0..15, sc_j / m_j 6-bit, d / dmin float16. Our quantiser (gguf-py has none) takes
            each sub-block's min (at most 0) and range; llama.cpp searches further, a format
            needs no particular search: any valid blocks are served as they are.
-ov_int8    OpenVINO / NNCF INT8_ASYM: per output channel, u8 with a u8 zero point, scale
-           (max - min) / 255 stored as float16; w' = (q - zp) * fp16(scale).
-ov_int4    NNCF INT4_ASYM: groups of 128 along the input, u4 with a u4 zero point, float16 scale
-           (max - min) / 15 per group; w' = (q - zp) * fp16(scale).
+ov_int8    NNCF's INT8_ASYM layout: per output channel, u8 with a u8 zero point, scale
+           (max - min) / 255 (the range widened to hold 0) stored as float16, rounded up so
+           nothing clips; w' = (q - zp) * fp16(scale). Our quantiser, not NNCF's.
+ov_int4    NNCF's INT4_ASYM layout: groups of 128 along the input, u4 with a u4 zero point,
+           float16 scale (max - min) / 15 per group; w' = (q - zp) * fp16(scale).
 =========  ===================================================================================
 
 No torch import at module level: the option's choices are read from ``SCHEMES`` by the plugin.
