@@ -93,7 +93,10 @@ class Harness:
         if kind not in MODEL_KINDS:
             raise ValueError(f"unknown base_model kind {kind!r}; expected one of {', '.join(MODEL_KINDS)}")
         own = self.model_dir(self.settings.base_model)
-        return self.settings.base_model if self.model_kind(own) == kind else MODEL_KINDS[kind]
+        from lora_conformance.models import profiles  # the profile's model for the kind (moe), else the table's
+
+        other = profiles.model_for(profiles.get(self.settings.profile), kind) or MODEL_KINDS[kind]
+        return self.settings.base_model if self.model_kind(own) == kind else other
 
     def model_dir(self, spec: str) -> Path:
         if spec not in self._model_dirs:
@@ -467,7 +470,13 @@ class TestContext:
             return engine
         cls, _ = self.harness.parsed_engine_args({})
         if "max_rank" not in (cls.standard_args or {}):
-            return engine
+            # an engine whose own arg is named max_rank (the builtin's) is raised the same way, unless
+            # the user set it
+            from lora_conformance.engines.args import arg_specs
+
+            own = {s.name for s in arg_specs(cls.Args)} if getattr(cls, "Args", None) else set()
+            if "max_rank" not in own or "max_rank" in self.harness.settings.engine_args:
+                return engine
         return self.engine_with(max_rank=max(rank, self.HIGH_RANK))
 
     # The one small capacity of every test about slot limits (pinning, eviction, more adapters than

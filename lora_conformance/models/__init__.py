@@ -12,7 +12,8 @@ from lora_conformance.fileio import build_directory_once
 from lora_conformance.settings import fixtures_dir
 
 # (stdlib only: the plugin validates --base-model with it) synthetic.DECODER_KINDS + encoder
-SYNTHETIC_KINDS = ("llama", "moe", "encoder", "llama-hd128", "llama-hd256", "qwen2")
+SYNTHETIC_KINDS = ("llama", "moe", "encoder", "llama-hd128", "llama-hd256", "qwen2",
+                   "qwen2.5-1.5b", "qwen2.5-7b", "moe-64e")  # the last three: real shapes (profile full)
 HASH_FILE = ".content_hash"
 _HASHED = ("config.json", "tokenizer.json", "tokenizer_config.json")
 

@@ -147,6 +147,7 @@ def fingerprint(settings: Any, extra: Optional[Mapping[str, Any]] = None) -> dic
             "dtype": getattr(settings, "reference_dtype", None),
         },
         "base_model": getattr(settings, "base_model", None),
+        "profile": _profile(settings),
         "packages": package_versions(),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -160,6 +161,21 @@ def fingerprint(settings: Any, extra: Optional[Mapping[str, Any]] = None) -> dic
     elif device.startswith("cpu"):
         env["device"]["device_name"] = _cpu_name()
     return _deep_merge(env, extra)
+
+
+def _profile(settings: Any) -> Optional[dict]:
+    """The certification profile: its ranks, adapter counts, prompt lengths and its models' shapes
+    (models/profiles.py; the synthetic recipes' shape fields)."""
+    name = getattr(settings, "profile", None)
+    if name is None:
+        return None
+    from lora_conformance.models import profiles
+
+    profile = profiles.get(name)
+    shapes = {}
+    for kind, spec in profile.models.items():
+        shapes[kind] = profiles.model_shape(spec)
+    return profile.describe(shapes)
 
 
 def column_key(env: Mapping[str, Any]) -> str:
