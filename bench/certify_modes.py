@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     for value in values:
         report_dir = a.out / value
         cmd = [a.python, "-m", "lora_conformance", "certify", "--engine", a.engine, "--device", a.device,
-               "--engine-arg", f"{key}={value}", "--lora-report", str(report_dir)]
+               "--engine-arg", f"{key}={value}", "--report", str(report_dir)]
         if a.dtype:
             cmd += ["--dtype", a.dtype]
         if rest:

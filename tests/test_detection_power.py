@@ -103,12 +103,15 @@ UNCAUGHT: dict[tuple[str, str], str] = {}
 # delta_x1_1: its catcher accuracy::prefill_logprobs_with_adapter (the paired prompt-logprob verdict) has
 # not run on an accelerator yet; the MoE expert-weighting faults were caught on the H200 by
 # bench/power.py (20/20 per dtype) but not yet through this test.
-NOT_YET_SHOWN_ON_GPU: set = {"rank_ge_128_truncated", "batch_over_16_adapters_wraps", "compile_drops_lora",
+NOT_YET_SHOWN_ON_GPU: set = {"rank_ge_128_truncated", "batch_over_16_adapters_wraps",
                              "delta_x1_1", "moe_lora_unweighted", "moe_lora_weight_of_next_expert",
                              "moe_lora_first_expert_only", "tp_scaling_per_shard", "tp_packed_slice_as_one_block",
                              "tp_b_shard_wrong_rank", "embed_tokens_lora_from_first_slot",
                              "lm_head_lora_from_first_slot", "reload_keeps_first_scaling"}
 SHOWN_ON_GPU_IN = ("float32", "bfloat16", "float16")
+# Faults shown on the accelerator in fewer dtypes than that: compile_drops_lora on an H200,
+# LORA_DETECTION_DTYPES=bfloat16 pytest tests/test_detection_power.py -k compile_drops_lora --device=cuda: 1 passed.
+SHOWN_ON_GPU_ONLY_IN: dict[str, tuple[str, ...]] = {"compile_drops_lora": ("bfloat16",)}
 # The dtypes docs/faults.md's table states for cpu: the default run's (float16 runs with LORA_DETECTION_DTYPES).
 SHOWN_ON_CPU_IN = ("float32", "bfloat16")
 
@@ -120,7 +123,8 @@ ALL_DTYPES = ("float32", "bfloat16", "float16")
 
 def test_every_fault_has_catchers():
     assert set(CATCHERS) == set(FAULTS), "each catalogued fault needs the features that catch it"
-    unknown = {f for f, d in UNCAUGHT if f not in FAULTS or d not in ALL_DTYPES} | (NOT_YET_SHOWN_ON_GPU - set(FAULTS))
+    unknown = ({f for f, d in UNCAUGHT if f not in FAULTS or d not in ALL_DTYPES} | (NOT_YET_SHOWN_ON_GPU - set(FAULTS))
+               | (set(SHOWN_ON_GPU_ONLY_IN) - set(FAULTS)))
     assert not unknown, f"UNCAUGHT / NOT_YET_SHOWN_ON_GPU name faults or dtypes this test does not run: {unknown}"
     undeclared = {c for catchers in CATCHERS.values() for c in catchers} - set(declared_features())
     assert not undeclared, f"catchers that no suite declares as a feature: {sorted(undeclared)}"
