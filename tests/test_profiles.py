@@ -110,3 +110,17 @@ def test_suites_take_their_shapes_from_the_profile(pytester):
     assert len(full_ranks) == 10 and any("-256]" in i or "[256-" in i or "256" in i for i in full_ranks), full_ranks
     assert len([i for i in ids["fast"] if "test_rank[" in i]) == 5
     assert any("8192tok-chunk509" in i for i in ids["full"]) and not any("tok-chunk" in i for i in ids["fast"])
+
+
+def test_certify_modes_combination_passes_only_what_passes_in_every_mode():
+    import importlib.util
+
+    from lora_conformance.settings import repo_root
+
+    spec = importlib.util.spec_from_file_location("certify_modes", repo_root() / "bench" / "certify_modes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    combined = mod.combine({"exec_mode=eager": {"a": "passed", "b": "passed", "c": "not certified"},
+                            "exec_mode=compile": {"a": "passed", "b": "failed", "c": "passed"}})
+    assert {f: v["status"] for f, v in combined.items()} == {"a": "passed", "b": "failed", "c": "not certified"}
+    assert mod.combine({"m1": {"a": "passed"}, "m2": {}})["a"]["status"] == "not run"
