@@ -115,7 +115,6 @@ DECODER_KINDS: dict[str, dict] = {
                 "hidden": 2048, "layers": 2, "heads": 16, "kv_heads": 4, "experts": 64, "expert_intermediate": 1408,
                 "vocab": 151936, "init_std": 0.02 * math.sqrt(256 / 2048)},
 }
-REAL_SHAPE_KINDS = ("qwen2.5-1.5b", "qwen2.5-7b", "moe-64e")
 
 
 def _gen(seed: int, stream: int) -> torch.Generator:
