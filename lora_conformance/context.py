@@ -125,7 +125,13 @@ class TestContext:
             return engine
         cls, _ = self.harness.parsed_engine_args({})
         if "max_rank" not in (cls.standard_args or {}):
-            return engine
+            # an engine whose own arg is named max_rank (the builtin's) is raised the same way, unless
+            # the user set it
+            from lora_conformance.engines.args import arg_specs
+
+            own = {s.name for s in arg_specs(cls.Args)} if getattr(cls, "Args", None) else set()
+            if "max_rank" not in own or "max_rank" in self.harness.settings.engine_args:
+                return engine
         return self.engine_with(max_rank=max(rank, self.HIGH_RANK))
 
     # The one small capacity of every test about slot limits (pinning, eviction, more adapters than

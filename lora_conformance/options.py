@@ -73,6 +73,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("lora_certified", "--lora-certified", "a certified run (what a published badge requires): the whole bundled "
            "suite, waivers naming their upstream issue and suite version, stale ones re-confirmed "
            "(docs/certifying.md)", False, is_flag=True),
+    Option("profile", "--profile", "certification profile: fast (small synthetic bases, ranks to 64) or full "
+           "(real shapes: a Qwen2.5-1.5B-shaped base, a 64-expert MoE, ranks 1-256, 64 adapters, 8k prompts; "
+           "lora_conformance/models/profiles.py)", "fast", choices=("fast", "full")),
     Option("ci_hw", "--ci-hw", "run only suite files registered for this hardware (cpu, cuda, xpu, npu, ...)", None),
     Option("ci_suite", "--ci-suite", "with --ci-hw: the registered suite name", None),
     Option("ci_nightly", "--ci-nightly", "with --ci-hw: include nightly registrations", False, is_flag=True),
@@ -196,15 +199,22 @@ def resolve_settings(config: pytest.Config) -> Settings:
                     if isinstance(exc, devices.DeviceError) else "")
         raise OptionError(f"--device={r['device']!r} (from {r.source('device')}): {exc}{accepted}") from None
     cache = Path(r["lora_cache"]).expanduser() if r["lora_cache"] else default_cache_dir()
+    from lora_conformance.models import profiles
+
+    profile = profiles.get(r["profile"])  # its models and reference device where those were not given
+    base_model = r["base_model"] if r.source("base_model") != "default" else profile.models["decoder"]
+    reference_device = r["reference_device"]
+    if profile.reference_on_device and r.source("reference_device") == "default" and devices.device_type(device) != "cpu":
+        reference_device = device
     settings = Settings(
         device=device,
         device_spec=r["device"],
         engine=r["engine"],
         engine_args=r["engine_arg"] or {},
-        base_model=r["base_model"],
+        base_model=base_model,
         base_quant=r["base_quant"],
         dtype=r["dtype"] or devices.default_dtype_for(device),
-        reference_device=r["reference_device"],
+        reference_device=reference_device,
         reference_dtype=r["reference_dtype"],
         cache_dir=cache,
         refresh_references=bool(r["lora_refresh_references"]),
@@ -217,6 +227,7 @@ def resolve_settings(config: pytest.Config) -> Settings:
         ci_partition=r["ci_partition"],
         ci_durations=Path(r["ci_durations"]) if r["ci_durations"] else None,
         test_timeout=r["lora_test_timeout"],
+        profile=profile.name,
         sources=dict(r.sources),
         threads=parallel.thread_share(parallel.cpu_cores(), parallel.xdist_workers(config), r["lora_threads"],
                                       r.source("lora_threads")),

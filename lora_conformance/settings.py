@@ -33,6 +33,7 @@ class Settings:
     ci_partition: Optional[str] = None
     ci_durations: Optional[Path] = None
     test_timeout: float = 0.0  # seconds per test phase (0: no budget; see lora_conformance.time_budget)
+    profile: str = "fast"  # models/profiles.py: the shapes the suites certify
     threads: Any = None  # parallel.ThreadShare: torch threads of this process, and why
     sources: dict[str, str] = field(default_factory=dict)
     base_quant: str = "none"  # models.quant scheme of the decoder bases (none: float)
@@ -52,6 +53,7 @@ class Settings:
             "reference_device": self.reference_device,
             "reference_dtype": self.reference_dtype,
             "cache_dir": str(self.cache_dir),
+            "profile": self.profile,
         }
 
 

@@ -32,7 +32,10 @@ class Workspace:
         if kind not in MODEL_KINDS:
             raise ValueError(f"unknown base_model kind {kind!r}; expected one of {', '.join(MODEL_KINDS)}")
         own = self.model_dir(self.settings.base_model)
-        return self.settings.base_model if self.kind_of(own) == kind else MODEL_KINDS[kind]
+        from lora_conformance.models import profiles  # the profile's model for the kind (moe), else the table's
+
+        other = profiles.model_for(profiles.get(self.settings.profile), kind) or MODEL_KINDS[kind]
+        return self.settings.base_model if self.kind_of(own) == kind else other
 
     def model_dir(self, spec: str) -> Path:
         if spec not in self._model_dirs:

@@ -31,7 +31,7 @@ def _check(lora, engine, name, spec, labels=None, prompts=PROMPTS, alternatives=
 
 @pytest.mark.feature("adapter_semantics/rank",
                       "adapters of rank 1 to the engine's max_rank are served as PEFT serves them")
-@pytest.mark.parametrize("rank", [1, 8, 16, 64, "max"])
+@pytest.mark.profile_param("rank", lambda profile: [*profile.ranks, "max"])
 def test_rank(lora, device, dtype, rank):
     """``max``: the limit of the engine as configured (its default, or the user's engine args)."""
     engine = lora.engine if rank == "max" else lora.engine_for_rank(rank)

@@ -24,10 +24,29 @@ LABELS = ["A", None, "B", "A", None]
 ON_BLOCK, INSIDE_BLOCK = 16, 13
 
 
-def long_prompts(lora, n=len(LABELS)):
-    """Six default prompts joined (about 60 tokens): several chunks each at the chunk sizes below."""
+def long_prompts(lora, n=len(LABELS), words=0):
+    """Six default prompts joined (about 60 tokens): several chunks each at the chunk sizes below.
+    ``words`` > 0 (the full profile's long prompts): that many of the default prompts' words, each
+    row starting elsewhere in them."""
     ps = lora.prompts
+    if words:
+        pool = " ".join(ps).split()
+        reps = words // len(pool) + 2
+        cycle = pool * reps
+        return [" ".join(cycle[7 * i: 7 * i + words]) for i in range(n)]
     return [" ".join(ps[(3 * i + j) % len(ps)] for j in range(6)) for i in range(n)]
+
+
+def context_args(lora):
+    """The engine's max_model_len raised to the profile's where its prompts need it (an engine that
+    has the arg; another serves what it serves and says so when it cannot)."""
+    import dataclasses
+
+    from lora_conformance.models import profiles
+
+    need = profiles.active(lora.harness.settings).max_model_len
+    fields = {f.name for f in dataclasses.fields(type(lora.engine).Args)} if hasattr(type(lora.engine), "Args") else set()
+    return {"max_model_len": need} if need and "max_model_len" in fields else {}
 
 
 def requests(prompts, labels, prompt_logprobs=True):
@@ -53,13 +72,16 @@ def check(lora, engine, reqs, label, spanning=None):
 @pytest.mark.feature("chunked_prefill/long_prompts_match_reference",
                      "prompts longer than the prefill chunk, mixed adapters and base rows, match the reference",
                      requires=("chunked_prefill",))
-@pytest.mark.parametrize("chunk", [ON_BLOCK, INSIDE_BLOCK])
-def test_long_prompts_match_reference(lora, device, dtype, chunk):
-    """16: chunks on KV-block boundaries; 13: chunks that end inside a block."""
-    engine = lora.engine_with(chunked_prefill_size=chunk)
+@pytest.mark.profile_param("case", lambda profile: list(profile.long_prompts),
+                            ids=lambda c: f"chunk{c[1]}" if not c[0] else f"{c[0]}tok-chunk{c[1]}")
+def test_long_prompts_match_reference(lora, device, dtype, case):
+    """fast: 16 (chunks on KV-block boundaries) and 13 (chunks that end inside a block) on ~60-token
+    prompts; full: 2,048-token prompts in 512-token chunks and 8,192-token prompts in 509-token ones."""
+    words, chunk = case
+    engine = lora.engine_with(chunked_prefill_size=chunk, **context_args(lora))
     pl = lora.prompt_logprobs_shown_to_work(engine)
-    reqs = requests(long_prompts(lora), LABELS, pl)
-    check(lora, engine, reqs, f"chunk {chunk}")
+    reqs = requests(long_prompts(lora, words=max(words - 1, 0)), LABELS, pl)
+    check(lora, engine, reqs, f"chunk {chunk}" + (f", {words}-token prompts" if words else ""))
 
 
 @pytest.mark.feature("chunked_prefill/adapter_changes_at_chunk_boundary",
@@ -72,13 +94,20 @@ def test_adapter_changes_at_chunk_boundary(lora, device, dtype, first):
     boundaries fall inside prompts of other lengths. The chunk is INSIDE_BLOCK tokens (a first
     prompt of the default prompts' words with that count), else the token count of one default
     prompt where no run of words has it (a tokenizer that makes words of several tokens)."""
+    from lora_conformance.models import profiles
+
+    profile = profiles.active(lora.harness.settings)
     labels = [first, "B", None if first else "A", "B"]
     # A short first prompt sets the chunk; the later ones span several chunks.
-    short = lora.prompt_of_tokens(INSIDE_BLOCK) or lora.prompts[5]
-    prompts = [short] + long_prompts(lora, len(labels) - 1)
+    if profile.boundary_chunk == INSIDE_BLOCK:
+        short = lora.prompt_of_tokens(INSIDE_BLOCK) or lora.prompts[5]
+        prompts = [short] + long_prompts(lora, len(labels) - 1)
+    else:  # the full profile: a first prompt of about boundary_chunk tokens, the others its longest prompts
+        short = long_prompts(lora, 1, words=profile.boundary_chunk - 1)[0]
+        prompts = [short] + long_prompts(lora, len(labels) - 1, words=max(w for w, _ in profile.long_prompts) - 1)
     probe = lora.reference(requests(prompts[:1], labels[:1], False))[0]
     chunk = len(probe.prompt_token_ids)
-    engine = lora.engine_with(chunked_prefill_size=chunk)
+    engine = lora.engine_with(chunked_prefill_size=chunk, **context_args(lora))
     pl = lora.prompt_logprobs_shown_to_work(engine)
     check(lora, engine, requests(prompts, labels, pl), f"chunk {chunk} (first = {first or 'base'})",
           spanning=range(1, len(labels)))

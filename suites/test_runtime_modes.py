@@ -1,4 +1,5 @@
-"""Runtime modes must not change answers: overlap loading vs synchronous, graphs vs eager, and determinism.
+"""Runtime modes must not change answers: overlap loading vs synchronous, graphs vs eager, every
+declared execution mode (eager, compiled, graphs) against the reference, and determinism.
 
 Overlap loading is also checked for what outputs cannot show: that every read of a freshly
 loaded slot is ordered after its copy (lora_conformance.races watches the device streams).
@@ -93,6 +94,45 @@ def test_graphs_equal_eager(lora, device, dtype):
     for b, labels in enumerate(batches):
         reqs = lora.requests(labels)
         lora.assert_matches_reference(graphs[b], lora.reference(reqs, specs), reqs, label=f"graphs batch {b}")
+
+
+def declared_exec_modes(config) -> list[tuple[str, str]]:
+    """(engine-arg key, value) for every execution mode the engine under test declares on this device."""
+    from lora_conformance.engines.registry import engine_class
+    from lora_conformance.settings import SETTINGS_KEY
+
+    if SETTINGS_KEY not in config.stash:
+        return []
+    s = config.stash[SETTINGS_KEY]
+    modes = getattr(engine_class(s.engine), "exec_modes", lambda device_type: {})(s.device_type)
+    return [(key, value) for key, values in modes.items() for value in values]
+
+
+def pytest_generate_tests(metafunc):
+    if "exec_mode" in metafunc.fixturenames:
+        pairs = declared_exec_modes(metafunc.config) or [None]
+        metafunc.parametrize("exec_mode", pairs, ids=[f"{p[0]}={p[1]}" if p else "none-declared" for p in pairs])
+
+
+# Sizes 8, 8, 5, 3, 12, 1, 2: padded to buckets 8, 8, 8, 4, 16, 1, 2 where a mode pads; the same
+# size with another adapter mix replays (or reuses the compiled step of) an earlier one.
+MODE_BATCHES = [LABELS, ["A"] * 4 + [None] * 4, ["C", "B", None, "A", "C"], ["B", "B", None],
+                LABELS + ["C", None, "A", "B"], ["C"], [None, "A"]]
+
+
+@pytest.mark.feature("runtime_modes/each_exec_mode_matches_reference",
+                     "each execution mode the engine declares (eager, compiled, captured graphs) serves mixed "
+                     "batches of changing sizes and adapter mixes that match the reference")
+def test_each_exec_mode_matches_reference(lora, device, dtype, exec_mode):
+    """Free-running decodes (every step after the first runs in the mode) against the reference."""
+    if exec_mode is None:
+        not_certified(CAPABILITY, "engine declares no execution modes (Engine.exec_modes)")
+    key, value = exec_mode
+    specs = {n: AdapterSpec(seed=310 + i) for i, n in enumerate("ABC")}
+    outputs = _serve(lora, lora.engine_with(**{key: value}), specs, MODE_BATCHES)
+    for b, labels in enumerate(MODE_BATCHES):
+        reqs = lora.requests(labels)
+        lora.assert_matches_reference(outputs[b], lora.reference(reqs, specs), reqs, label=f"{key}={value} batch {b}")
 
 
 @pytest.mark.feature("runtime_modes/repeated_runs_are_identical", "the same batch twice gives bit-identical outputs")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lora_conformance.models import (
-    SYNTHETIC_KINDS,
+    SMALL_KINDS,
     content_hash,
     default_prompts,
     load_model,
@@ -36,7 +36,7 @@ def test_default_prompts_are_words_of_the_vocabulary(tokenizer):
         assert tokenizer.decode(ids, skip_special_tokens=True) == p  # words round-trip
 
 
-@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+@pytest.mark.parametrize("kind", SMALL_KINDS)  # the real shapes: tests/test_profiles.py
 def test_synthetic_models_load_as_standard_checkpoints(cache, kind):
     from transformers import AutoTokenizer
 
@@ -68,7 +68,7 @@ def _same_tokenizer(a, b, texts) -> None:
     assert a.batch_decode(ea["input_ids"]) == b.batch_decode(eb["input_ids"])
 
 
-@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+@pytest.mark.parametrize("kind", SMALL_KINDS)  # the real shapes: tests/test_profiles.py
 def test_a_remembered_tokenizer_class_gives_autotokenizers_tokenizer(cache, kind, tmp_path, monkeypatch):
     """load_tokenizer records AutoTokenizer's class choice; a later process that calls the class
     directly gets the same tokenizer (Qwen2's choice is not the class tokenizer_config.json names)."""

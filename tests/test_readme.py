@@ -45,7 +45,8 @@ def test_readme_matrix_is_generated_from_the_stored_reports():
 
 def fault_row(fault: str) -> str:
     """docs/faults.md's table row for ``fault``, from the detection test's data."""
-    from test_detection_power import CATCHERS, NOT_YET_SHOWN_ON_GPU, SHOWN_ON_CPU_IN, SHOWN_ON_GPU_IN, UNCAUGHT
+    from test_detection_power import (CATCHERS, NOT_YET_SHOWN_ON_GPU, SHOWN_ON_CPU_IN, SHOWN_ON_GPU_IN,
+                                      SHOWN_ON_GPU_ONLY_IN, UNCAUGHT)
 
     from lora_conformance.engines.builtin.faults import DEVICE_ONLY_FAULTS, DTYPE_ONLY_FAULTS, FAULTS
 
@@ -53,7 +54,8 @@ def fault_row(fault: str) -> str:
     dtypes = DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS else SHOWN_ON_CPU_IN
     caught = [d for d in dtypes if (fault, d) not in UNCAUGHT]
     missed = [d for d in dtypes if (fault, d) in UNCAUGHT]
-    gpu_dtypes = DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS else SHOWN_ON_GPU_IN
+    gpu_dtypes = (DTYPE_ONLY_FAULTS[fault][0] if fault in DTYPE_ONLY_FAULTS
+                  else SHOWN_ON_GPU_ONLY_IN.get(fault, SHOWN_ON_GPU_IN))
     gpu = [] if fault in NOT_YET_SHOWN_ON_GPU else [d for d in gpu_dtypes if (fault, d) not in UNCAUGHT]
     if fault in DEVICE_ONLY_FAULTS:
         where = f"GPU ({DEVICE_ONLY_FAULTS[fault]}): {', '.join(gpu)}"

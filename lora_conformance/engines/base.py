@@ -287,6 +287,15 @@ class Engine(ABC):
         it accepts (e.g. ``{"lora_backend": ("triton", "csgmv")}``). The backend suite runs each."""
         return {}
 
+    @classmethod
+    def exec_modes(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
+        """The execution modes this engine declares on ``device_type`` (eager, compiled, captured
+        graphs): engine-arg key -> the values that select each, e.g. ``{"exec_mode": ("eager",
+        "compile", "graphs")}``. A feature is certified in a mode only by a run in it: the runtime
+        modes suite serves mixed batches in each, and bench/certify_modes.py certifies the suites
+        once per mode (a feature passes only where it passes in every mode)."""
+        return {}
+
     def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
         """L2-normalised embeddings of ``texts`` under ``adapter`` (None: the base model). An
         encoder engine that declares ``mixed_batch`` also takes a list, one adapter (or None) per text."""

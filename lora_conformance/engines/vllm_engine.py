@@ -304,6 +304,12 @@ class VllmEngine(Engine):
     def backends(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
         return {"attention_backend": _BACKENDS[device_type]} if device_type in _BACKENDS else {}
 
+    @classmethod
+    def exec_modes(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
+        """Eager, and vLLM's default on an accelerator: torch.compile with captured CUDA graphs
+        (enforce_eager off). On cpu vLLM has no graphs to turn off."""
+        return {} if device_type == "cpu" else {"enforce_eager": ("1", "0")}
+
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
         self.cfg = a = self.parse_args(self.args)

@@ -12,7 +12,11 @@ from lora_conformance.fileio import build_directory_once
 from lora_conformance.settings import fixtures_dir
 
 # (stdlib only: the plugin validates --base-model with it) synthetic.DECODER_KINDS + encoder
-SYNTHETIC_KINDS = ("llama", "moe", "encoder", "llama-hd128", "llama-hd256", "qwen2")
+SYNTHETIC_KINDS = ("llama", "moe", "encoder", "llama-hd128", "llama-hd256", "qwen2",
+                   "qwen2.5-1.5b", "qwen2.5-7b", "moe-64e")
+# Real shapes (profile full): billions of parameters, built in minutes on a big host (not in cpu tests).
+REAL_SHAPE_KINDS = ("qwen2.5-1.5b", "qwen2.5-7b", "moe-64e")
+SMALL_KINDS = tuple(k for k in SYNTHETIC_KINDS if k not in REAL_SHAPE_KINDS)
 # --base-quant's choices (stdlib only, like the kinds): models.quant.SCHEMES describes each
 BASE_QUANT_SCHEMES = ("none", "int8", "q8_0", "q4_k", "ov_int8", "ov_int4")
 HASH_FILE = ".content_hash"

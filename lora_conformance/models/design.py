@@ -26,7 +26,17 @@ GRID = 32  # classes x members; vocab = GRID * GRID
 
 
 def hadamard_basis(n: int, g: torch.Generator) -> torch.Tensor:
-    """An orthonormal basis with entries +-1/sqrt(n): exact in every float format."""
+    """An orthonormal basis with entries +-1/sqrt(n): exact in every float format. A width that is
+    no power of two (the real shapes: 1536, 3584) is a block diagonal of Hadamard bases of its
+    power-of-two parts, its rows permuted, so each code direction spreads over a part's coordinates."""
+    if n & (n - 1):
+        parts, left = [], n
+        while left:
+            p = 1 << (left.bit_length() - 1)
+            parts.append(p)
+            left -= p
+        basis = torch.block_diag(*(hadamard_basis(p, g) for p in parts))
+        return basis[torch.randperm(n, generator=g)][:, torch.randperm(n, generator=g)]
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)

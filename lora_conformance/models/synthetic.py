@@ -72,15 +72,24 @@ class DecoderRecipe:
     arch: str = "llama"
     tied: bool = False
     qkv_bias_std: float = 0.0
+    # The real shapes (profile full): a vocabulary of this size (0: the 32 x 32 grid alone). Ids past
+    # the grid are filler tokens of the tokenizer, never in a prompt, pushed down like class 0.
+    vocab: int = 0
+    top_k_experts: int = 2
 
     def to_dict(self) -> dict:
         # Fields added later are left out at their defaults: the older kinds keep their cache keys.
         d = asdict(self)
-        for k, default in (("arch", "llama"), ("tied", False), ("qkv_bias_std", 0.0)):
+        for k, default in (("arch", "llama"), ("tied", False), ("qkv_bias_std", 0.0), ("vocab", 0),
+                           ("top_k_experts", 2)):
             if d[k] == default:
                 del d[k]
         return d
 
+
+# What the real shapes share (see DECODER_KINDS).
+_REAL = {"arch": "qwen2", "qkv_bias_std": 0.1, "head_dim": 128, "rope_theta": 1e6, "rotary_pairs": 12,
+         "attn_peak": 96.0, "max_positions": 32768}
 
 # synthetic:<kind> -> the decoder recipe's non-default fields (encoder is built apart).
 DECODER_KINDS: dict[str, dict] = {
@@ -89,6 +98,22 @@ DECODER_KINDS: dict[str, dict] = {
     "llama-hd128": {"head_dim": 128},  # the fused rotary paths' head sizes (ours are 64 otherwise)
     "llama-hd256": {"head_dim": 256},
     "qwen2": {"arch": "qwen2", "tied": True, "qkv_bias_std": 0.1},
+    # Real shapes (models/profiles.py, profile full), weights random as above with the same design:
+    # RoPE theta 1e6 and 12 rotary pairs keep the previous-token heads' peak unique over 9,000
+    # positions (design.rotary_gap: 11% of a 96-nat peak); the random weights' std is scaled by
+    # sqrt(256 / hidden) so pre-activations (MLP gates, random attention) keep the 256-wide design's
+    # size (at 0.02 a 1536-wide MLP's output was 6x the design's: greedy margins fell to 0.002 nats),
+    # and the random layers' output noise by sqrt(4 / layers) so 28 layers add what 4 did. Qwen2.5-1.5B ties its embeddings; this
+    # one does not (the tied layout is synthetic:qwen2's), so lm_head LoRA sees a separate matrix.
+    "qwen2.5-1.5b": {**_REAL, "hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960,
+                     "vocab": 151936, "noise_out": 0.02 * math.sqrt(4 / 28), "init_std": 0.02 * math.sqrt(256 / 1536)},
+    "qwen2.5-7b": {**_REAL, "hidden": 3584, "layers": 28, "heads": 28, "kv_heads": 4, "intermediate": 18944,
+                   "vocab": 152064, "noise_out": 0.02 * math.sqrt(4 / 28), "init_std": 0.02 * math.sqrt(256 / 3584)},
+    # 64 experts of Qwen1.5-MoE-A2.7B's expert width (1408) at its hidden size, top-2 as our MoE design;
+    # two layers (24 would be 13 B expert parameters in float32 for the reference).
+    "moe-64e": {"head_dim": 128, "rope_theta": 1e6, "rotary_pairs": 12, "attn_peak": 96.0, "max_positions": 32768,
+                "hidden": 2048, "layers": 2, "heads": 16, "kv_heads": 4, "experts": 64, "expert_intermediate": 1408,
+                "vocab": 151936, "init_std": 0.02 * math.sqrt(256 / 2048)},
 }
 
 
@@ -100,13 +125,14 @@ def _gen(seed: int, stream: int) -> torch.Generator:
 def decoder_state(r: DecoderRecipe, vocab_size: int) -> dict[str, torch.Tensor]:
     """The full state dict (HF Llama / Mixtral names, fused MoE experts)."""
     G, H, hd = design.GRID, r.hidden, r.head_dim
-    assert vocab_size == G * G, f"vocab must be {G * G} (grid), got {vocab_size}"
+    assert vocab_size == (r.vocab or G * G), f"vocab must be {r.vocab or G * G}, got {vocab_size}"
     basis = design.hadamard_basis(H, _gen(r.seed, 1))
     d = basis[:, 0]
     X, Y, Z, W = (basis[:, 1 + i * G : 1 + (i + 1) * G] for i in range(4))
     rest = basis[:, 1 + 4 * G :]
     ids = torch.arange(vocab_size)
-    cls, mem = ids // G, ids % G
+    # Ids past the grid (filler tokens) are class 0 like the specials: never predicted.
+    cls, mem = torch.where(ids < G * G, ids // G, 0), ids % G
 
     if r.tied:
         # input codes, the class-0 push direction, a constant filler direction
@@ -299,7 +325,7 @@ def decoder_config(r: DecoderRecipe, vocab_size: int):
         return MixtralConfig(
             intermediate_size=r.expert_intermediate,
             num_local_experts=r.experts,
-            num_experts_per_tok=2,
+            num_experts_per_tok=r.top_k_experts,
             sliding_window=None,
             **common,
         )
@@ -316,15 +342,24 @@ def build_decoder(r: DecoderRecipe, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     words = load_words()
-    vocab_size = len(words) + 4
+    grid = len(words) + 4
+    vocab_size = r.vocab or grid
     config = decoder_config(r, vocab_size)
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(decoder_state(r, vocab_size), strict=True)
+    state = decoder_state(r, vocab_size)
+    if r.vocab:  # real shapes: no random init of billions of parameters only to overwrite them
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(state, strict=True, assign=True)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(state, strict=True)
+    del state
     model.generation_config.do_sample = False
     model.save_pretrained(out)
-    save_tokenizer(words, "decoder", out)
+    fillers = [f"<|filler_{i}|>" for i in range(vocab_size - grid)]
+    save_tokenizer(words + fillers, "decoder", out)
     if r.arch == "qwen2":
-        words_as_added_tokens(out)
+        words_as_added_tokens(out, limit=grid)
     (out / "synthetic.json").write_text(json.dumps({"recipe": r.to_dict(), "code_version": CODE_VERSION}, indent=2))
 
 

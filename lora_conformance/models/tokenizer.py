@@ -59,7 +59,7 @@ def build_tokenizer(words: list[str], kind: str):
     )
 
 
-def words_as_added_tokens(out: Path) -> None:
+def words_as_added_tokens(out: Path, limit: Optional[int] = None) -> None:
     """Make a saved word-level ``tokenizer.json`` tokenise the same under Qwen2Tokenizer.
 
     transformers 5 loads every ``model_type: qwen2`` checkpoint with Qwen2Tokenizer (a byte-level
@@ -73,7 +73,9 @@ def words_as_added_tokens(out: Path) -> None:
     path = Path(out) / "tokenizer.json"
     tj = json.loads(path.read_text())
     specials = {t["content"] for t in tj["added_tokens"]}
-    words = sorted(((w, i) for w, i in tj["model"]["vocab"].items() if w not in specials), key=lambda x: x[1])
+    # ``limit``: ids from it on (the real shapes' filler tokens, never in a prompt) stay plain vocab
+    words = sorted(((w, i) for w, i in tj["model"]["vocab"].items()
+                    if w not in specials and (limit is None or i < limit)), key=lambda x: x[1])
     tj["added_tokens"] += [{"id": i, "content": w, "single_word": True, "lstrip": True, "rstrip": False,
                             "normalized": False, "special": False} for w, i in words]
     path.write_text(json.dumps(tj, ensure_ascii=False))

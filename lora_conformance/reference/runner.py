@@ -53,6 +53,14 @@ def _topk(logprobs_row, k: int, extra: Optional[int] = None) -> TopK:
     return out
 
 
+# Bytes of adapted model copies a reference keeps on an accelerator (the base's own copy aside).
+MODEL_COPY_BUDGET = 12 << 30
+
+
+def _param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 class ReferenceRunner:
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32",
                  cache: Optional[ReferenceCache] = None, max_models: int = 4,
@@ -144,6 +152,13 @@ class ReferenceRunner:
             self._models.move_to_end(key)
             return self._models[key]
         base = self._load_base()
+        if adapter_path is not None and self.device != "cpu":
+            # On an accelerator, adapted copies are kept within MODEL_COPY_BUDGET (at least one), the
+            # oldest dropped before the next is made: a real-shape base (profile full, 7 GB in float32)
+            # with max_models copies per worker ran an H200 out of memory at two workers.
+            keep = max(1, min(self._max_models - 1, MODEL_COPY_BUDGET // _param_bytes(base)))
+            while sum(k != "__base__" for k in self._models) >= keep:
+                del self._models[next(k for k in self._models if k != "__base__")]
         if adapter_path is None:
             model = base
         else:

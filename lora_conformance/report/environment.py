@@ -148,6 +148,7 @@ def fingerprint(settings: Any, extra: Optional[Mapping[str, Any]] = None) -> dic
         },
         "base_model": getattr(settings, "base_model", None),
         "base_quant": _base_quant(getattr(settings, "base_quant", "none")),
+        "profile": _profile(settings),
         "packages": package_versions(),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -170,6 +171,19 @@ def _base_quant(scheme: str) -> Optional[dict[str, str]]:
     from lora_conformance.models import quant
 
     return {"scheme": scheme, "description": quant.SCHEMES[scheme], "reference": quant.REFERENCE_NOTE}
+def _profile(settings: Any) -> Optional[dict]:
+    """The certification profile: its ranks, adapter counts, prompt lengths and its models' shapes
+    (models/profiles.py; the synthetic recipes' shape fields)."""
+    name = getattr(settings, "profile", None)
+    if name is None:
+        return None
+    from lora_conformance.models import profiles
+
+    profile = profiles.get(name)
+    shapes = {}
+    for kind, spec in profile.models.items():
+        shapes[kind] = profiles.model_shape(spec)
+    return profile.describe(shapes)
 
 
 def column_key(env: Mapping[str, Any]) -> str:

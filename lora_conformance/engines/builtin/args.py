@@ -13,6 +13,9 @@ from lora_conformance.engines.builtin.variants import Variant
 # or every slot at once with a per-row mask (the path decode always takes).
 LORA_BACKENDS = ("segmented", "masked")
 KERNEL_MODES = ("auto", "torch", "triton")  # fused decode kernels (layers/kernels.py)
+# How decode steps execute (engine/graph_runner.py): eager; torch.compile of the decode step; captured
+# device graphs. compile and graphs pad a step's batch to BATCH_BUCKETS; prefill is eager in every mode.
+EXEC_MODES = ("eager", "compile", "graphs")
 
 
 def _fault(value: Optional[str]) -> Optional[str]:
@@ -29,6 +32,9 @@ class EngineArgs:
     prefix_cache: bool = arg(True)
     overlap_loading: bool = arg(True)
     graphs: bool = arg(False)
+    exec_mode: str = arg("eager", "decode execution: eager; compile (torch.compile of the decode step, batches "
+                                  "padded to buckets, inductor's fusion instead of the fused kernels); graphs "
+                                  "(captured device graphs, padded; the same as graphs=1)", choices=EXEC_MODES)
     chunked_prefill_size: int = arg(0, "prefill tokens per step (a longer prompt takes several steps); 0: unchunked",
                                     minimum=0)
     lora_backend: str = arg("auto", "prefill LoRA path: segmented, masked; auto: segmented on cpu, masked elsewhere",
@@ -47,6 +53,11 @@ class EngineArgs:
     kernels: str = arg("auto", "fused decode kernels: auto (triton on cuda/xpu), torch, triton", choices=KERNEL_MODES)
     variant: Variant = arg(Variant(), "a benign variation (engines/builtin/variants.py), for negative controls",
                            check=Variant.parse)
+
+    @property
+    def decode_mode(self) -> str:
+        """The decode execution mode in effect: graphs where the standard arg graphs=1 asks for it."""
+        return "graphs" if self.graphs else self.exec_mode
 
     def __post_init__(self) -> None:
         if self.max_loaded_loras < self.max_loras_per_batch:

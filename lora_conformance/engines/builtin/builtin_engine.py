@@ -66,13 +66,9 @@ class BuiltinEngine(Engine):
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype {dtype!r}: the builtin engine takes one of {', '.join(DTYPE_NAMES)}")
         self.dtype, self.torch_dtype = dtype, torch_dtype(dtype)
-        if self.cfg.graphs and not devices.graphs_supported(self.device):
-            raise UnsupportedFeatureError(
-                f"engine arg graphs=1: graph capture is not supported on {self.device}; use graphs=0"
-            )
-        if self.cfg.graphs and self.cfg.tensor_parallel_size > 1:
-            raise UnsupportedFeatureError("engine arg graphs=1 with tensor_parallel_size > 1: the builtin engine "
-                                          "captures graphs on one device only; use graphs=0")
+        refused = self._mode_refusal(self.cfg, self.device)
+        if refused:
+            raise UnsupportedFeatureError(refused)
         if self.base_quant != "none" and self.cfg.tensor_parallel_size > 1:
             raise UnsupportedFeatureError(f"engine 'builtin': a {self.base_quant} base with tensor_parallel_size > 1 "
                                           "(the shards are not cut from int8 codes)")
@@ -152,15 +148,36 @@ class BuiltinEngine(Engine):
     def declared_capabilities(cls, cfg: EngineArgs, model_dir: Optional[Path], device: str):
         """None where the engine would refuse to start (an unknown architecture, graphs on a device
         without them): the started engine says why."""
-        if cfg.graphs and not devices.graphs_supported(devices.resolve_device(device or "auto")):
-            return None
-        if cfg.graphs and cfg.tensor_parallel_size > 1:
+        if cls._mode_refusal(cfg, devices.resolve_device(device or "auto")):
             return None
         try:
             kind = "decoder" if model_dir is None else load_spec(Path(model_dir)).kind
         except (UnsupportedFeatureError, OSError, ValueError, KeyError):
             return None
         return cls._capabilities(cfg, kind)
+
+    @staticmethod
+    def _mode_refusal(cfg: EngineArgs, device: str) -> Optional[str]:
+        """Why the engine refuses its execution mode on ``device`` (None: it serves it)."""
+        mode = cfg.decode_mode
+        if mode == "graphs" and not devices.graphs_supported(device):
+            return f"engine arg graphs=1 / exec_mode=graphs: graph capture is not supported on {device}; use eager"
+        if mode != "eager" and cfg.tensor_parallel_size > 1:
+            return (f"exec_mode={mode} with tensor_parallel_size > 1: the builtin engine compiles and captures "
+                    "decode on one device only; use eager")
+        return None
+
+    @classmethod
+    def exec_modes(cls, device_type: str) -> dict:
+        """The execution modes the engine declares on this device type (engine arg -> values): a
+        certification covers each (suites/test_runtime_modes.py, bench/certify_modes.py)."""
+        from lora_conformance.engines.builtin.args import EXEC_MODES
+
+        # compile where inductor emits Triton (an accelerator); on cpu it compiles C++ with the host
+        # compiler, minutes per engine on a small machine: exec_mode=compile runs there, undeclared.
+        declared = {"eager": True, "compile": devices.triton_backend(device_type),
+                    "graphs": devices.graphs_supported(device_type)}
+        return {"exec_mode": tuple(m for m in EXEC_MODES if declared[m])}
 
     @classmethod
     def declared_limits(cls, cfg: EngineArgs, model_dir: Optional[Path], device: str) -> Limits:
@@ -181,7 +198,7 @@ class BuiltinEngine(Engine):
             caps.add(C.PREFIX_CACHE)
         if kind == "moe":
             caps.add(C.MOE)
-        if cfg.graphs and kind == "decoder":
+        if cfg.decode_mode == "graphs" and kind == "decoder":
             caps.add(C.GRAPHS)
         return frozenset(caps)
 
@@ -307,6 +324,7 @@ class BuiltinEngine(Engine):
             "ranks": "rank 0 in the engine's process, ranks 1.. spawned workers" if tp > 1 else "one process",
             "prefill_lora_path": "segmented" if self.plan.segmented_prefill else "masked",
             "kernels": "triton" if self.fused_kernels else "torch",
+            "exec_mode": self.cfg.decode_mode,
             "dtype": self.dtype,
             "fault": self.plan.fault,
             "variant": str(self.plan.variant),

@@ -5,7 +5,8 @@ its parts take); no layer or part of the engine asks about a fault by name. Each
 the code path its name says, so a conformance suite that is worth its
 salt must fail against it. None is ever active without the engine arg. Faults marked
 [streams] or [graphs] only change behaviour on a device with asynchronous streams or
-graph capture; on cpu those code paths do not exist and the fault is inert.
+graph capture; on cpu those code paths do not exist and the fault is inert. [compile] changes
+the compiled decode step, which the engine declares where inductor emits Triton (not on cpu).
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ FAULTS: dict[str, str] = {
                                 "dequantisation scale, so it is scaled with the base",
     "quant_lora_skipped": "[quant] layers with an int8 base apply no LoRA",
     "quant_scale_of_channel_0": "[quant] every output channel of an int8 layer is dequantised with channel 0's scale",
+    # kernel-threshold and execution-mode faults: a path taken only above a rank or a batch width, or only
+    # in one execution mode; caught by the full profile's shapes (models/profiles.py) or the mode axis
+    "rank_ge_128_truncated": "[threshold] adapters of rank >= 128 take a kernel tiled for 64 ranks: ranks 64 and up "
+                             "contribute nothing (ranks below 128 are served right)",
+    "batch_over_16_adapters_wraps": "[threshold] a batch with more than 16 distinct adapters indexes slots with 4 "
+                                    "bits: rows of slot 16 and up read slot - 16 (16 or fewer are served right)",
+    "compile_drops_lora": "[compile] the compiled decode step runs without the LoRA delta (as intel/llm-scaler#634 "
+                          "under torch.compile); eager and graph decode, and prefill, are right",
     # [tp] sharding faults: only a tensor-parallel engine (tensor_parallel_size > 1) has these code paths
     "tp_scaling_per_shard": "[tp] row-parallel layers keep the scaled LoRA B on every rank: the delta, scaling "
                             "included, is added per shard before the all-reduce (tp times over)",
@@ -67,7 +76,12 @@ DROPPABLE_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
 FAULTS.update({f"drop_{m}": f"{m} LoRA weights are silently dropped" for m in DROPPABLE_LINEAR_MODULES})
 
 # Faults whose code path exists only on accelerators (cpu runs in order and has no graphs).
-DEVICE_ONLY_FAULTS: dict[str, str] = {"graph_stale_indices": "graphs", "overlap_no_wait": "streams"}
+DEVICE_ONLY_FAULTS: dict[str, str] = {"graph_stale_indices": "graphs", "overlap_no_wait": "streams",
+                                      "compile_drops_lora": "compile"}
+
+# Thresholds of the kernel-threshold faults (what the fast profile stays under, the full one crosses).
+RANK_TILE_THRESHOLD, RANK_TILE = 128, 64
+SLOT_INDEX_BITS_ADAPTERS = 16
 
 # Faults that only change results in some model dtypes: dtype -> why not in the others.
 DTYPE_ONLY_FAULTS: dict[str, tuple[tuple[str, ...], str]] = {

@@ -131,6 +131,9 @@ def load_adapter_dir(name: str, path: Path, model_modules: dict, max_rank: int, 
         rm, am = ((checked.module_params.get(key_for_patterns) if scaling_config is None else None)
                   or module_rank_alpha(scfg, key_for_patterns))
         scale = rules.scaling.of(r0, alpha0, rm, am, rs)
+        if rules.rank_tile and E == 1 and r >= rules.rank_tile[0]:  # only under fault rank_ge_128_truncated
+            A = A.clone()
+            A[rules.rank_tile[1]:] = 0
         A, B = _stored_factors(A.float(), B.float(), rules.variant, dtype, E)
         packed = _pack(kind_m, module, A, B, r, E, scale, max_rank, dtype, path, target)
         for what, t in (("lora_A", packed.A), ("lora_B x scaling", packed.Bt)):

@@ -1,4 +1,8 @@
-"""Decode under captured device graphs, through the device layer.
+"""Decode under captured device graphs or torch.compile, through the device layer.
+
+exec_mode=compile runs the same padded step through ``torch.compile`` instead of a capture (any
+device with an inductor backend, cpu included); everything below about buffers and padding holds
+for it too.
 
 One graph per (padded batch size, padded block-table width, LoRA layout, top-k). The graph
 runs the sampler too (greedy token and top-k logprobs), so a step is one replay and one
@@ -26,11 +30,22 @@ def _bucket(n: int, buckets) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, runner):
+    def __init__(self, runner, compiled: bool = False):
         self.runner = runner
         self.device = runner.device
         self.graphs: dict[tuple, tuple] = {}
-        self.pool = devices.graph_pool_handle(self.device)
+        self.compiled = None
+        if compiled:
+            import torch._dynamo
+
+            # Every new bucket, layout or LoRA signature recompiles; past the limit dynamo would fall
+            # back to eager without a word, and the mode would no longer be what it says.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+            torch._dynamo.config.accumulated_recompile_limit = max(
+                torch._dynamo.config.accumulated_recompile_limit, 4096)
+            # dynamic: one graph for every batch bucket and block-table width (not one compile each)
+            self.compiled = torch.compile(self._step, dynamic=True)
+        self.pool = devices.graph_pool_handle(self.device) if not compiled else None
         self.max_width = (runner.args.max_model_len + runner.block_size - 1) // runner.block_size
 
     def _widths(self):
@@ -46,6 +61,11 @@ class DecodeGraphs:
         cols = flat[: 5 * B].view(5, B)
         return {"flat": flat, "ids": cols[0], "pos": cols[1], "smap": cols[2], "ctx": cols[3], "slots": cols[4],
                 "tables": flat[5 * B:].view(B, W)}
+
+    def _step(self, ids, pos, smap, tables, ctx, slots, k: int):
+        logits = self.runner.decode_forward(ids, pos, smap, tables, ctx, slots)
+        _, top_ids, top_lp = greedy_with_topk(logits, k)
+        return top_ids, top_lp
 
     def _capture(self, bufs: dict, k: int):
         """Capture with the current batch already in the buffers (the warm-up step writes the
@@ -78,7 +98,7 @@ class DecodeGraphs:
         entry = self.graphs.get(key)
         if entry is None:
             kept = {g: v for g, v in self.graphs.items() if g[2:4] == key[2:4]}  # drop stale layouts
-            if len(kept) < len(self.graphs):
+            if len(kept) < len(self.graphs) and self.compiled is None:
                 # A pool is released with the last graph captured into it: never capture into a
                 # handle whose graphs were all dropped (the allocator asserts on the double release).
                 self.pool = devices.graph_pool_handle(self.device)
@@ -102,6 +122,11 @@ class DecodeGraphs:
             host += [0] * (W - len(s.block_table))
         host += [0] * (W * pad)
         entry["bufs"]["flat"].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
+        if self.compiled is not None:
+            b = entry["bufs"]
+            slots_in = b["slots"] if r.plan.compiled_applies_lora else torch.full_like(b["slots"], -1)  # the fault
+            top_ids, top_lp = self.compiled(b["ids"], b["pos"], b["smap"], b["tables"], b["ctx"], slots_in, k)
+            return top_ids[:n], top_lp[:n]
         if entry["graph"] is None:
             entry["graph"], entry["out"] = self._capture(entry["bufs"], k)
             entry["captured_slots"] = slot_row

@@ -42,10 +42,10 @@ class ModelRunner:
             model.kv_caches = [devices.zeros(shape, dtype, device) for _ in range(spec.num_layers)]
         self.segmented_prefill = plan.segmented_prefill  # how prefill routes LoRA rows (engine/plan.py)
         self.graphs = None
-        if args.graphs and spec.kind == "decoder":
+        if args.decode_mode != "eager" and spec.kind == "decoder":
             from lora_conformance.engines.builtin.engine.graph_runner import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(self, compiled=args.decode_mode == "compile")
 
     # ---- adapter slots -------------------------------------------------------------
     def load_slots(self, copies: list[tuple[int, HostAdapter]]) -> None:
@@ -286,7 +286,8 @@ def build_rank(model_dir, device: str, dtype: str, cfg, tp=None):
     spec = load_spec(model_dir)
     max_len = max(cfg.max_model_len, 16)
     model = build_model(model_dir, spec, max_len, device, tdt, plan.rope_exponent_dim, tp, plan.quant)
-    fused = kernels.select(device, cfg.kernels)
+    # compile mode: inductor fuses the decode step itself (the hand-written Triton kernels stay eager's)
+    fused = kernels.select(device, "torch" if cfg.decode_mode == "compile" else cfg.kernels)
     kernels.attach(model, fused)
     bs = cfg.kv_block_size
     num_blocks = cfg.num_kv_blocks or 1 + cfg.max_batch_size * ((min(max_len, 1024) + bs - 1) // bs)

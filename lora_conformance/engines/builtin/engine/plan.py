@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from lora_conformance import devices
 from lora_conformance.checkpoints import scaling_rule
-from lora_conformance.engines.builtin.faults import DROPPABLE_LINEAR_MODULES, Faults
+from lora_conformance.engines.builtin.faults import (DROPPABLE_LINEAR_MODULES, RANK_TILE, RANK_TILE_THRESHOLD,
+                                                    SLOT_INDEX_BITS_ADAPTERS, Faults)
 from lora_conformance.engines.builtin.engine.sharding import ShardRules
 from lora_conformance.engines.builtin.layers.int8_linear import QuantRules
 from lora_conformance.engines.builtin.layers.lora import ExpertLora
@@ -34,9 +35,12 @@ class Routing:
     masked_by_padded_row: bool = False  # masked prefill reads packed token t's slot at padded row t // longest
     embed_tokens_first_slot: bool = False  # the token embedding's LoRA reads slot 0 for every adapter token
     lm_head_first_slot: bool = False  # the lm_head LoRA reads slot 0 for every adapter row
+    wrap_above: int = 0  # a batch of more distinct adapters than this reads slot mod this (0: never)
 
     def route(self, slots: list[int]) -> list[int]:
         """Each row's adapter slot as the LoRA layers read it (-1: base), from the rows' own slots."""
+        if self.wrap_above and len({x for x in slots if x >= 0}) > self.wrap_above:
+            slots = [x % self.wrap_above if x >= 0 else x for x in slots]
         if self.shift:
             slots = [x + self.shift if x >= 0 else x for x in slots]
         if self.base_takes_last:
@@ -76,6 +80,8 @@ class AdapterRules:
     scaling: Scaling = Scaling()
     dropped: frozenset = frozenset()  # (kind, module leaf) pairs whose LoRA is not packed
     variant: Variant = Variant()  # how the factors are stored (rescale, preround)
+    # (threshold, kept): adapters of rank >= threshold keep only their first ``kept`` ranks (None: all)
+    rank_tile: Optional[tuple] = None
 
     def drops(self, target: str, kind: str) -> bool:
         return (kind, target.rsplit(".", 1)[-1]) in self.dropped
@@ -100,6 +106,7 @@ class EnginePlan:
     evict_pinned: bool = False  # eviction may take a pinned adapter
     drain_before_change: bool = True  # adapter changes wait for the requests that use the name
     graphs_refresh_slots: bool = True  # graph replay writes the rows' slots every step
+    compiled_applies_lora: bool = True  # the compiled decode step (exec_mode=compile) reads the rows' slots
     wait_for_loads: bool = True  # the compute stream waits for the overlap-load event
     shards: ShardRules = ShardRules()  # how each tensor-parallel rank cuts an adapter (engine/sharding.py)
     quant: QuantRules = QuantRules()  # how an int8 base applies its scale and LoRA (layers/int8_linear.py)
@@ -130,11 +137,13 @@ class EnginePlan:
                             chunk_continuation_base=f.on("chunk_continuation_drops_adapter"),
                             masked_by_padded_row=f.on("masked_prefill_padded_rows"),
                             embed_tokens_first_slot=f.on("embed_tokens_lora_from_first_slot"),
-                            lm_head_first_slot=f.on("lm_head_lora_from_first_slot")),
+                            lm_head_first_slot=f.on("lm_head_lora_from_first_slot"),
+                            wrap_above=SLOT_INDEX_BITS_ADAPTERS if f.on("batch_over_16_adapters_wraps") else 0),
             adapters=AdapterRules(Scaling(patterns=not f.on("patterns_ignored"), rslora=not f.on("rslora_ignored"),
                                           over_rank=not f.on("scaling_alpha_not_over_r"),
                                           factor=1.1 if f.on("delta_x1_1") else 1.0),
-                                  frozenset(dropped), v),
+                                  frozenset(dropped), v,
+                                  (RANK_TILE_THRESHOLD, RANK_TILE) if f.on("rank_ge_128_truncated") else None),
             # cpu: FLOPs dominate and launches are cheap, one shrink/expand per adapter segment;
             # accelerators: launches dominate, every slot at once, masked. Decode is always masked.
             segmented_prefill=backend == "segmented" or backend == "auto" and devices.device_type(device) == "cpu",
@@ -150,6 +159,7 @@ class EnginePlan:
             evict_pinned=f.on("evict_pinned"),
             drain_before_change=not f.on("inflight_no_drain"),
             graphs_refresh_slots=not f.on("graph_stale_indices"),
+            compiled_applies_lora=not f.on("compile_drops_lora"),
             wait_for_loads=not f.on("overlap_no_wait"),
             shards=ShardRules(b_rank_offset=1 if f.on("tp_b_shard_wrong_rank") else 0,
                               packed_as_one_block=f.on("tp_packed_slice_as_one_block"),
