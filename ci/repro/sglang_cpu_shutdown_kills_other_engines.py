@@ -7,7 +7,7 @@ first runs kill_process_tree(os.getpid(), include_parent=False) (srt/entrypoints
 SIGKILLs the second engine's scheduler and detokenizer as well: the second engine's watchdog reports
 "Subprocess scheduler_0 ... crashed with exit code -9" and its next call fails. The plugin's close()
 (SGLangEngine._end_own_processes) ends only its own engine's processes; the second engine then serves.
-Seen on this 2-core machine (2026-12-04): with shutdown() both of the second engine's processes exit -9;
+Seen on a 2-core cpu machine: with shutdown() both of the second engine's processes exit -9;
 with the plugin's close() they keep running and the second engine answers.
 
 Before the plugin closed engines this way, this was behind every "scheduler died during initialization",
