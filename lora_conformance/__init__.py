@@ -3,4 +3,4 @@
 The comparison API is importable from here; heavy modules load lazily.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

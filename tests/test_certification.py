@@ -272,3 +272,15 @@ def test_a_certified_mode_badge_counts_waived_features_apart():
     assert badge_text(verdict, "cpu") == ("LoRA conformance · cpu · certified mode", "1 passed, 1 waived / 2")
     open_verdict = verify(records, None, {"mode": "open", "waived": waived, "audit": {}})
     assert badge_text(open_verdict, "cpu")[1] == "1/2"
+
+
+def test_a_bundled_waiver_of_an_older_suite_is_reconfirmed_in_a_certified_run():
+    """The bundled files' entries were recorded against an older suite than the installed one:
+    under --lora-certified each is applied as a strict xfail that runs (a skip too)."""
+    from lora_conformance.expectations import PACKAGED_DIR, load_expectations
+
+    stale = [(f.name, e) for f in sorted(PACKAGED_DIR.glob("*.toml")) for e in load_expectations(f)
+             if certification.is_stale(e)]
+    assert stale, "no bundled entry of an older suite version"
+    assert all(e.recorded_against != certification.suite_version() for _, e in stale)
+    assert any(e.status == "skip" for _, e in stale) and any(e.status == "xfail" for _, e in stale)
