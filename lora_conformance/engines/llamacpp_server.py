@@ -31,11 +31,14 @@ What the plugin does:
   running on the old one have finished (an unload or reload *waits* for them, as the interface
   allows). A failed start (llama.cpp refusing an adapter) puts the previous set back and says
   why. ``engine_adapters`` asks ``GET /lora-adapters`` and maps its paths back to names.
-* Prefix cache: ``cache_prompt`` (the server's default, per request) with ``--cache-ram`` (its
-  host prompt cache, the server's default size unless ``cache_ram`` says otherwise);
-  ``prefix_cache=0`` sends ``cache_prompt: false`` and turns ``--cache-ram`` off.
-  ``cached_tokens`` comes from the answer's ``timings.cache_n``. The host prompt cache does not
-  key its entries by adapter (``FINDINGS["cache_ram"]``): the suites judge it as served.
+* Prefix cache: ``cache_prompt`` (the server's default, per request): each slot reuses the KV of
+  its previous prompt's common prefix, and clears it when the request's LoRA set differs
+  (``server-context.cpp:1689-1700``). The server's host prompt cache (``--cache-ram``, 8192 MiB by
+  default) is off unless ``cache_ram`` turns it on: it does not key its entries by adapter and
+  hands one adapter's KV to another's request (``FINDINGS["cache_ram"]``; the report's settings
+  list it among ours that differ from the server's defaults; ``--engine-arg cache_ram=8192``
+  certifies the server's default). ``prefix_cache=0`` sends ``cache_prompt: false``.
+  ``cached_tokens`` comes from the answer's ``timings.cache_n``.
 * Chunked prefill: ``chunked_prefill_size=N`` starts the server with ``--batch-size N
   --ubatch-size N``: a prompt longer than N is prefilled over several server steps of N tokens
   (``server-context.cpp`` update_slots: a slot adds prompt tokens until ``n_batch``), each decode
@@ -88,6 +91,7 @@ _S = "tools/server/"
 KV_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # --cache-type-k / -v
 DEFAULT_BIN = Path.home() / ".cache" / "lora-conformance" / "llama-server" / "bin" / "llama-server"
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+SERVER_CACHE_RAM = 8192  # llama-server's default --cache-ram (MiB), common/common.h cache_ram_mib
 
 # Why a capability is not declared: llama.cpp's source (the version above) or docs.
 NOT_DECLARED = {
@@ -149,9 +153,11 @@ class LlamaServerArgs:
                      minimum=16)
     n_threads: Optional[int] = arg(None, "llama-server --threads (default: torch's intra-op threads)", minimum=1)
     prefix_cache: bool = arg(True, "cache_prompt per request and --cache-ram (llama-server's default: on)")
-    cache_ram: Optional[int] = arg(None, "llama-server --cache-ram MiB, its host prompt cache (default: the server's "
-                                         "own, 8192; 0: off). Its entries are keyed by tokens only: FINDINGS['cache_ram']",
-                                   minimum=-1)
+    cache_ram: int = arg(0, "llama-server --cache-ram MiB, its host prompt cache (default 0: off, because its "
+                            "entries are keyed by tokens only, FINDINGS['cache_ram']; 8192 is the server's own "
+                            "default)", minimum=-1)
+    kv_unified: Optional[bool] = arg(None, "llama-server --kv-unified / --no-kv-unified: one KV buffer shared by all "
+                                           "slots (default: the server's own choice)")
     chunked_prefill_size: int = arg(0, "--batch-size and --ubatch-size (0: llama-server's defaults, 2048 / 512)",
                                     minimum=0)
     gguf_cache: Optional[str] = arg(None, "where converted GGUF files are kept (default: beside the model's cache)")
@@ -456,8 +462,10 @@ class LlamaServerEngine(Engine):
                 "--threads-http", str(max(4, a.parallel + 2))]
         if not a.prefix_cache:
             argv += ["--no-cache-prompt", "--cache-ram", "0"]
-        elif a.cache_ram is not None:
+        else:
             argv += ["--cache-ram", str(a.cache_ram)]
+        if a.kv_unified is not None:
+            argv.append("--kv-unified" if a.kv_unified else "--no-kv-unified")
         if a.chunked_prefill_size:
             argv += ["--batch-size", str(a.chunked_prefill_size), "--ubatch-size", str(a.chunked_prefill_size)]
         if self.kind == "encoder":
@@ -643,8 +651,11 @@ class LlamaServerEngine(Engine):
                 ids = list(self.tokenizer(text)["input_ids"])
                 ans = self._server.request("POST", "/embedding", {"content": ids, "embd_normalize": 2})
                 vec = ans[0]["embedding"] if isinstance(ans, list) else ans["embedding"]
-                if vec and isinstance(vec[0], list):  # pooling none: one row per token
-                    raise EngineFailure("llama-server answered per-token embeddings; expected one pooled vector")
+                if vec and isinstance(vec[0], list):  # rows: one when pooled, one per token otherwise
+                    if len(vec) != 1:
+                        raise EngineFailure(f"llama-server answered {len(vec)} embedding rows for one text; expected "
+                                            "one pooled vector")
+                    vec = vec[0]
                 out.append([float(x) for x in vec])
             return out
 
@@ -663,7 +674,7 @@ class LlamaServerEngine(Engine):
 
     def settings(self) -> dict:
         a = self.cfg
-        effective = {"mode": "served", "parallel": a.parallel, "n_ctx per slot": a.n_ctx, "n_threads": self.n_threads,
+        effective = {"mode": "served", "parallel": a.parallel, "cache_ram (MiB)": a.cache_ram if a.prefix_cache else 0, "n_ctx per slot": a.n_ctx, "n_threads": self.n_threads,
                      "flash_attn": self.flash, "cache_type_k / cache_type_v": KV_TYPES[self.dtype],
                      "weights": self.dtype, "lora factors": "float32", "cache_prompt": a.prefix_cache,
                      "batch_size / ubatch_size": a.chunked_prefill_size or "llama-server default (2048 / 512)",
@@ -675,6 +686,10 @@ class LlamaServerEngine(Engine):
                                                  "why": "each request names its adapter"},
                    "--no-warmup": {"ours": "on", "engine_default": "off", "why": "a faster restart; no effect on "
                                                                                   "outputs"}}
+        if a.prefix_cache and a.cache_ram != SERVER_CACHE_RAM:
+            differs["--cache-ram"] = {"ours": a.cache_ram, "engine_default": SERVER_CACHE_RAM,
+                                      "why": "the host prompt cache restores one adapter's KV for another's request "
+                                             "(FINDINGS['cache_ram']); the slots' own prompt cache stays on"}
         if self.flash != "auto":
             differs["flash_attn"] = {"ours": self.flash, "engine_default": "auto",
                                      "why": "llama.cpp's CPU flash attention computes in half precision"}
