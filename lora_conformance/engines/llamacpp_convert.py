@@ -357,7 +357,9 @@ def _write_bert(tmp: Path, model_dir: Path, config: Mapping, weight_type: str) -
             target = gguf_module_name(module)
         except KeyError:
             raise UnsupportedFeatureError(f"engine 'llamacpp': our converter has no GGUF name for {name}") from None
-        _add(w, f"{target}.{kind}", array, weight_type)
+        # token_types stays F32: bert.cpp adds a row of it to the F32 embeddings with ggml_add, which
+        # the CPU backend refuses for a BF16 operand (ggml-cpu/binary-ops.cpp: "unsupported types").
+        _add(w, f"{target}.{kind}", array, "float32" if target == "token_types" else weight_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

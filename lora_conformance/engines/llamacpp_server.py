@@ -255,6 +255,9 @@ def find_server(cfg: LlamaServerArgs) -> Path:
                         f"(tried: {'; '.join(tried) or str(DEFAULT_BIN) + ', PATH'})")
 
 
+_UNSET = object()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -443,7 +446,7 @@ class LlamaServerEngine(Engine):
         self.limits = limits(a)
         self._adapters: "OrderedDict[str, Path]" = OrderedDict()  # name -> converted GGUF
         self._ids: dict[str, int] = {}  # name -> --lora index of the running server
-        self._global: Optional[str] = None  # encoder: the adapter whose global scale is 1
+        self._global: object = _UNSET  # encoder: the adapter whose global scale is 1 (None: the base)
         self._server: Optional[_Server] = None
         self._change = threading.Lock()  # one adapter-set change at a time
         self._cond = threading.Condition()
@@ -481,7 +484,9 @@ class LlamaServerEngine(Engine):
     def _start(self, adapters: Sequence[tuple[str, Path]]) -> None:
         self._server = _Server(self._argv(adapters), self.cfg.startup_timeout, self.cfg.request_timeout)
         self._ids = {name: i for i, (name, _) in enumerate(adapters)}
-        self._global = None
+        # Not None: a fresh server's global scales are 1.0 for every adapter (FINDINGS["init_without_apply"]),
+        # so the first embed call sets them whatever it asks for.
+        self._global = _UNSET
 
     def _change_set(self, new: "OrderedDict[str, Path]", what: str) -> None:
         """Restart the server with the adapters ``new`` once the running requests have finished; on a
