@@ -131,8 +131,8 @@ FINDINGS = {
                  f"prefix, and {_S}server-context.cpp:1617-1634 (get_available_slot) loads it into the slot before "
                  f"launch_slot_with_task ({_S}server-context.cpp:1689-1700) compares the task's LoRA with the slot's "
                  "previous one, not with the restored state's: a request can decode on KV another adapter wrote "
-                 "(reproduced: 3 of 135 requests of mixed batches plus concurrent submissions on a tiny llama, "
-                 "each with cache_n > 0; 0 of 135 with cache_prompt off)",
+                 "(ci/repro/llama_server_lora_findings.py cache_ram: 3 and 1 of 135 requests wrong in two runs, each "
+                 "with cached tokens > 0; 0 of 135 with --cache-ram 0)",
 }
 ENCODER_NOT_DECLARED = {
     Capability.MIXED_BATCH: f"an embedding request takes no per-request adapter: {_S}server-context.cpp:5447-5461 "
