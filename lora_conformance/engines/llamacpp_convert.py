@@ -8,6 +8,10 @@ Conversion is where LoRA semantics are most easily lost, so what each step does 
   interleaved per head so that pair rotation of the new rows equals half rotation of the old;
   a q/k LoRA's ``B`` (its output rows) is interleaved the same way. Qwen2 in llama.cpp rotates
   halves, so nothing is moved there.
+* **Tied embeddings** (Qwen2's ``tie_word_embeddings``) are written as an ``output.weight`` copy
+  of the token embedding: the same model, and an ``lm_head`` LoRA applies to the output
+  projection only, as PEFT applies it (with no ``output`` tensor llama.cpp has nothing to attach
+  it to and refuses the adapter).
 * **LoRA factors.** GGUF LoRA stores ``<tensor>.lora_a`` (r x in) and ``<tensor>.lora_b``
   (out x r) beside the base tensor's name. The token embedding's LoRA is used the other way
   round: llama.cpp gathers the tokens' rows of ``lora_a`` and multiplies them by ``lora_b``, so
@@ -323,9 +327,14 @@ def convert_model(model_dir: Path, cache_dir: Path, weight_type: str) -> Path:
         w.add_add_bos_token(False)  # the plugin passes token ids from our tokenizer
         w.add_add_eos_token(False)
         experts: dict[str, dict] = {}  # layer -> its expert tensors
-        for name, array in _load_tensors(model_dir).items():
-            if config.get("tie_word_embeddings") and name == "lm_head.weight":
-                continue
+        tensors = _load_tensors(model_dir)
+        if config.get("tie_word_embeddings"):
+            # Written as its own output.weight (a copy of the embedding): the same base model, and an
+            # lm_head LoRA then applies to the output projection only, as PEFT applies it. Without it
+            # llama.cpp computes the output with token_embd, which an adapter's "output" tensor
+            # cannot reach (src/llama-adapter.cpp refuses a LoRA tensor for a missing model tensor).
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        for name, array in tensors.items():
             if ".mlp.experts." in name or ".block_sparse_moe.experts." in name:
                 experts.setdefault(name.split(".")[2], {})[name] = array
                 continue
@@ -397,7 +406,9 @@ def _write_bert(tmp: Path, model_dir: Path, config: Mapping, weight_type: str) -
             target = gguf_module_name(module)
         except KeyError:
             raise UnsupportedFeatureError(f"engine 'llamacpp': our converter has no GGUF name for {name}") from None
-        _add(w, f"{target}.{kind}", array, weight_type)
+        # token_types stays F32: bert.cpp adds a row of it to the F32 embeddings with ggml_add, which
+        # the CPU backend refuses for a BF16 operand (ggml-cpu/binary-ops.cpp: "unsupported types").
+        _add(w, f"{target}.{kind}", array, "float32" if target == "token_types" else weight_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -31,11 +31,14 @@ What the plugin does:
   running on the old one have finished (an unload or reload *waits* for them, as the interface
   allows). A failed start (llama.cpp refusing an adapter) puts the previous set back and says
   why. ``engine_adapters`` asks ``GET /lora-adapters`` and maps its paths back to names.
-* Prefix cache: ``cache_prompt`` (the server's default, per request) with ``--cache-ram`` (its
-  host prompt cache, the server's default size unless ``cache_ram`` says otherwise);
-  ``prefix_cache=0`` sends ``cache_prompt: false`` and turns ``--cache-ram`` off.
-  ``cached_tokens`` comes from the answer's ``timings.cache_n``. The host prompt cache does not
-  key its entries by adapter (``FINDINGS["cache_ram"]``): the suites judge it as served.
+* Prefix cache: ``cache_prompt`` (the server's default, per request): each slot reuses the KV of
+  its previous prompt's common prefix, and clears it when the request's LoRA set differs
+  (``server-context.cpp:1689-1700``). The server's host prompt cache (``--cache-ram``, 8192 MiB by
+  default) is off unless ``cache_ram`` turns it on: it does not key its entries by adapter and
+  hands one adapter's KV to another's request (``FINDINGS["cache_ram"]``; the report's settings
+  list it among ours that differ from the server's defaults; ``--engine-arg cache_ram=8192``
+  certifies the server's default). ``prefix_cache=0`` sends ``cache_prompt: false``.
+  ``cached_tokens`` comes from the answer's ``timings.cache_n``.
 * Chunked prefill: ``chunked_prefill_size=N`` starts the server with ``--batch-size N
   --ubatch-size N``: a prompt longer than N is prefilled over several server steps of N tokens
   (``server-context.cpp`` update_slots: a slot adds prompt tokens until ``n_batch``), each decode
@@ -88,6 +91,7 @@ _S = "tools/server/"
 KV_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}  # --cache-type-k / -v
 DEFAULT_BIN = Path.home() / ".cache" / "lora-conformance" / "llama-server" / "bin" / "llama-server"
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+SERVER_CACHE_RAM = 8192  # llama-server's default --cache-ram (MiB), common/common.h cache_ram_mib
 
 # Why a capability is not declared: llama.cpp's source (the version above) or docs.
 NOT_DECLARED = {
@@ -127,8 +131,8 @@ FINDINGS = {
                  f"prefix, and {_S}server-context.cpp:1617-1634 (get_available_slot) loads it into the slot before "
                  f"launch_slot_with_task ({_S}server-context.cpp:1689-1700) compares the task's LoRA with the slot's "
                  "previous one, not with the restored state's: a request can decode on KV another adapter wrote "
-                 "(reproduced: 3 of 135 requests of mixed batches plus concurrent submissions on a tiny llama, "
-                 "each with cache_n > 0; 0 of 135 with cache_prompt off)",
+                 "(ci/repro/llama_server_lora_findings.py cache_ram: 3 and 1 of 135 requests wrong in two runs, each "
+                 "with cached tokens > 0; 0 of 135 with --cache-ram 0)",
 }
 ENCODER_NOT_DECLARED = {
     Capability.MIXED_BATCH: f"an embedding request takes no per-request adapter: {_S}server-context.cpp:5447-5461 "
@@ -149,9 +153,11 @@ class LlamaServerArgs:
                      minimum=16)
     n_threads: Optional[int] = arg(None, "llama-server --threads (default: torch's intra-op threads)", minimum=1)
     prefix_cache: bool = arg(True, "cache_prompt per request and --cache-ram (llama-server's default: on)")
-    cache_ram: Optional[int] = arg(None, "llama-server --cache-ram MiB, its host prompt cache (default: the server's "
-                                         "own, 8192; 0: off). Its entries are keyed by tokens only: FINDINGS['cache_ram']",
-                                   minimum=-1)
+    cache_ram: int = arg(0, "llama-server --cache-ram MiB, its host prompt cache (default 0: off, because its "
+                            "entries are keyed by tokens only, FINDINGS['cache_ram']; 8192 is the server's own "
+                            "default)", minimum=-1)
+    kv_unified: Optional[bool] = arg(None, "llama-server --kv-unified / --no-kv-unified: one KV buffer shared by all "
+                                           "slots (default: the server's own choice)")
     chunked_prefill_size: int = arg(0, "--batch-size and --ubatch-size (0: llama-server's defaults, 2048 / 512)",
                                     minimum=0)
     gguf_cache: Optional[str] = arg(None, "where converted GGUF files are kept (default: beside the model's cache)")
@@ -247,6 +253,9 @@ def find_server(cfg: LlamaServerArgs) -> Path:
     raise EngineFailure("engine 'llamacpp' (mode=served) needs llama.cpp's llama-server: build it with "
                         "ci/install_llama_server.sh, or name it with $LLAMA_SERVER_BIN or --engine-arg server_bin=PATH "
                         f"(tried: {'; '.join(tried) or str(DEFAULT_BIN) + ', PATH'})")
+
+
+_UNSET = object()
 
 
 def _free_port() -> int:
@@ -437,7 +446,7 @@ class LlamaServerEngine(Engine):
         self.limits = limits(a)
         self._adapters: "OrderedDict[str, Path]" = OrderedDict()  # name -> converted GGUF
         self._ids: dict[str, int] = {}  # name -> --lora index of the running server
-        self._global: Optional[str] = None  # encoder: the adapter whose global scale is 1
+        self._global: object = _UNSET  # encoder: the adapter whose global scale is 1 (None: the base)
         self._server: Optional[_Server] = None
         self._change = threading.Lock()  # one adapter-set change at a time
         self._cond = threading.Condition()
@@ -456,8 +465,10 @@ class LlamaServerEngine(Engine):
                 "--threads-http", str(max(4, a.parallel + 2))]
         if not a.prefix_cache:
             argv += ["--no-cache-prompt", "--cache-ram", "0"]
-        elif a.cache_ram is not None:
+        else:
             argv += ["--cache-ram", str(a.cache_ram)]
+        if a.kv_unified is not None:
+            argv.append("--kv-unified" if a.kv_unified else "--no-kv-unified")
         if a.chunked_prefill_size:
             argv += ["--batch-size", str(a.chunked_prefill_size), "--ubatch-size", str(a.chunked_prefill_size)]
         if self.kind == "encoder":
@@ -473,7 +484,9 @@ class LlamaServerEngine(Engine):
     def _start(self, adapters: Sequence[tuple[str, Path]]) -> None:
         self._server = _Server(self._argv(adapters), self.cfg.startup_timeout, self.cfg.request_timeout)
         self._ids = {name: i for i, (name, _) in enumerate(adapters)}
-        self._global = None
+        # Not None: a fresh server's global scales are 1.0 for every adapter (FINDINGS["init_without_apply"]),
+        # so the first embed call sets them whatever it asks for.
+        self._global = _UNSET
 
     def _change_set(self, new: "OrderedDict[str, Path]", what: str) -> None:
         """Restart the server with the adapters ``new`` once the running requests have finished; on a
@@ -643,8 +656,11 @@ class LlamaServerEngine(Engine):
                 ids = list(self.tokenizer(text)["input_ids"])
                 ans = self._server.request("POST", "/embedding", {"content": ids, "embd_normalize": 2})
                 vec = ans[0]["embedding"] if isinstance(ans, list) else ans["embedding"]
-                if vec and isinstance(vec[0], list):  # pooling none: one row per token
-                    raise EngineFailure("llama-server answered per-token embeddings; expected one pooled vector")
+                if vec and isinstance(vec[0], list):  # rows: one when pooled, one per token otherwise
+                    if len(vec) != 1:
+                        raise EngineFailure(f"llama-server answered {len(vec)} embedding rows for one text; expected "
+                                            "one pooled vector")
+                    vec = vec[0]
                 out.append([float(x) for x in vec])
             return out
 
@@ -663,7 +679,7 @@ class LlamaServerEngine(Engine):
 
     def settings(self) -> dict:
         a = self.cfg
-        effective = {"mode": "served", "parallel": a.parallel, "n_ctx per slot": a.n_ctx, "n_threads": self.n_threads,
+        effective = {"mode": "served", "parallel": a.parallel, "cache_ram (MiB)": a.cache_ram if a.prefix_cache else 0, "n_ctx per slot": a.n_ctx, "n_threads": self.n_threads,
                      "flash_attn": self.flash, "cache_type_k / cache_type_v": KV_TYPES[self.dtype],
                      "weights": self.dtype, "lora factors": "float32", "cache_prompt": a.prefix_cache,
                      "batch_size / ubatch_size": a.chunked_prefill_size or "llama-server default (2048 / 512)",
@@ -675,6 +691,10 @@ class LlamaServerEngine(Engine):
                                                  "why": "each request names its adapter"},
                    "--no-warmup": {"ours": "on", "engine_default": "off", "why": "a faster restart; no effect on "
                                                                                   "outputs"}}
+        if a.prefix_cache and a.cache_ram != SERVER_CACHE_RAM:
+            differs["--cache-ram"] = {"ours": a.cache_ram, "engine_default": SERVER_CACHE_RAM,
+                                      "why": "the host prompt cache restores one adapter's KV for another's request "
+                                             "(FINDINGS['cache_ram']); the slots' own prompt cache stays on"}
         if self.flash != "auto":
             differs["flash_attn"] = {"ours": self.flash, "engine_default": "auto",
                                      "why": "llama.cpp's CPU flash attention computes in half precision"}
