@@ -70,8 +70,12 @@ def table(reports_dir: Path = ROOT / "reports") -> str:
 
 
 def engine_args(env: dict) -> str:
-    """The engine args as the table shows them: ``, key=value`` each."""
-    return "".join(f", {k}={shown_arg(k, v)}" for k, v in sorted(((env.get("engine") or {}).get("args") or {}).items()))
+    """The engine args as the table shows them (``, key=value`` each), then what else changes what a
+    run certifies: a quantised base (``, base q8_0``) and a profile other than the fast one."""
+    args = "".join(f", {k}={shown_arg(k, v)}" for k, v in sorted(((env.get("engine") or {}).get("args") or {}).items()))
+    quant = (env.get("base_quant") or {}).get("scheme") if isinstance(env.get("base_quant"), dict) else None
+    profile = (env.get("profile") or {}).get("name") if isinstance(env.get("profile"), dict) else None
+    return args + (f", base {quant}" if quant else "") + (f", profile {profile}" if profile not in (None, "fast") else "")
 
 
 def engine_label(env: dict) -> str:
