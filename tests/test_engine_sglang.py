@@ -419,6 +419,7 @@ def test_cpu_declares_what_sglang_runs_there(fake_sglang, model_dir):
     differs = e.settings()["differs_from_engine_default"]
     assert {"lora_backend", "attention_backend", "max_total_tokens"} <= set(differs)
     assert all(differs[k]["why"] for k in ("lora_backend", "attention_backend", "max_total_tokens"))
+    assert "skip_server_warmup" not in e.kwargs  # served only: the offline Engine runs no warm-up
     served = SGLangEngine.parse_args({"mode": "served"})
     assert Capability.INFLIGHT_LIFECYCLE not in SGLangEngine.not_declared_reasons(served, model_dir, "cpu")
 
@@ -597,6 +598,8 @@ def test_real_sglang_settings_name_every_change(real):
     assert eff["attention_backend (SGLang's)"] == "torch_native" and eff["lora_backend (SGLang's)"] == "torch_native"
     assert eff["SGLANG_USE_CPU_ENGINE"] == "1"
     assert {"attention_backend", "lora_backend", "max_total_tokens"} <= set(differs)
+    assert ("skip_server_warmup" in differs) == se.served
+    assert not se.served or differs["skip_server_warmup"]["why"]
 
 
 @needs_sglang

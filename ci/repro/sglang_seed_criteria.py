@@ -11,7 +11,7 @@ cpu, the plugin's settings and the pin_memory workaround) and judges each row bo
 - "q/v adapters": A, B and base rows (the suite's default adapters);
 - "lm_head beside others": mixed_batch/embedding_and_lm_head_adapters_beside_others' batch (A, an
   lm_head adapter E, base rows and B), with prompt logprobs asked on every row, on none, and on every
-  other row (the seed's runners ask them on every row).
+  other row (the seed's runners ask them on every row). Each batch starts from a flushed radix cache.
 
 The seed's criteria are re-implemented here from their description (no SGLang test code is used); the
 reference is this project's (HF transformers + PEFT, float32 on cpu). Our per-row check is
@@ -85,6 +85,9 @@ def main() -> int:
                 ("lm_head beside others, prompt logprobs on no row", mixed, [False] * 9),
                 ("lm_head beside others, prompt logprobs on every other row", mixed, [i % 2 == 0 for i in range(9)])):
             reqs = [GenerationRequest(p, a, 8, 5, prompt_logprobs=lp) for p, a, lp in zip(PROMPTS, labels, prompt_lps)]
+            # A cold radix cache for every batch: a cached prompt's prefill segment is one token, which would
+            # align the lm_head rows by chance (see docs/sglang.md, the lm_head finding).
+            assert engine.reset_prefix_cache()
             outs, refs = engine.generate(reqs), ref.generate(reqs, paths)
             print(f"\n== {title}")
             print(f"{'row':>3} {'adapter':>7} | seed: decode max|d| prefill max|d| ROUGE-L one-by-one batch-str "

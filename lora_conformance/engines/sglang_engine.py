@@ -458,6 +458,7 @@ class SGLangEngine(Engine):
             "mem_fraction_static": a.mem_fraction_static,
             "max_total_tokens": a.max_total_tokens or (CPU_MAX_TOTAL_TOKENS if _on_cpu(self.device) else None),
             "sleep_on_idle": True if _on_cpu(self.device) else None,
+            "skip_server_warmup": True if self.served and _on_cpu(self.device) else None,
             "context_length": a.context_length,
             "is_embedding": True if self.is_encoder else None,
             "base_gpu_id": int(self.device.split(":", 1)[1]) if ":" in self.device else None,
@@ -801,21 +802,24 @@ class SGLangEngine(Engine):
             engine.send_to_rpc = None
         import psutil  # an SGLang dependency
 
-        procs = []
-        for child in getattr(self, "_children", ()):
+        own = list(getattr(self, "_children", ()))
+        descendants = []  # processes SGLang's own processes started, if any
+        for child in own:
             try:
-                top = psutil.Process(child.pid)
-                procs += top.children(recursive=True) + [top]
+                descendants += psutil.Process(child.pid).children(recursive=True)
             except psutil.NoSuchProcess:
                 continue
-        for proc in procs:
+        for proc in descendants:
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(procs, timeout=60)
-        for child in getattr(self, "_children", ()):
-            child.join(timeout=5)  # reap the multiprocessing handles
+        for child in own:
+            if child.exitcode is None:
+                child.kill()  # SIGKILL, as shutdown() sends
+        for child in own:
+            child.join(timeout=60)  # reaped by multiprocessing, so exitcode tells the end
+        psutil.wait_procs(descendants, timeout=60)
 
     def version(self) -> str:
         base = f"sglang {self._version}"
@@ -836,6 +840,10 @@ class SGLangEngine(Engine):
         "disable_cuda_graph": "no CUDA graphs on cpu",
         "sleep_on_idle": "an idle SGLang scheduler otherwise polls (and checks its pools) without pause, a whole "
                          "core each on a cpu host where the reference and other engines need the cores",
+        "skip_server_warmup": "SGLang's warm-up polls its own /model_info at most 120 times and then kills its own "
+                              "process tree (srt/entrypoints/http_server.py:1993-2018): on a loaded cpu host a server "
+                              "came up later than that and killed itself during start-up (exit -9); the plugin waits "
+                              "for /health itself (startup_timeout) and the first request does the warm-up's work",
         "max_total_tokens": "on cpu SGLang sizes the KV pool from the host's free memory (mem_fraction_static): two "
                             "engines of the synthetic model held 12 GB of a 23 GB host shared with other work; the "
                             "suites' requests need a few thousand tokens",
