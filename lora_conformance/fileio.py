@@ -215,3 +215,15 @@ def once_per_run(run_dir: Path, key: str, compute: Callable[[], Any], wait_s: fl
         raise
     write_json_atomic(answer, {"answer": result})
     return result
+
+
+def read_report_object(path: Path, error: type) -> tuple[Path, dict]:
+    """(the file read, the report's JSON object); anything unreadable raises ``error`` naming the file."""
+    path = report_file(path)
+    try:
+        data = json.loads(read_report_bytes(path)[1].decode("utf-8"))
+    except (OSError, EOFError, ValueError) as exc:  # UnicodeDecodeError and lzma's errors are ValueErrors here
+        raise error(f"{path}: cannot read a report: {exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: a report is a JSON object, got {type(data).__name__}")
+    return path, data

@@ -101,16 +101,9 @@ def _load_key(path: Path, private: bool):
 
 
 def _read(path: Path) -> tuple[Path, dict]:
-    from lora_conformance.fileio import read_report_bytes, report_file
+    from lora_conformance.fileio import read_report_object
 
-    path = report_file(path)
-    try:
-        data = json.loads(read_report_bytes(path)[1].decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise SignatureError(f"{path}: cannot read a report: {exc}") from None
-    if not isinstance(data, dict):
-        raise SignatureError(f"{path}: a report is a JSON object, got {type(data).__name__}")
-    return path, data
+    return read_report_object(path, SignatureError)
 
 
 def sign_report(report: Mapping[str, Any], private_key) -> dict:

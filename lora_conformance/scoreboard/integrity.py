@@ -18,7 +18,6 @@ the digest the report carries.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,15 +76,9 @@ def report_files(root: Path) -> list[Path]:
 
 def read_raw(path: Path) -> dict[str, Any]:
     """The report as stored (what its signature covers)."""
-    from lora_conformance.fileio import read_report_bytes
+    from lora_conformance.fileio import read_report_object
 
-    try:
-        data = json.loads(read_report_bytes(path)[1].decode("utf-8"))
-    except (OSError, ValueError, EOFError) as exc:
-        raise ReportFormatError(f"{path}: cannot read a report: {exc}") from None
-    if not isinstance(data, dict):
-        raise ReportFormatError(f"{path}: expected a report object, got {type(data).__name__}")
-    return data
+    return read_report_object(path, ReportFormatError)[1]
 
 
 def stored_digest(raw: Mapping[str, Any]) -> Optional[str]:
