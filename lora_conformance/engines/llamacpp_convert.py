@@ -528,3 +528,20 @@ def convert_adapter(adapter_dir: Path, model_dir: Path, cache_dir: Path, max_ran
         w.close()
 
     return _atomic_write(final, write)
+
+
+def torch_threads() -> int:
+    """llama.cpp's thread count where none is given: torch's (the run's share of the cores)."""
+    import torch
+
+    return max(1, torch.get_num_threads())
+
+
+def gguf_cache(model_dir: Path) -> Path:
+    """Beside the lora cache's models (``<cache>/models/<name>`` -> ``<cache>/gguf``), else the user cache."""
+    from lora_conformance.settings import default_cache_dir
+
+    model_dir = Path(model_dir).resolve()
+    if model_dir.parent.name == "models":
+        return model_dir.parent.parent / "gguf"
+    return default_cache_dir() / "gguf"

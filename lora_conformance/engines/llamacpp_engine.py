@@ -46,6 +46,7 @@ from lora_conformance import devices
 from lora_conformance.engines._hf_common import load_tokenizer, read_adapter_info, topk_from_logprobs
 from lora_conformance.engines.args import Ignore, Rename, arg
 from lora_conformance.engines.args import install_hint
+from lora_conformance.engines.llamacpp_convert import gguf_cache, torch_threads
 from lora_conformance.engines.base import (
     AdapterIncompatibleError,
     AdapterNotLoadedError,
@@ -233,13 +234,13 @@ class LlamaCppEngine(Engine):
                                           "model; the offline mode serves decoders (llama, qwen2, mixtral); "
                                           "mode=served serves encoders (llama-server --embedding)")
         self.max_rank, self.n_ctx = a.max_rank, a.n_ctx
-        self.n_threads = a.n_threads or _torch_threads()
+        self.n_threads = a.n_threads or torch_threads()
         # llama.cpp's default (auto) turns its CPU flash attention on, which computes in half
         # precision: float32 logits then move by ~1e-4 relative (0.07 on the synthetic model's
         # logits, against 2e-4 without it). A float32 certification asks for float32, so flash
         # attention is off there unless asked for; the report's settings say so.
         flash = a.flash_attn or ("off" if dtype == "float32" else "auto")
-        self.cache_dir = Path(a.gguf_cache) if a.gguf_cache else _gguf_cache(self.model_dir)
+        self.cache_dir = Path(a.gguf_cache) if a.gguf_cache else gguf_cache(self.model_dir)
         self._convert = llamacpp_convert
         gguf_file = llamacpp_convert.convert_model(self.model_dir, self.cache_dir / "models", dtype)
 
@@ -412,19 +413,3 @@ class LlamaCppEngine(Engine):
                                                  "on a quantised base on this host (ggml-org/llama.cpp#20824)"}
         return {"effective": dict(self._effective), "differs_from_engine_default": differs,
                 "not_declared": {c.value: why for c, why in NOT_DECLARED.items()}}
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return max(1, torch.get_num_threads())
-
-
-def _gguf_cache(model_dir: Path) -> Path:
-    """Beside the lora cache's models (``<cache>/models/<name>`` -> ``<cache>/gguf``), else the user cache."""
-    from lora_conformance.settings import default_cache_dir
-
-    model_dir = Path(model_dir).resolve()
-    if model_dir.parent.name == "models":
-        return model_dir.parent.parent / "gguf"
-    return default_cache_dir() / "gguf"

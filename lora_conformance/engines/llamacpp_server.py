@@ -423,7 +423,7 @@ class LlamaServerEngine(Engine):
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
         from lora_conformance.engines import llamacpp_convert
-        from lora_conformance.engines.llamacpp_engine import _gguf_cache, _torch_threads
+        from lora_conformance.engines.llamacpp_convert import gguf_cache, torch_threads
 
         self.cfg = a = self.parse_args(self.args)
         if devices.device_type(device) != "cpu":
@@ -437,8 +437,8 @@ class LlamaServerEngine(Engine):
                                           f"model_type {', '.join(llamacpp_convert.ARCHES)} only")
         self.binary = find_server(a)
         self.flash = a.flash_attn or ("off" if dtype == "float32" else "auto")
-        self.n_threads = a.n_threads or _torch_threads()
-        self.cache_dir = Path(a.gguf_cache) if a.gguf_cache else _gguf_cache(self.model_dir)
+        self.n_threads = a.n_threads or torch_threads()
+        self.cache_dir = Path(a.gguf_cache) if a.gguf_cache else gguf_cache(self.model_dir)
         self._convert = llamacpp_convert
         self.gguf = llamacpp_convert.convert_model(self.model_dir, self.cache_dir / "models", dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
