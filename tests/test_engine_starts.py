@@ -43,7 +43,7 @@ def _harness(tmp_path: Path, engine: str = "CountingEngine"):
 
 def _own_model(harness, tmp_path: Path) -> None:
     # the run's base model resolves to the directory the test contexts use
-    harness._model_dirs[harness.settings.base_model] = tmp_path
+    harness.workspace._model_dirs[harness.settings.base_model] = tmp_path
 
 
 def test_every_start_is_recorded_with_why(tmp_path):
@@ -82,7 +82,7 @@ def test_the_runs_own_engine_is_closed_last(tmp_path):
     # without the run's own engine among them, the least recently used goes first
     STARTED.clear()
     h = _harness(tmp_path)
-    h._model_dirs[h.settings.base_model] = tmp_path / "another model"
+    h.workspace._model_dirs[h.settings.base_model] = tmp_path / "another model"
     ctx = _context(h, tmp_path)
     first, second, third = (ctx.engine_with(max_rank=r) for r in (8, 16, 32))
     ctx.engine_with(max_rank=8)  # used again: max_rank=16 is now the least recently used

@@ -30,8 +30,12 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_readme_stays_a_readme():
-    """Method, engines and measurements live in docs/ and reports/; the README is for users."""
-    assert len(README.splitlines()) <= 220
+    """Method, engines and measurements live in docs/ and reports/; the README is for users. The
+    generated certification matrix (a row per engine, device, dtype and mode) grows with the engines
+    and is not counted; the prose is."""
+    begin, end = README.index("<!-- certification matrix:"), README.index("<!-- end of the certification matrix -->")
+    prose = README[:begin] + README[end:]
+    assert len(prose.splitlines()) <= 205
 
 
 def test_readme_matrix_is_generated_from_the_stored_reports():
