@@ -25,6 +25,12 @@ applies to (the MoE expert faults on the ``moe`` family), with the detection rat
     python bench/power.py --device cuda --dtypes bfloat16 --runs 200        # on an accelerator
     python bench/power.py --dtypes bfloat16 --runs 0 --power-runs 20 --scales "" --drops "" \
         --faults moe_lora_unweighted,moe_lora_weight_of_next_expert,moe_lora_first_expert_only
+    python bench/power.py --profile full --device cuda --reference-device cuda --new-tokens 48 \
+        --variations default,rescale:3,svd,preround,reverse,peft --dtypes bfloat16 --runs 60
+
+``--profile full`` runs every family on that profile's bases (models/profiles.py: the real-shape
+decoder and MoE), its ranks in the ``rank`` family, and judges by the tolerance rows of the bases'
+scale class (judge/tolerances.py ``scale_of_config``): what calibrates the ``real`` rows.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from lora_conformance.settings import default_cache_dir
 from lora_conformance.types import GenerationRequest
 
 SEEDS = (9, 19, 33, 37, 101, 202, 303, 404)
+PROFILE_RANKS = [(1, 8, 16, 64)]  # the run's profile's ranks (main sets them from --profile)
 # The MoE suite's expert adapters (suites/test_moe.py): down_proj B (PEFT's un-nested
 # ``experts.lora_B``) strong enough that an expert LoRA output weighted wrongly shows in bfloat16.
 MOE_B_STD = {"experts.lora_B": 0.12}
@@ -75,6 +82,9 @@ FAMILIES = {
                               "single", "llama"),
     # two adapters and base rows in one batch (mixed_batch, accuracy::every_dtype)
     "mixed": lambda rng: ([AdapterSpec(seed=s) for s in rng.sample(SEEDS, 2)], "mixed", "llama"),
+    # adapter_semantics::rank: a rank of the profile's (1 to 64 fast, 1 to 256 full), alpha 2r
+    "rank": lambda rng: ([AdapterSpec(seed=rng.choice(SEEDS), rank=(r := rng.choice(PROFILE_RANKS[0])), alpha=2 * r)],
+                         "single", "llama"),
     # MoE expert LoRA (moe::expert_lora_matches_reference)
     "moe": lambda rng: ([AdapterSpec(seed=rng.choice((501, 502) + SEEDS), targets="moe_experts",
                                      b_std_pattern=MOE_B_STD)], "single", "moe"),
@@ -268,7 +278,7 @@ def _experts_of(A, B, cfg) -> int:
     return max(1, A.shape[0] // r)
 
 
-def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None):
+def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None, new_tokens=16):
     """One randomised run, judged by every check; returns (failures by check, stats, defects)."""
     specs, shape, _ = FAMILIES[family](rng)
     names = [f"a{i}" for i in range(len(specs))]
@@ -285,7 +295,7 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None)
         for n in names:
             engine.load_adapter(n, transformed(paths[n], how, dtype, tmp) if how else paths[n])
             loaded.append(n)
-        tol = tolerance_for(dtype)
+        tol = tolerance_for(dtype, _scale(model_dir))
         alts = paired.default_alternatives(labels, paths)
         plan = paired.Plan(labels, prompts, paths, alts,
                                    paired.required_hypotheses(alts, modules=family == "alllinear"))
@@ -310,7 +320,7 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None)
                     "prompt_max": max(a.residual_max for a in pa) / tol.effect_gross_atol})
             except ConformanceAssertionError as exc:
                 failures["prompt"].append(str(exc).splitlines()[0])
-        reqs = [GenerationRequest(p, l, 16, 5, prompt_logprobs=prompt_lp) for l, p in zip(labels, prompts)]
+        reqs = [GenerationRequest(p, l, new_tokens, 5, prompt_logprobs=prompt_lp) for l, p in zip(labels, prompts)]
         outs = engine.generate(reqs)
         refs = runner.generate(reqs, paths)
         gross = replace(tol, decode_atol=max(tol.decode_atol, tol.free_running_atol),
@@ -336,14 +346,21 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None)
             except ConformanceAssertionError as exc:
                 failures["decode_default"].append(f"decode at default bounds: {str(exc).splitlines()[0]}")
         if shape == "mixed":
-            routing_check(rng, names, paths, prompts, engine, runner, failures, defects)
+            routing_check(rng, names, paths, prompts, engine, runner, failures, defects, new_tokens)
         return failures, stats, defects
     finally:
         for n in loaded:
             engine.unload_adapter(n)
 
 
-def routing_check(rng, names, paths, prompts, engine, runner, failures, defects) -> None:
+def _scale(model_dir: Path) -> str:
+    from lora_conformance.checkpoints import read_model_config
+    from lora_conformance.judge.tolerances import scale_of_config
+
+    return scale_of_config(read_model_config(model_dir))
+
+
+def routing_check(rng, names, paths, prompts, engine, runner, failures, defects, new_tokens=16) -> None:
     """mixed_batch::nearest_reference_routing as the suite runs it: one prompt, each row one of the
     run's adapters or none (every label twice or more, in a random order), each output nearest its own
     label's isolated reference. Identical references are a suite defect (the test cannot check routing
@@ -351,9 +368,9 @@ def routing_check(rng, names, paths, prompts, engine, runner, failures, defects)
     labels = names * 3 + [None] * 2
     rng.shuffle(labels)
     prompt = rng.choice(prompts)
-    outs = engine.generate([GenerationRequest(prompt, l, 16, 5) for l in labels])
+    outs = engine.generate([GenerationRequest(prompt, l, new_tokens, 5) for l in labels])
     iso = list(names) + [None]
-    refs = dict(zip([n or "__base__" for n in iso], runner.generate([GenerationRequest(prompt, l, 16, 5) for l in iso],
+    refs = dict(zip([n or "__base__" for n in iso], runner.generate([GenerationRequest(prompt, l, new_tokens, 5) for l in iso],
                                                                       paths)))
     try:
         assert_nearest_reference_routing(outs, labels, refs)
@@ -381,6 +398,8 @@ def main() -> None:
     ap.add_argument("--faults", default=",".join(MOE_FAULTS),
                     help="built-in engine faults for power runs (moe_*: on the moe family; others: accuracy)")
     ap.add_argument("--reference-device", default="cpu", help="where the float32 reference runs")
+    ap.add_argument("--profile", default="fast", help="certification profile whose bases and ranks the runs use")
+    ap.add_argument("--new-tokens", type=int, default=16, help="tokens each free-running decode generates")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=None, help="model, adapter and reference cache (default: the user's)")
     ap.add_argument("--json", type=Path)
@@ -391,10 +410,17 @@ def main() -> None:
     a.cache = a.cache or default_cache_dir()
     rng = random.Random(a.seed)
     models, runners = {}, {}
+    from lora_conformance.models import profiles
+
+    profile = profiles.get(a.profile)
+    PROFILE_RANKS[0] = tuple(profile.ranks)
+    specs = {"llama": profile.models.get("decoder", "synthetic:llama"), "moe": profile.models.get("moe", "synthetic:moe")}
+    a.scale = "small"
 
     def model(kind):
         if kind not in models:
-            models[kind] = resolve_base_model(f"synthetic:{kind}", a.cache / "models")
+            models[kind] = resolve_base_model(specs[kind], a.cache / "models")
+            a.scale = max(a.scale, _scale(models[kind]), key=("small", "real").index)
             runners[kind] = ReferenceRunner(models[kind], a.reference_device, "float32", ReferenceCache(a.cache / "references"))
         return models[kind], runners[kind]
 
@@ -426,7 +452,7 @@ def main() -> None:
         model_dir, runner = model(kind)
         engine = engine_for(var, dtype, kind)
         try:
-            return one_run(rng, fam, engine, runner, model_dir, a.cache, dtype, tmp, how)
+            return one_run(rng, fam, engine, runner, model_dir, a.cache, dtype, tmp, how, a.new_tokens)
         except Exception as exc:  # noqa: BLE001 - counted apart, printed with the results
             import traceback
 
@@ -512,7 +538,8 @@ def _null_row() -> dict:
 def _save_partial(a, results, dtype, null, alarms, power, t0, errors) -> None:
     """After every run: partial results survive a time limit."""
     if a.json:
-        results[dtype] = {"null": null, "alarms": alarms[:40], "power": power, "seconds": time.time() - t0,
+        results[dtype] = {"null": null, "alarms": alarms[:200], "power": power, "seconds": time.time() - t0,
+                          "scale": getattr(a, "scale", "small"), "new_tokens": a.new_tokens, "profile": a.profile,
                           "errors": [e for e in errors if e["dtype"] == dtype][:20]}
         a.json.write_text(json.dumps(results, indent=1, default=str))
 
@@ -523,6 +550,7 @@ def merge(a) -> None:
     for path in a.merge:
         for dtype, r in json.loads(path.read_text()).items():
             c = combined.setdefault(dtype, {"null": {}, "alarms": [], "power": {}, "errors": []})
+            a.scale = r.get("scale", "small")
             c["errors"] += r.get("errors", [])
             for fam, row in r["null"].items():
                 cr = c["null"].setdefault(fam, _null_row())
@@ -565,8 +593,8 @@ def _lower_bound(hits: int, runs: int) -> float:
 
 def _print(dtype, null, power, alarms, a, errors=()):
     power = dict(power)
-    tol = tolerance_for(dtype)
-    print(f"\n== {dtype} on {a.device}: effect_noise {tol.effect_noise:g}, noise_max {tol.effect_noise_max:g}, "
+    tol = tolerance_for(dtype, getattr(a, "scale", "small"))
+    print(f"\n== {dtype} on {a.device} ({tol.scale} scale rows): effect_noise {tol.effect_noise:g}, noise_max {tol.effect_noise_max:g}, "
           f"slope_margin {tol.effect_slope_margin:g}, prompt_rms_max {tol.prompt_rms_max:g}")
     print("worst statistic / its bound (resid, slope: teacher-forced contexts; p-resid, p-slope, p-max: the paired "
           "prompt check; free-run, p-rms, p-gross: the free-running check's decode and prompt logprobs; decode_d: the "

@@ -53,6 +53,14 @@ def check_loaded_limit(engine, needed: int, evicting: bool = False) -> None:
 AdapterRef = Union[str, Path, Any]  # a DEFAULT_ADAPTERS name, a PEFT directory, or an AdapterSpec
 
 
+def _scale_of(model_dir: Path) -> str:
+    """The base's scale class, which picks its tolerance rows (judge.tolerances.scale_of_config)."""
+    from lora_conformance.checkpoints import read_model_config
+    from lora_conformance.judge.tolerances import scale_of_config
+
+    return scale_of_config(read_model_config(model_dir))
+
+
 def _adapter_names(labels: Sequence[Optional[str]]) -> list[str]:
     """The adapters of a batch's labels (None: a base row), each once, in order."""
     return [n for n in dict.fromkeys(labels) if n]
@@ -74,7 +82,8 @@ class TestContext:
         self._own_engines: list[Any] = []
         self._reset: set[int] = set()  # shared engines this test has reset already
         self._paths: dict[tuple[int, str], Path] = {}  # (engine, adapter name) -> the directory loaded
-        self.judge = Judge(self.dtype, harness.workspace.reference(self.model_dir), self._record_effects)
+        self.judge = Judge(self.dtype, harness.workspace.reference(self.model_dir), self._record_effects,
+                           _scale_of(self.model_dir))
 
     # ---- engines -----------------------------------------------------------------------
 
@@ -412,6 +421,7 @@ def run_audit(harness: Harness, seed: int) -> dict:
                                      f"the audit's fresh engine for {case.nodeid}")
 
     def judge_for(case):
-        return Judge(case.dtype, harness.workspace.reference(case.model_dir), lambda evidence: None)
+        return Judge(case.dtype, harness.workspace.reference(case.model_dir), lambda evidence: None,
+                     _scale_of(case.model_dir))
 
     return audit.run(list(harness.audit_cases.values()), seed, start, judge_for).as_dict()

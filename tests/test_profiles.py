@@ -124,3 +124,26 @@ def test_certify_modes_combination_passes_only_what_passes_in_every_mode():
                             "exec_mode=compile": {"a": "passed", "b": "failed", "c": "passed"}})
     assert {f: v["status"] for f, v in combined.items()} == {"a": "passed", "b": "failed", "c": "not certified"}
     assert mod.combine({"m1": {"a": "passed"}, "m2": {}})["a"]["status"] == "not run"
+
+
+def test_real_bases_are_judged_by_the_real_rows():
+    """The tolerance rows follow the base's scale class: the fast profile's bases take the small rows,
+    the full profile's (and any base of real width, depth or vocabulary) the real ones, measured at
+    those shapes; float32 is the same at both."""
+    from lora_conformance.judge.tolerances import SCALES, scale_of_config, tolerance_for
+
+    for kind, v in synthetic.DECODER_KINDS.items():
+        r = synthetic.DecoderRecipe(**v)
+        cfg = {"hidden_size": r.hidden, "num_hidden_layers": r.layers, "vocab_size": r.vocab or 1024}
+        want = "real" if f"synthetic:{kind}" in profiles.get("full").models.values() or kind == "qwen2.5-7b" else "small"
+        assert scale_of_config(cfg) == want, kind
+    assert scale_of_config({"text_config": {"hidden_size": 4096}}) == "real"
+    assert scale_of_config({"hidden_size": "n/a"}) == "small"
+    small, real = tolerance_for("bfloat16"), tolerance_for("bfloat16", "real")
+    assert (small.scale, real.scale) == ("small", "real") and SCALES == ("small", "real")
+    assert real.decode_atol > small.decode_atol and real.effect_noise_max > small.effect_noise_max
+    assert real.effect_slope_margin == small.effect_slope_margin, "the precise verdict's margin is not widened"
+    f32 = tolerance_for("float32", "real")
+    assert f32.decode_atol == tolerance_for("float32").decode_atol
+    with pytest.raises(ValueError, match="small, real"):
+        tolerance_for("bfloat16", "huge")

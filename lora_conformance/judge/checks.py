@@ -1,7 +1,7 @@
 """The verdict of one suite test: what the ``lora`` fixture's ``assert_*`` methods decide.
 
 ``Judge`` holds what a verdict needs and nothing of how outputs were obtained: the dtype's
-tolerance, the reference runner (for the paired effects' teacher-forced contexts and for token
+tolerance at the base's scale, the reference runner (for the paired effects' teacher-forced contexts and for token
 text in messages) and where the evidence goes. The fixture (``lora_conformance.context``) gets
 the engine's outputs and the reference's and hands them here; data flows one way:
 suite -> context (engines, references) -> judge -> evidence.
@@ -25,14 +25,15 @@ class Judge:
     """One test's judge. ``runner``: the reference runner of the test's base model;
     ``record_effects``: called with the paired analyses' evidence before they are judged."""
 
-    def __init__(self, dtype: str, runner: Any, record_effects: Callable[[list], None]):
+    def __init__(self, dtype: str, runner: Any, record_effects: Callable[[list], None], scale: str = "small"):
         self.dtype = dtype
         self.runner = runner
+        self.scale = scale  # the base's scale class (judge.tolerances.scale_of_config)
         self._record_effects = record_effects
 
     @property
     def tolerance(self) -> Tolerance:
-        return tolerance_for(self.dtype)
+        return tolerance_for(self.dtype, self.scale)
 
     @property
     def free_running_tolerance(self) -> Tolerance:
