@@ -168,10 +168,14 @@ class WorkerChoice:
     reason: str
 
 
-def workers_for_run(device: str, recorded_work_s: Optional[float]) -> WorkerChoice:
+def workers_for_run(device: str, recorded_work_s: Optional[float], profile: Optional[str] = None) -> WorkerChoice:
     """``-n auto`` for a run on ``device`` (a resolved device string): ``choose_workers`` from this
     machine's cores and memory, the device type and how many of them the workers can spread over
-    (one, where the device names an index: ``cuda:1`` pins every worker to it)."""
+    (one, where the device names an index: ``cuda:1`` pins every worker to it), and what one worker
+    of the run's certification profile needs (models/profiles.py)."""
+    from lora_conformance.models import profiles
+
+    p = profiles.get(profile)
     kind, count = "cpu", 1
     if device.split(":", 1)[0] != "cpu":
         from lora_conformance import devices
@@ -179,7 +183,10 @@ def workers_for_run(device: str, recorded_work_s: Optional[float]) -> WorkerChoi
         kind = devices.device_type(device)
         if kind != "cpu" and ":" not in device:
             count = max(1, devices.device_count(kind))
-    return choose_workers(cpu_cores(), available_memory(), kind, count, recorded_work_s)
+    return choose_workers(cpu_cores(), available_memory(), kind, count, recorded_work_s,
+                          worker_memory=int(p.worker_memory_gib * 1024**3),
+                          per_device=p.workers_per_device or WORKERS_PER_DEVICE,
+                          why=f" ({p.name} profile)" if p.name != "fast" else "")
 
 
 def parse_workers(value: str) -> Optional[int]:
@@ -188,19 +195,21 @@ def parse_workers(value: str) -> Optional[int]:
 
 
 def choose_workers(cores: int, memory: Optional[int], device_type: str = "cpu", devices: int = 1,
-                   recorded_work_s: Optional[float] = None) -> WorkerChoice:
+                   recorded_work_s: Optional[float] = None, worker_memory: int = WORKER_MEMORY_BYTES,
+                   per_device: int = WORKERS_PER_DEVICE, why: str = "") -> WorkerChoice:
     """One worker per core; at most one per ``WORKER_MEMORY_BYTES`` of available memory; on an
     accelerator at most ``WORKERS_PER_DEVICE`` per device (xdist worker gwN uses device N mod
     count, so the workers spread over every device); and, where the last run with these settings
     recorded its test durations (``recorded_work_s``, their sum), at most one per
-    ``MIN_WORK_PER_WORKER_S`` of them."""
+    ``MIN_WORK_PER_WORKER_S`` of them. A profile with bigger bases gives its own ``worker_memory`` and
+    ``per_device`` (``why`` names it in the reason)."""
     limits = [(max(1, cores), f"{cores} cores")]
     if memory is not None:
-        limits.append((max(1, memory // WORKER_MEMORY_BYTES),
-                       f"{memory / 1024**3:.0f} GiB available / {WORKER_MEMORY_BYTES / 1024**3:.0f} GiB per worker"))
+        limits.append((max(1, memory // worker_memory),
+                       f"{memory / 1024**3:.0f} GiB available / {worker_memory / 1024**3:.0f} GiB per worker{why}"))
     if device_type != "cpu":
-        limits.append((max(1, devices) * WORKERS_PER_DEVICE,
-                       f"{devices} {device_type} device{'s' if devices != 1 else ''} x {WORKERS_PER_DEVICE}"))
+        limits.append((max(1, devices) * per_device,
+                       f"{devices} {device_type} device{'s' if devices != 1 else ''} x {per_device}{why}"))
     if recorded_work_s:
         limits.append((max(1, int(recorded_work_s // MIN_WORK_PER_WORKER_S)),
                        f"{recorded_work_s:.0f} s of tests in the last run / {MIN_WORK_PER_WORKER_S:g} s per worker"))

@@ -80,7 +80,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config):
     paths = [config.invocation_params.dir / str(a).split("::", 1)[0] for a in config.args]
     choice = parallel.workers_for_run(settings.device, run_order.recorded_work(
         run_order.durations_path(settings.cache_dir, settings.engine, settings.device_type, settings.dtype),
-        config.rootpath, [p for p in paths if p.exists()]))
+        config.rootpath, [p for p in paths if p.exists()]), settings.profile)
     config.stash[WORKER_CHOICE_KEY] = choice
     return choice.workers
 

@@ -276,3 +276,21 @@ def test_certify_keeps_suite_files_together_for_engines_that_start_slowly(tmp_pa
     assert cmd[cmd.index("-n"):cmd.index("-n") + 2] == ["-n", "2"]
     got = cmd[cmd.index("--dist"):cmd.index("--dist") + 2] if "--dist" in cmd else None
     assert got == dist, cmd
+
+
+def test_the_full_profile_caps_workers_by_its_own_needs(monkeypatch):
+    """The full profile's workers hold real-size bases: -n auto gives at most its workers per device
+    and one per its host memory, and says the profile binds."""
+    monkeypatch.setattr(parallel, "cpu_cores", lambda: 16)
+    monkeypatch.setattr(parallel, "available_memory", lambda: 128 * GiB)
+    from lora_conformance import devices
+
+    monkeypatch.setattr(devices, "device_type", lambda device: "cuda")
+    monkeypatch.setattr(devices, "device_count", lambda kind: 1)
+    full = parallel.workers_for_run("cuda", None, "full")
+    assert full.workers == 2 and "full profile" in full.reason
+    assert parallel.workers_for_run("cuda", None, "fast").workers == 8
+    monkeypatch.setattr(parallel, "available_memory", lambda: 40 * GiB)
+    assert parallel.workers_for_run("cuda", None, "full").workers == 2
+    monkeypatch.setattr(parallel, "available_memory", lambda: 20 * GiB)
+    assert parallel.workers_for_run("cuda", None, "full").workers == 1

@@ -33,6 +33,10 @@ class Profile:
     max_model_len: int = 0  # engine standard arg for the chunked tests (0: the engine's default)
     reference_on_device: bool = False  # the reference on the device under test (float32) where it is no cpu
     cpu_hours: str = ""  # what the profile would take on cpu (printed at the start of a cpu run)
+    # What one worker of ``-n auto`` needs (lora_conformance/parallel.py): host memory, and workers per
+    # accelerator (0: parallel.WORKERS_PER_DEVICE).
+    worker_memory_gib: float = 2.0
+    workers_per_device: int = 0
 
     def describe(self, model_configs: Optional[dict] = None) -> dict[str, Any]:
         d = asdict(self)
@@ -55,6 +59,12 @@ PROFILES: dict[str, Profile] = {
         boundary_chunk=509,
         max_model_len=8448,
         reference_on_device=True,
+        # A worker holds a 1.78 B base in float32 on the host while it loads (7.1 GB), twice with the MoE
+        # base; on the device the reference (7.1 GB + up to 12 GiB of adapted copies), the engine and an
+        # 8k-token prompt's float32 logits over 151,936 ids (5 GB): four workers ran an H200 (140 GB) out
+        # of memory (reports/2026-12-04-builtin-fullprofile-cuda-bfloat16.md).
+        worker_memory_gib=16.0,
+        workers_per_device=2,
         cpu_hours="the decoder base costs about 600x the fast profile's per token (1.78 B parameters against "
                   "2.9 M) and its long prompts are 8,192 tokens: days on a few cores for every feature, against "
                   "minutes for the fast profile; limit it by feature with -k (e.g. -k rank)",
