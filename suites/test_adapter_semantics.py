@@ -131,7 +131,11 @@ def test_zero_adapter_equals_base(lora, device, dtype):
 @pytest.mark.feature("adapter_semantics/layers_to_transform",
                       "layers_to_transform restricts the adapter to the named layers")
 def test_layers_to_transform(lora, device, dtype):
-    _check(lora, lora.engine, "layer1", AdapterSpec(seed=91, targets="all-linear", layers_to_transform=(1,)))
+    """One layer's LoRA must move the output enough to tell x0.9 / x1.1 from the correct delta: on a
+    28-layer base (the full profile) one layer at the default B std could not (gamma standard error
+    0.22 in bfloat16), so its modules are as strong as target_set's and it is judged on 16 prompts."""
+    _check(lora, lora.engine, "layer1", AdapterSpec(seed=91, targets="all-linear", layers_to_transform=(1,),
+                                                    b_std_pattern=STRONG_MODULES), prompts=slice(0, 16))
 
 
 REFUSABLE = {
