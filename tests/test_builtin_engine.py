@@ -226,3 +226,16 @@ def test_decode_step_is_graph_capturable(llama):
         eng.runner.decode_forward = watched
         eng.generate([GenerationRequest(p, n, max_new_tokens=3) for p, n in zip(PROMPTS, ["a1", None, "a2", "a1"])])
     assert watch.calls > 0 and watch.bad == [], watch.bad
+
+
+def test_compiled_decode_matches_peft_at_two_batch_sizes(llama):
+    """exec_mode=compile (torch.compile of the decode step, inductor's cpu backend here) on mixed
+    batches of two bucket sizes, so the compiled step is re-entered with other shapes: the tokens
+    and logprobs of PEFT. Its inputs are one flat buffer sliced inside the compiled region (six
+    aliased views of it failed in AOT autograd under dynamic shapes on an H200)."""
+    base, ads = llama
+    with BuiltinEngine(base, "cpu", "float32", {"exec_mode": "compile"}) as eng:
+        for n, p in ads.items():
+            eng.load_adapter(n, p)
+        check_against_reference(eng, base, ads, ["a1", None, "a2"], "float32", max_new=4)
+        check_against_reference(eng, base, ads, ["a2", "a1", None, "a1", "a2"], "float32", max_new=4)

@@ -44,7 +44,7 @@ class DecodeGraphs:
             torch._dynamo.config.accumulated_recompile_limit = max(
                 torch._dynamo.config.accumulated_recompile_limit, 4096)
             # dynamic: one graph for every batch bucket and block-table width (not one compile each)
-            self.compiled = torch.compile(self._step, dynamic=True)
+            self.compiled = torch.compile(self._flat_step, dynamic=True)
         self.pool = devices.graph_pool_handle(self.device) if not compiled else None
         self.max_width = (runner.args.max_model_len + runner.block_size - 1) // runner.block_size
 
@@ -66,6 +66,15 @@ class DecodeGraphs:
         logits = self.runner.decode_forward(ids, pos, smap, tables, ctx, slots)
         _, top_ids, top_lp = greedy_with_topk(logits, k)
         return top_ids, top_lp
+
+    def _flat_step(self, flat, B: int, W: int, k: int, apply_lora: bool):
+        """``_step`` on the one flat buffer, sliced inside the compiled region. Its six inputs are
+        views of one storage; handed to torch.compile as six aliased inputs, AOT autograd merges them
+        into a synthetic base, which failed under dynamic shapes on an H200 (torch 2.11: "Expected
+        !size_bytes_is_heap_allocated_", in 9 tests' first compile)."""
+        cols = flat[: 5 * B].view(5, B)
+        slots = cols[4] if apply_lora else torch.full_like(cols[4], -1)  # not apply_lora: the fault
+        return self._step(cols[0], cols[1], cols[2], flat[5 * B:].view(B, W), cols[3], slots, k)
 
     def _capture(self, bufs: dict, k: int):
         """Capture with the current batch already in the buffers (the warm-up step writes the
@@ -123,9 +132,7 @@ class DecodeGraphs:
         host += [0] * (W * pad)
         entry["bufs"]["flat"].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         if self.compiled is not None:
-            b = entry["bufs"]
-            slots_in = b["slots"] if r.plan.compiled_applies_lora else torch.full_like(b["slots"], -1)  # the fault
-            top_ids, top_lp = self.compiled(b["ids"], b["pos"], b["smap"], b["tables"], b["ctx"], slots_in, k)
+            top_ids, top_lp = self.compiled(entry["bufs"]["flat"], B, W, k, r.plan.compiled_applies_lora)
             return top_ids[:n], top_lp[:n]
         if entry["graph"] is None:
             entry["graph"], entry["out"] = self._capture(entry["bufs"], k)

@@ -93,7 +93,11 @@ def paged_attention(qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
 
 
 def _free_view(t: torch.Tensor, shape) -> Optional[torch.Tensor]:
-    """t.view(shape) where that needs no copy, else None."""
+    """t.view(shape) where that needs no copy, else None. Under torch.compile always None (the
+    caller reshapes): a view that fails inside a traced region is a compile error, not the
+    RuntimeError caught here (float32 decode on an H200, torch 2.11)."""
+    if torch.compiler.is_compiling():
+        return None
     try:
         return t.view(shape)
     except RuntimeError:
