@@ -134,6 +134,7 @@ def test_declares_what_genai_supports(engine):
                                    Capability.LM_HEAD, Capability.PREFIX_CACHE, Capability.EMBED_TOKENS,
                                    Capability.CHUNKED_PREFILL}
     assert engine.limits.max_loras_per_batch == 1
+    assert type(engine).exec_modes("cpu") == {"exec_mode": ("compiled",)}  # OpenVINO's one way to run a model
     reasons = type(engine).not_declared_reasons(engine.cfg, engine.model_dir, "cpu")
     assert "pipeline_impl.cpp#L570-L575" in reasons[Capability.MIXED_BATCH]
     assert not set(reasons) & engine.capabilities

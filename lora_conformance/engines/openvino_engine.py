@@ -112,6 +112,9 @@ MODES = ("generate", "continuous_batching")
 # GenAI's ways of applying LoRA (AdapterConfig::Mode, lora_adapter.hpp#L52-L58): the backends suite runs each.
 ADAPTER_MODES = {"auto": "MODE_AUTO", "dynamic": "MODE_DYNAMIC", "static_rank": "MODE_STATIC_RANK",
                  "static": "MODE_STATIC", "fuse": "MODE_FUSE"}
+# How the model runs: OpenVINO compiles it once per pipeline (pipeline_impl.cpp#L182) and runs only
+# that; there is no eager or graph-capture mode beside it (NOT_DECLARED[GRAPHS]).
+EXEC_MODES = ("compiled",)
 DEFAULT_CB_LORAS_PER_BATCH = 4  # what mode=continuous_batching declares unless told (GenAI has no limit)
 
 # Why a capability is not declared, with GenAI's own evidence (openvino.genai master da1db864,
@@ -196,6 +199,9 @@ class OpenVINOArgs:
                                          "GenAI's own behaviour is what is certified)")
     request_timeout_s: float = arg(600.0, "mode=continuous_batching: how long generate() waits for its requests",
                                    minimum=1)
+    exec_mode: str = arg("compiled", "how the model runs: compiled once when the pipeline is built and that compiled "
+                                     "model run for every step (GenAI's compile_model, pipeline_impl.cpp#L182); "
+                                     "OpenVINO has no other mode", choices=EXEC_MODES)
 
     def __post_init__(self):
         if self.mode == "generate" and self.max_loras_per_batch not in (None, 1):
@@ -269,6 +275,12 @@ class OpenVINOEngine(Engine):
     def backends(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
         """GenAI's LoRA modes other than auto (which picks one of them: dynamic on CPU and GPU)."""
         return {"lora_backend": tuple(m for m in ADAPTER_MODES if m != "auto")}
+
+    @classmethod
+    def exec_modes(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
+        """The one way OpenVINO runs a model: compiled (the runtime-modes suite serves it mixed batches
+        of changing sizes and adapter mixes, each reusing the one compiled model and its LoRA state)."""
+        return {"exec_mode": EXEC_MODES}
 
     @classmethod
     def declared_limits(cls, cfg: OpenVINOArgs, model_dir: Optional[Path], device: str) -> Limits:
