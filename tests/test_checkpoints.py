@@ -279,7 +279,7 @@ def test_openvino_blend_weight_without_lora_alpha_is_peft_s(tmp_path, rslora, wa
     """GenAI never reads adapter_config.json: the plugin's blend weight must be PEFT's scaling,
     lora_alpha defaulting to 8 (it was r: 1.0 here, half of PEFT's)."""
     from lora_conformance.engines._hf_common import read_adapter_info
-    from lora_conformance.engines.openvino_engine import adapter_scaling
+    from lora_conformance.engines.openvino_adapters import adapter_scaling
 
     info = read_adapter_info(_no_alpha_config(tmp_path, r=4, use_rslora=rslora))
     assert adapter_scaling(info) == pytest.approx(want)

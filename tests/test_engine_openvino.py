@@ -23,11 +23,12 @@ from lora_conformance.engines.base import (  # noqa: E402
     Capability,
     UnsupportedFeatureError,
 )
-from lora_conformance.engines.openvino_engine import (  # noqa: E402
-    adapter_refusals,
+from lora_conformance.engines.openvino_adapters import (  # noqa: E402
     adapter_scaling,
-    openvino_device,
+    module_scalings,
+    split_by_module,
 )
+from lora_conformance.engines.openvino_engine import openvino_device  # noqa: E402
 from lora_conformance.types import GenerationRequest  # noqa: E402
 
 ATOL = 1e-4  # float32 logprobs: OpenVINO's CPU kernels against torch's
@@ -46,7 +47,8 @@ def ckpt(tmp_path_factory):
                             target_modules=["q_proj", "v_proj", "lm_head"]),
         "qv": build_adapter(base, root / "qv", seed=3, target_modules=["q_proj", "v_proj"]),
         "emb": build_adapter(base, root / "emb", seed=4, target_modules=["embed_tokens", "v_proj"]),
-        "pattern": build_adapter(base, root / "pattern", seed=5, rank_pattern={"q_proj": 2}),
+        "pattern": build_adapter(base, root / "pattern", seed=5, alpha_pattern={"q_proj": 32},
+                                 rank_pattern={"v_proj": 4, "layers.1.self_attn.q_proj": 2}),
         "dora": build_adapter(base, root / "dora", seed=6, target_modules=["q_proj", "v_proj"], use_dora=True),
     }
 
@@ -71,12 +73,31 @@ def test_scaling_is_peft_s_alpha_over_r_or_sqrt_r(ckpt):
     assert adapter_scaling(read_adapter_info(ckpt["a2"])) == pytest.approx(8 / math.sqrt(4))
 
 
-def test_adapters_genai_cannot_serve_are_named(ckpt):
-    assert adapter_refusals(read_adapter_info(ckpt["a1"])) == []
-    # GenAI itself decides on embed_tokens LoRA and DoRA: the plugin passes them on.
-    assert adapter_refusals(read_adapter_info(ckpt["emb"])) == []
-    assert adapter_refusals(read_adapter_info(ckpt["dora"])) == []
-    assert any("rank_pattern" in r for r in adapter_refusals(read_adapter_info(ckpt["pattern"])))
+def test_patterns_give_peft_s_scaling_per_module(ckpt):
+    """r 8, alpha 16: q_proj takes alpha 32 (alpha_pattern), v_proj r 4, layer 1's q_proj r 2."""
+    got = module_scalings(read_adapter_info(ckpt["pattern"]))
+    assert got["model.layers.0.self_attn.k_proj"] == pytest.approx(16 / 8)
+    assert got["model.layers.0.self_attn.q_proj"] == pytest.approx(32 / 8)
+    assert got["model.layers.1.self_attn.q_proj"] == pytest.approx(32 / 2)
+    assert got["model.layers.0.self_attn.v_proj"] == got["model.layers.1.self_attn.v_proj"] == pytest.approx(16 / 4)
+
+
+def test_split_by_module_keeps_every_tensor_byte_for_byte(ckpt, tmp_path):
+    """Each group's blob is a safetensors file of exactly its modules' A and B, with the original
+    bytes; together the blobs hold every tensor once (the rest go with the first group)."""
+    from safetensors.torch import load, load_file
+
+    weights = ckpt["dora"] / "adapter_model.safetensors"  # LoRA factors and DoRA magnitudes
+    whole = load_file(str(weights))
+    q = {k.split(".lora_")[0].removeprefix("base_model.model.") for k in whole if ".q_proj.lora_A" in k}
+    blobs = split_by_module(weights, [q, {m.replace("q_proj", "v_proj") for m in q}])
+    parts = [load(b) for b in blobs]
+    assert sorted(k for p in parts for k in p) == sorted(whole)
+    assert all(".q_proj." in k or "magnitude" in k for k in parts[0])
+    assert all(".v_proj.lora_" in k for k in parts[1]) and parts[1]
+    for p in parts:
+        for k, v in p.items():
+            assert torch.equal(v, whole[k]), k
 
 
 def test_converter_refuses_encoders_naming_genai_and_unknown_models_before_tracing(ckpt, tmp_path):
@@ -109,9 +130,11 @@ def engine(ckpt):
 
 
 def test_declares_what_genai_supports(engine):
-    assert engine.capabilities == {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD,
-                                   Capability.PREFIX_CACHE, Capability.EMBED_TOKENS, Capability.CHUNKED_PREFILL}
+    assert engine.capabilities == {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.RANK_PATTERN,
+                                   Capability.LM_HEAD, Capability.PREFIX_CACHE, Capability.EMBED_TOKENS,
+                                   Capability.CHUNKED_PREFILL}
     assert engine.limits.max_loras_per_batch == 1
+    assert type(engine).exec_modes("cpu") == {"exec_mode": ("compiled",)}  # OpenVINO's one way to run a model
     reasons = type(engine).not_declared_reasons(engine.cfg, engine.model_dir, "cpu")
     assert "pipeline_impl.cpp#L570-L575" in reasons[Capability.MIXED_BATCH]
     assert not set(reasons) & engine.capabilities
@@ -130,6 +153,37 @@ def test_every_row_matches_its_own_single_adapter_oracle(engine, ckpt):
         got = [step[t] for step, t in zip(out.logprobs, out.token_ids)]
         assert max(abs(a - b) for a, b in zip(got, lps)) < ATOL, (req.adapter, got, lps)
     assert outputs[0].token_ids != outputs[1].token_ids or outputs[0].logprobs != outputs[1].logprobs
+
+
+def test_patterns_are_served_as_peft_serves_them(engine, ckpt):
+    """rank_pattern / alpha_pattern: one GenAI Adapter per scaling, each with its alpha, in one
+    AdapterConfig; the rows match the PEFT oracle, which differs from the adapter without patterns."""
+    engine.load_adapter("pattern", ckpt["pattern"])
+    # one Adapter per distinct scaling: 2 (the rest), 4 (v_proj's 16 / 4 and layer 0 q_proj's 32 / 8), 16
+    assert sorted(alpha for _, alpha in engine._adapters["pattern"][1]) == pytest.approx([2.0, 4.0, 16.0])
+    for prompt in PROMPTS:
+        out = engine.generate([GenerationRequest(prompt, adapter="pattern", max_new_tokens=6)])[0]
+        _, ids, lps = oracle(ckpt["base"], ckpt["pattern"], prompt, 6)
+        assert out.token_ids == ids, (prompt, out.token_ids, ids)
+        got = [step[t] for step, t in zip(out.logprobs, out.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, lps)) < ATOL, (prompt, got, lps)
+    assert any(oracle(ckpt["base"], ckpt["pattern"], p, 6)[1] != _without_alpha_pattern(ckpt, p) for p in PROMPTS), \
+        "test defect: alpha_pattern does not change the oracle's tokens"
+    engine.unload_adapter("pattern")
+
+
+def _without_alpha_pattern(ckpt, prompt):
+    """The oracle's tokens for the pattern adapter read without its alpha_pattern (what an engine
+    that ignores it gives; rank_pattern stays: it gives the tensors their shapes)."""
+    import shutil
+
+    plain = ckpt["root"] / "pattern-without-alpha-pattern"
+    if not plain.exists():
+        shutil.copytree(ckpt["pattern"], plain)
+        cfg = json.loads((plain / "adapter_config.json").read_text())
+        cfg["alpha_pattern"] = {}
+        (plain / "adapter_config.json").write_text(json.dumps(cfg))
+    return oracle(ckpt["base"], plain, prompt, 6)[1]
 
 
 def test_reload_and_unload(engine, ckpt):

@@ -9,9 +9,11 @@ through ``add_request()`` with its own adapters while others run; it declares ``
 for what is not):
 
 * Adapters are ``openvino_genai.Adapter`` objects read from ``adapter_model.safetensors``;
-  GenAI ignores ``adapter_config.json``, so the plugin passes PEFT's scaling (``lora_alpha / r``,
-  or ``/ sqrt(r)`` with rsLoRA) as the adapter's blend weight. One scalar per adapter: adapters
-  with ``rank_pattern`` / ``alpha_pattern`` are refused (no ``rank_pattern`` capability).
+  GenAI ignores ``adapter_config.json`` and scales an Adapter by the alpha it is given, so the
+  plugin passes PEFT's scaling (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) as that alpha.
+  Where ``rank_pattern`` / ``alpha_pattern`` give modules different scalings, the file's tensors
+  are split by scaling into one Adapter each, every one with its own alpha, all in the request's
+  ``AdapterConfig`` (GenAI's multi-adapter blending; ``openvino_adapters``).
 * The pipeline binds LoRA tensors to the modules of the adapters it was *created* with; an
   adapter that targets a module no earlier adapter targeted needs a new pipeline, which the
   plugin builds (with every loaded adapter) when that happens.
@@ -33,11 +35,10 @@ for what is not):
   magnitude vector), ``modules_to_save``, LoRA biases and ``embed_tokens`` LoRA (its name
   patterns do not know PEFT's ``lora_embedding_A/B`` keys and skip them silently) is what the
   suites judge. What the plugin still refuses, and the GenAI behaviour each refusal stands for:
-  ``rank_pattern`` / ``alpha_pattern`` (GenAI ignores ``adapter_config.json``: one blend weight per
-  adapter cannot carry per-module scaling); encoder base models (GenAI's TextEmbeddingPipeline
+  encoder base models (GenAI's TextEmbeddingPipeline
   takes no adapters; Mixtral MoE bases are converted and expert LoRA goes to GenAI); float16 on a CPU without FP16 support (OpenVINO reports
   no FP16 in ``OPTIMIZATION_CAPABILITIES``); an ``adapter_config.json`` that cannot be read (the
-  blend weight is computed from it, so ``r`` must be positive); and ranks above the ``max_rank`` arg
+  alphas are computed from it, so ``r`` must be positive); and ranks above the ``max_rank`` arg
   (a deployment's setting). Malformed
   weights files reach GenAI (engine arg ``validate_adapters=1`` runs the shared validator first, a
   configuration, not GenAI's behaviour): what GenAI accepts, refuses or crashes on is what the
@@ -62,7 +63,6 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from lora_conformance import devices
-from lora_conformance.checkpoints import ADAPTER_CONFIG, peft_scaling
 from lora_conformance.engines._hf_common import AdapterInfo, read_adapter_info
 from lora_conformance.engines.args import Ignore, Rename, arg
 from lora_conformance.engines.args import install_hint
@@ -80,6 +80,7 @@ from lora_conformance.engines.base import (
     UnsupportedFeatureError,
     only,
 )
+from lora_conformance.engines.openvino_adapters import WEIGHTS, adapter_modules, adapter_scaling, genai_pairs
 from lora_conformance.types import GenerationRequest, GenerationResult
 
 PRECISIONS = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -102,58 +103,30 @@ def openvino_device(device: str) -> str:
     raise UnsupportedFeatureError(f"engine 'openvino': device {device!r} has no OpenVINO plugin (cpu, xpu/gpu, npu)")
 
 
-def adapter_scaling(info: AdapterInfo) -> float:
-    """PEFT's scaling, which GenAI takes as the adapter's blend weight (GenAI never reads the config)."""
-    if info.rank <= 0:
-        raise AdapterFormatError(info.path / ADAPTER_CONFIG, "r",
-                                 f"{info.rank}: the blend weight passed to GenAI is lora_alpha / r, which needs r > 0")
-    return peft_scaling(info.raw)  # a missing lora_alpha is PEFT's default, 8
-
-
-def adapter_modules(path: Path) -> set[str]:
-    """Module paths (``model.layers.0.self_attn.q_proj``) a PEFT adapter file carries LoRA for, from
-    the names in its safetensors header alone (the data is GenAI's to read and judge: a file whose
-    data is cut short still names its tensors)."""
-    import json
-    import struct
-
-    from lora_conformance.checkpoints import split_lora_key
-
-    with open(Path(path) / "adapter_model.safetensors", "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        names = [k for k in json.loads(fh.read(min(n, 100 * 1024 * 1024)).decode("utf-8")) if k != "__metadata__"]
-    keys = [split_lora_key(key) for key in names]
-    return {k.module for k in keys if k.factor and not k.embedding}
-
-
 def _one_step_top_k(request: GenerationRequest) -> bool:
     """A one-token request asking for more than the chosen token's logprob: served by one beam step."""
     return request.max_new_tokens == 1 and request.top_k > 1
-
-
-def adapter_refusals(info: AdapterInfo) -> list[str]:
-    """What in this adapter the plugin cannot pass on to GenAI (empty: GenAI gets it). Only what
-    the plugin's translation cannot express: GenAI itself decides on DoRA, modules_to_save, biases
-    and embed_tokens LoRA (it reads the safetensors file and skips tensors it does not know)."""
-    refused = []
-    if info.has_rank_pattern:
-        refused.append("rank_pattern / alpha_pattern (GenAI ignores adapter_config.json and takes one blend "
-                       "weight per adapter, so per-module scaling cannot be passed on)")
-    return refused
 
 
 MODES = ("generate", "continuous_batching")
 # GenAI's ways of applying LoRA (AdapterConfig::Mode, lora_adapter.hpp#L52-L58): the backends suite runs each.
 ADAPTER_MODES = {"auto": "MODE_AUTO", "dynamic": "MODE_DYNAMIC", "static_rank": "MODE_STATIC_RANK",
                  "static": "MODE_STATIC", "fuse": "MODE_FUSE"}
+# How the model runs: OpenVINO compiles it once per pipeline (pipeline_impl.cpp#L182) and runs only
+# that; there is no eager or graph-capture mode beside it (NOT_DECLARED[GRAPHS]).
+EXEC_MODES = ("compiled",)
 DEFAULT_CB_LORAS_PER_BATCH = 4  # what mode=continuous_batching declares unless told (GenAI has no limit)
 
 # Why a capability is not declared, with GenAI's own evidence (openvino.genai master da1db864,
 # version 2026.4.0.0 in its pyproject; the installed 2026.4.1 behaves alike where tests here show it).
 GENAI = "https://github.com/openvinotoolkit/openvino.genai/blob/da1db864d2bc1a265e9a036f5b57ef13f0e86c2c/"
-_NO_BOUND = (f"GenAI holds every Adapter of a pipeline's AdapterConfig, a plain list of (Adapter, alpha) with no "
-             f"capacity, slots or eviction ({GENAI}src/cpp/include/openvino/genai/lora_adapter.hpp#L73-L82): "
-             "nothing is bounded, pinned or evicted")
+_HPP = f"{GENAI}src/cpp/include/openvino/genai/"
+_CB = f"{GENAI}src/cpp/src/continuous_batching/pipeline_impl.cpp"
+# What a bounded adapter cache, its slots, pins and evictions would be in GenAI: there is none.
+_NO_BOUND = (f"GenAI has no adapter slots, capacity, pins or eviction: an AdapterConfig is a vector of adapters and "
+             f"their alphas with add / remove and nothing else ({_HPP}lora_adapter.hpp#L88-L111), the pipeline "
+             f"keeps the one it was built with ({_CB}#L166-L172) and add_request takes any ({_CB}#L292-L351): "
+             "nothing is ever full, evicted or pinned, so there is no limit to exceed")
 NOT_DECLARED_GENERATE = {
     Capability.MIXED_BATCH: (
         "mode=generate: GenAI's ContinuousBatchingPipeline.generate() asserts that all requests of a call carry the "
@@ -171,27 +144,25 @@ NOT_DECLARED = {
     Capability.EVICTION_LRU: _NO_BOUND,
     Capability.EVICTION_FIFO: _NO_BOUND,
     Capability.OVERLAP_LOADING: (
-        "GenAI reads an adapter's file when the Adapter is constructed "
-        f"({GENAI}src/cpp/src/lora/adapter.cpp#L1260) and sets the LoRA state of the infer request synchronously "
-        f"before a generate ({GENAI}src/cpp/src/continuous_batching/pipeline_impl.cpp#L535-L538): no loading "
-        "overlaps a running batch"),
+        "GenAI has no asynchronous adapter loading to switch on or off: Adapter(path) reads the file when constructed "
+        f"({GENAI}src/cpp/src/lora/adapter.cpp#L1260), set_adapters computes and sets the LoRA state of the infer "
+        f"request synchronously before a generate ({_CB}#L535-L538; the state evaluation runs request.infer(), "
+        f"'TODO: Consider using async', {GENAI}src/cpp/src/lora/adapter.cpp#L819)"),
     Capability.GRAPHS: (
         "OpenVINO compiles the whole model once when the pipeline is built "
-        f"({GENAI}src/cpp/src/continuous_batching/pipeline_impl.cpp#L182): there is no eager mode to compare"),
+        f"({_CB}#L182) and runs only that compiled model: there is no eager mode to compare"),
     Capability.TENSOR_PARALLEL: (
-        "GenAI's continuous batching runs on one CPU device: 'execution device is expected to be single CPU / single "
-        f"GPU / multi GPUs' ({GENAI}src/cpp/src/continuous_batching/pipeline_impl.cpp#L186-L189)"),
+        "GenAI's continuous batching on CPU runs on one execution device: 'execution device is expected to be single "
+        f"CPU / single GPU / multi GPUs' ({_CB}#L183-L189): several execution devices only when all are GPUs"),
     Capability.EMBEDDINGS: (
-        "GenAI's TextEmbeddingPipeline takes no adapters: embed_documents / embed_query take texts only "
-        f"({GENAI}src/cpp/include/openvino/genai/rag/text_embedding_pipeline.hpp#L162-L192) and src/cpp/src/rag/ "
-        "has no LoRA code (git grep -i 'lora\\|adapter' there finds nothing)"),
-    Capability.RANK_PATTERN: (
-        "GenAI never reads adapter_config.json and takes one alpha per adapter: AdapterConfig(adapter, alpha) "
-        f"({GENAI}src/cpp/include/openvino/genai/lora_adapter.hpp#L75): per-module scaling cannot be passed on"),
+        "GenAI's TextEmbeddingPipeline takes no adapters: embed_documents / embed / embed_query take texts only "
+        f"({_HPP}rag/text_embedding_pipeline.hpp#L162-L192) and src/cpp/src/rag/ has no LoRA code "
+        "(git grep -i 'lora\\|adapter' there finds nothing)"),
     Capability.PROMPT_LOGPROBS: (
-        "GenerationConfig.logprobs: 'Currently only single top logprob can be returned' "
-        f"({GENAI}src/cpp/include/openvino/genai/generation_config.hpp#L583): prompt tokens get their own "
-        "logprob only, not the distribution's top-k"),
+        "GenAI returns one logprob per prompt token, the token's own: _fill_prompt_log_probs appends "
+        f"token_logit - max - log_sum for the prompt's next id only ({_CB}#L967-L1034), and "
+        f"GenerationConfig.logprobs: 'Currently only single top logprob can be returned' ({_HPP}generation_config.hpp"
+        "#L583); the prompt-logprob judgement needs the distribution's top-k (3 ids at least) at each position"),
     Capability.DORA: ("GenAI reads only the LoRA A/B tensors of adapter_model.safetensors; the DoRA magnitude is "
                       f"skipped ({GENAI}src/cpp/src/lora/adapter.cpp): judged by matches_or_refuses"),
     Capability.MODULES_TO_SAVE: ("GenAI reads only LoRA tensors per request; a modules_to_save copy is served only "
@@ -228,6 +199,9 @@ class OpenVINOArgs:
                                          "GenAI's own behaviour is what is certified)")
     request_timeout_s: float = arg(600.0, "mode=continuous_batching: how long generate() waits for its requests",
                                    minimum=1)
+    exec_mode: str = arg("compiled", "how the model runs: compiled once when the pipeline is built and that compiled "
+                                     "model run for every step (GenAI's compile_model, pipeline_impl.cpp#L182); "
+                                     "OpenVINO has no other mode", choices=EXEC_MODES)
 
     def __post_init__(self):
         if self.mode == "generate" and self.max_loras_per_batch not in (None, 1):
@@ -278,9 +252,10 @@ class OpenVINOEngine(Engine):
         # prefix_cache: GenAI has one (off unless asked for, as in its SchedulerConfig); the suites
         # ask for it with prefix_cache=1. embed_tokens: GenAI accepts such adapters (it loads the
         # file and applies what its name patterns know), so what it serves is judged. chunked
-        # prefill: SchedulerConfig.dynamic_split_fuse / max_num_batched_tokens, in both modes.
-        caps = {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.LM_HEAD, Capability.PREFIX_CACHE,
-                Capability.EMBED_TOKENS, Capability.CHUNKED_PREFILL}
+        # prefill: SchedulerConfig.dynamic_split_fuse / max_num_batched_tokens, in both modes. rslora
+        # and rank_pattern: PEFT's scaling per module as GenAI's alphas (openvino_adapters).
+        caps = {Capability.DYNAMIC_LOADING, Capability.RSLORA, Capability.RANK_PATTERN, Capability.LM_HEAD,
+                Capability.PREFIX_CACHE, Capability.EMBED_TOKENS, Capability.CHUNKED_PREFILL}
         if moe:  # a Mixtral IR; expert LoRA (target_parameters) goes to GenAI as the file holds it
             caps.add(Capability.MOE)
         if cfg.mode == "continuous_batching":
@@ -300,6 +275,12 @@ class OpenVINOEngine(Engine):
     def backends(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
         """GenAI's LoRA modes other than auto (which picks one of them: dynamic on CPU and GPU)."""
         return {"lora_backend": tuple(m for m in ADAPTER_MODES if m != "auto")}
+
+    @classmethod
+    def exec_modes(cls, device_type: str) -> Mapping[str, tuple[str, ...]]:
+        """The one way OpenVINO runs a model: compiled (the runtime-modes suite serves it mixed batches
+        of changing sizes and adapter mixes, each reusing the one compiled model and its LoRA state)."""
+        return {"exec_mode": EXEC_MODES}
 
     @classmethod
     def declared_limits(cls, cfg: OpenVINOArgs, model_dir: Optional[Path], device: str) -> Limits:
@@ -339,8 +320,8 @@ class OpenVINOEngine(Engine):
         self._plugin_props = {} if dq != "off" else {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
         self.ir_dir = converted_model(self.model_dir, Path(a.ir_cache) if a.ir_cache else _ir_cache(self.model_dir))
         self._matmuls = _matmul_names(core, self.ir_dir / "openvino_model.xml")
-        # name -> (AdapterInfo, openvino_genai.Adapter, scaling)
-        self._adapters: "OrderedDict[str, tuple[AdapterInfo, object, float]]" = OrderedDict()
+        # name -> (AdapterInfo, its (openvino_genai.Adapter, alpha) pairs: openvino_adapters.genai_pairs)
+        self._adapters: "OrderedDict[str, tuple[AdapterInfo, list[tuple[object, float]]]]" = OrderedDict()
         self._bound: set[str] = set()  # modules the current pipeline carries LoRA state for
         self._pipe = None
         self._build_pipeline()
@@ -373,8 +354,9 @@ class OpenVINOEngine(Engine):
             props["INFERENCE_NUM_THREADS"] = self.num_threads
         if self._adapters:
             config = g.AdapterConfig(getattr(g.AdapterConfig.Mode, ADAPTER_MODES[self.cfg.lora_backend]))
-            for _, adapter, scaling in self._adapters.values():
-                config.add(adapter, scaling)
+            for _, pairs in self._adapters.values():
+                for adapter, alpha in pairs:
+                    config.add(adapter, alpha)
             props["adapters"] = config
         self._pipe = None  # release the old one first
         try:
@@ -382,7 +364,7 @@ class OpenVINOEngine(Engine):
         except Exception as exc:  # noqa: BLE001 - GenAI raises RuntimeError and its own types
             raise EngineFailure(f"engine 'openvino': cannot create the pipeline for {self.ir_dir}: {exc}") from exc
         self._tokenizer = self._pipe.get_tokenizer()
-        self._bound = set().union(*(adapter_modules(info.path) for info, _, _ in self._adapters.values()))
+        self._bound = set().union(*(adapter_modules(info.path) for info, _ in self._adapters.values()))
 
     # ---- adapters ----------------------------------------------------------------------
 
@@ -395,13 +377,22 @@ class OpenVINOEngine(Engine):
 
             validate_name(name)
             validate_adapter(Path(path), self.model_dir, self.max_rank, self.dtype)
-        info = read_adapter_info(Path(path))  # the blend weight needs the config (AdapterFormatError if unreadable)
-        self._check_servable(name, info)
-        adapter_scaling(info)  # r > 0 (the blend weight), checked before GenAI reads the file
+        info = read_adapter_info(Path(path))  # the alphas need the config (AdapterFormatError if unreadable)
+        if info.max_rank > self.max_rank:
+            raise AdapterIncompatibleError(f"adapter {name!r} from {info.path}: rank {info.max_rank} exceeds "
+                                           f"max_rank {self.max_rank}")
+        adapter_scaling(info)  # r > 0 (the alpha), checked before GenAI reads the file
         try:  # GenAI reads the weights file first: what it refuses, it refuses itself
-            adapter = self._genai.Adapter(str(info.path / "adapter_model.safetensors"))
+            whole = self._genai.Adapter(str(info.path / WEIGHTS))
         except Exception as exc:  # noqa: BLE001 - GenAI raises RuntimeError and its own types
             raise AdapterIncompatibleError(f"adapter {name!r} from {path}: OpenVINO GenAI cannot read it: {exc}") from exc
+        try:  # per-module scaling (rank_pattern / alpha_pattern): one Adapter per scaling
+            pairs = genai_pairs(self._genai, info, whole)
+        except AdapterFormatError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - GenAI raises RuntimeError and its own types
+            raise AdapterIncompatibleError(f"adapter {name!r} from {path}: GenAI read the weights file, but it cannot "
+                                           f"be split by PEFT's per-module scaling: {exc}") from exc
         try:
             modules = adapter_modules(info.path)
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
@@ -414,14 +405,13 @@ class OpenVINOEngine(Engine):
             # Running requests keep the weights their name had at submission: a reload waits for them.
             self._in_use.wait_unused(name, None)
             if not modules <= self._bound:  # a new pipeline: only once nothing runs on the old one
-                self._loop.exclusive(lambda: self._replace(name, info, adapter, modules, path))
+                self._loop.exclusive(lambda: self._replace(name, info, pairs, modules, path))
                 return
-        self._replace(name, info, adapter, modules, path)
+        self._replace(name, info, pairs, modules, path)
 
-    def _replace(self, name: str, info: AdapterInfo, adapter, modules: set[str], path: Path) -> None:
-        scaling = adapter_scaling(info)
+    def _replace(self, name: str, info: AdapterInfo, pairs: list, modules: set[str], path: Path) -> None:
         old = self._adapters.pop(name, None)
-        self._adapters[name] = (info, adapter, scaling)
+        self._adapters[name] = (info, pairs)
         if not modules <= self._bound:
             try:
                 self._build_pipeline()
@@ -432,15 +422,6 @@ class OpenVINOEngine(Engine):
                 self._build_pipeline()
                 raise AdapterIncompatibleError(f"adapter {name!r} from {path}: GenAI cannot build a pipeline "
                                                f"with it: {exc}") from exc
-
-    def _check_servable(self, name: str, info: AdapterInfo) -> None:
-        refused = adapter_refusals(info)
-        if refused:
-            raise UnsupportedFeatureError(f"engine 'openvino' cannot serve adapter {name!r} from {info.path}: "
-                                          f"{'; '.join(refused)}")
-        if info.max_rank > self.max_rank:
-            raise AdapterIncompatibleError(f"adapter {name!r} from {info.path}: rank {info.max_rank} exceeds "
-                                           f"max_rank {self.max_rank}")
 
     def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
@@ -529,8 +510,8 @@ class OpenVINOEngine(Engine):
         if adapter is None:
             cfg.adapters = g.AdapterConfig()  # explicitly none: unset would mean "the pipeline's default"
         else:
-            _, ov_adapter, scaling = self._adapters[adapter]
-            cfg.adapters = g.AdapterConfig(ov_adapter, scaling)
+            _, pairs = self._adapters[adapter]
+            cfg.adapters = g.AdapterConfig(pairs)
         return cfg
 
     def _generate_group(self, adapter: Optional[str], requests: list[GenerationRequest]) -> list[GenerationResult]:
