@@ -61,7 +61,10 @@ def table(reports_dir: Path = ROOT / "reports") -> str:
             device += f" ({env['device']['device_name']})"
         name = engine_label(env)
         rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-        lines.append(f"| {name} @ {device} / {env.get('dtype')} | {column['score'].replace('/', ' / ')} "
+        coverage = (report.get("verdict") or {}).get("summary", {}).get("coverage") or {}
+        partial = "" if coverage.get("complete", True) else (
+            f" (partial: {coverage.get('features_run')} of {coverage.get('features_declared')} features ran)")
+        lines.append(f"| {name} @ {device} / {env.get('dtype')} | {column['score'].replace('/', ' / ')}{partial} "
                      f"| {by_status.get('xfail', 0)} | {by_status.get('failed', 0) + by_status.get('error', 0)} "
                      f"| {by_status.get('not certified', 0)} | {family(matrix, column['key'], FAMILY)} "
                      f"| {tree(env.get('git_commit'))} "
