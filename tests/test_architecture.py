@@ -487,3 +487,72 @@ def test_the_plugin_shape_check_catches_what_it_should(tmp_path):
     assert f"{PLUGIN_MODULE}:10: defines resolve_settings" in bad
     assert f"{PLUGIN_MODULE}:12: defines class Thing" in bad
     assert len(bad.splitlines()) == 3, bad
+
+
+# ---- no import circles ----------------------------------------------------------------------------
+# Modules that import each other (directly or round a longer circle) cannot be read, tested or moved
+# one at a time. The built-in engine's internals may still (its argument table, kernels and variants;
+# its Llama and MoE layers); nowhere else. A submodule importing its own package's face is no circle.
+CIRCLES_ALLOWED_UNDER = "lora_conformance.engines.builtin"
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    mods = {m: (p, t) for m, p, t in _modules(root)}
+    graph: dict[str, set] = {m: set() for m in mods}
+    for m, (p, t) in mods.items():
+        for _, name in _imports(m, t, p.name == "__init__.py"):
+            parts = name.split(".")
+            while parts and ".".join(parts) not in mods:
+                parts.pop()
+            target = ".".join(parts)
+            if target and target != m and not m.startswith(target + "."):
+                graph[m].add(target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [c for c in circles if not all(_under(m, CIRCLES_ALLOWED_UNDER) for m in c)]
+
+
+def test_no_import_circles_outside_the_builtin_engine():
+    assert not import_circles(ROOT), "modules that import each other: " + "; ".join(
+        " <-> ".join(c) for c in import_circles(ROOT))
+
+
+def test_the_circle_check_catches_what_it_should(tmp_path):
+    root = _tree(tmp_path, {
+        "lora_conformance/__init__.py": "",
+        "lora_conformance/a.py": "def f():\n    from lora_conformance import b\n",
+        "lora_conformance/b.py": "from lora_conformance.c import x\n",
+        "lora_conformance/c.py": "from lora_conformance.a import f\n",
+        "lora_conformance/pkg/__init__.py": "from lora_conformance.pkg.inner import y\n",
+        "lora_conformance/pkg/inner.py": "from lora_conformance.pkg import z\n",
+        "lora_conformance/engines/__init__.py": "",
+        "lora_conformance/engines/builtin/__init__.py": "",
+        "lora_conformance/engines/builtin/p.py": "from lora_conformance.engines.builtin.q import x\n",
+        "lora_conformance/engines/builtin/q.py": "from lora_conformance.engines.builtin.p import y\n",
+    })
+    assert import_circles(root) == [["lora_conformance.a", "lora_conformance.b", "lora_conformance.c"]]
