@@ -65,9 +65,13 @@ class Tolerance:
 # families accuracy / semantics / all-linear (q/k B 5x) / mixed. Worst seen, as a
 # fraction of the bounds then in force, and the bound set from it (about 1.5x the worst):
 #   bfloat16: residual rms 0.101 (cuda) / 0.100 (cpu) -> effect_noise_max 0.15; gross 1.09 -> 2.0;
-#             free-running decode 1.71 -> 2.5; |slope - 1| at most 0.14 of (margin + 4 SE).
+#             free-running decode 1.71 -> 2.5, then 3.4 (below); |slope - 1| at most 0.14 of (margin + 4 SE).
 #   float16:  residual rms 0.0094 -> 0.015; free-running 0.284 -> 0.45.
 #   float32:  residual rms 2.9e-5 -> 1e-3; free-running 1.4e-4 (of 2e-3).
+# bfloat16 free-running, strong all-linear family: later null runs alarmed at 2.5 (2 of 200 on the H200
+# host's cpu; their values were not kept), and `python bench/power.py --dtypes bfloat16 --families alllinear
+# --variations default,rescale:3,rescale:0.25,fold:A,fold:B,svd,permute,pad:8,preround,reverse,peft --runs 150
+# --seed 4242` on a 2-core Xeon saw 0 of 150 above it with a worst of 2.29 -> free_running_atol 3.4 (1.5x).
 # All runs over the earlier guesses (bf16 0.06 / 1.0 / 1.5, fp16 free-running 0.2: 21 and 17 bf16,
 # 12 and 11 fp16 runs of 200) were in the strong all-linear family; none at these bounds. The same
 # runs' power (8 per cell): every single module dropped, and x1.05 / x1.1 mis-scales, caught in every
@@ -76,7 +80,7 @@ EFFECTS: dict[str, dict[str, float]] = {
     "float32": dict(effect_noise=1e-4, effect_noise_max=1e-3, effect_slope_margin=0.005, effect_gross_atol=1e-2,
                     embedding_effect_rel_max=1e-3, free_running_atol=2e-3),
     "bfloat16": dict(effect_noise=0.02, effect_noise_max=0.15, effect_slope_margin=0.03, effect_gross_atol=2.0,
-                     embedding_effect_rel_max=0.15, free_running_atol=2.5),
+                     embedding_effect_rel_max=0.15, free_running_atol=3.4),
     "float16": dict(effect_noise=0.005, effect_noise_max=0.015, effect_slope_margin=0.01, effect_gross_atol=0.3,
                     embedding_effect_rel_max=0.03, free_running_atol=0.8),
 }
