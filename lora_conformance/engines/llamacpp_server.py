@@ -8,8 +8,7 @@ What the plugin does:
 * Our converters (``llamacpp_convert``) write the base model and every adapter as GGUF, as in the
   offline mode. The plugin starts ``llama-server -m base.gguf --lora a.gguf --lora b.gguf ...
   --lora-init-without-apply --parallel N --cont-batching`` on 127.0.0.1 on a free port, waits for
-  ``GET /health`` under a deadline, and stops the server's process group
-  (``served.stop_process_group``).
+  ``GET /health`` under a deadline, and stops the server's process group (``served.ServerProcess``).
 * Every request is one ``POST /completion`` with the prompt as token ids (our tokenizer), greedy
   (``temperature`` 0), ``n_probs`` = top_k with pre-sampling logprobs (``post_sampling_probs``
   false: ``tools/server/server-context.cpp`` populate_token_probs -> ``get_token_probabilities``,

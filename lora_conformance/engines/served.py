@@ -1,6 +1,6 @@
 """What the plugins of served engines share: a server process they start (``ServerProcess``: its
-session, its log, its death, HTTP to it), the server-sent events their streamed answers come in, and
-stopping a server started in a process group (session) of its own."""
+session (process group), its log, its death, its stop, HTTP to it), one HTTP exchange under one
+deadline (``exchange``) and the server-sent events their streamed answers come in (``sse_events``)."""
 
 from __future__ import annotations
 
