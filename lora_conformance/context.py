@@ -275,18 +275,18 @@ class TestContext:
 
     def prompt_logprobs_shown_to_work(self, engine) -> bool:
         """Whether this test may ask ``engine`` (the one under test) for prompt logprobs, a feature it
-        does not certify (``PROMPT_LOGPROBS_FEATURE`` does): the engine declares them, and a probe on
-        an engine of its own, once per process, got answers that match the reference. Otherwise the
-        test checks what it can without them and the report notes the weaker check: a bug of prompt
-        logprobs turns only their own feature red. The probe decides, never another test's outcome
-        nor the expectations file (expectations say how an outcome is reported, never which checks
-        run), so the answer is the same in every worker, every order and every expectations file."""
+        does not certify (``PROMPT_LOGPROBS_FEATURE`` does): the engine declares them, and a probe,
+        once per run, got answers that match the reference. Otherwise the test checks what it can
+        without them and the report notes the weaker check: a bug of prompt logprobs turns only their
+        own feature red. The probe decides, never another test's outcome nor the expectations file
+        (expectations say how an outcome is reported, never which checks run), so the answer is the
+        same in every worker, every order and every expectations file."""
         if not engine.supports("prompt_logprobs"):
             self.note("without prompt_logprobs (the engine does not declare it): a weaker check")
             return False
         key = (str(self.model_dir), self.dtype)
         if key not in self.harness.prompt_logprobs_probes:
-            self.harness.prompt_logprobs_probes[key] = self._run_shared(key, self._probe_prompt_logprobs)
+            self.harness.prompt_logprobs_probes[key] = self._run_shared(key, lambda: self._probe_prompt_logprobs(engine))
         broken = self.harness.prompt_logprobs_probes[key]
         if broken:
             self.note(f"without prompt_logprobs: {broken}; a weaker check ({PROMPT_LOGPROBS_FEATURE} certifies them)")
@@ -294,23 +294,38 @@ class TestContext:
 
     def _run_shared(self, key: tuple, probe) -> str:
         """``probe()``'s answer, computed once per run: under pytest-xdist the first worker to ask
-        computes it and the others read its answer (``fileio.once_per_run`` in the run's temporary
-        directory), so a probe that starts an engine starts one per run, not one per worker."""
-        config = self.request.config
-        if not hasattr(config, "workerinput"):
+        computes it and the others read its answer (``fileio.once_per_run`` in the folder the run's
+        workers share), so a probe that starts an engine starts one per run, not one per worker."""
+        from lora_conformance.harness import shared_run_dir
+
+        run_dir = shared_run_dir(self.request.config)
+        if run_dir is None:
             return probe()
         from lora_conformance.fileio import once_per_run
 
-        run_dir = self.request.getfixturevalue("tmp_path_factory").getbasetemp().parent / "lora-shared-probes"
-        return once_per_run(run_dir, repr(key), probe, SHARED_PROBE_WAIT)
+        return once_per_run(run_dir / "lora-shared-probes", repr(key), probe, SHARED_PROBE_WAIT)
 
-    def _probe_prompt_logprobs(self) -> str:
-        """'' when a mixed batch (adapter A and base rows) with prompt logprobs, on an engine of its
-        own, matches the reference; else what went wrong."""
+    def _probe_prompt_logprobs(self, caller) -> str:
+        """'' when a mixed batch (adapter A and base rows) with prompt logprobs matches the reference;
+        else what went wrong. It runs on the shared engine of this model and dtype with the user's
+        engine args (its prefix cache emptied first where the engine can, so the answer does not depend
+        on what ran before), which most tests start anyway; on an engine of its own where that engine
+        is ``caller``'s, which the probe must not disturb. A probe that breaks the shared engine
+        (EngineFailure) closes it: the next test to ask for it starts it again, and says why."""
+        from lora_conformance.engines import EngineFailure
+        from lora_conformance.outcomes import NotCertified
+
+        own = shared = None
         try:
-            engine = self.harness.create_engine(self.model_dir, self.dtype, {},
-                                                "the prompt-logprobs probe's own engine")
-        except Exception as exc:  # noqa: BLE001 - any start failure means: do not rely on the probe
+            shared = self.harness.shared_engine(self.model_dir, self.dtype, {})
+            if shared is caller:
+                shared = None
+                engine = own = self.harness.create_engine(self.model_dir, self.dtype, {},
+                                                          "the prompt-logprobs probe's own engine")
+            else:
+                engine = shared = self.harness.reset_adapters(shared)
+                shared.reset_prefix_cache()
+        except (Exception, NotCertified) as exc:  # noqa: BLE001 - any start failure means: do not rely on the probe
             return f"the probe engine did not start ({type(exc).__name__})"
         try:
             engine.load_adapter("A", self.adapter_path("A"))
@@ -321,9 +336,18 @@ class TestContext:
             self.assert_matches_reference(outs, self.reference(reqs), reqs, label="prompt-logprobs probe")
             return ""
         except Exception as exc:  # noqa: BLE001 - the probe's only question: does it work?
+            if shared is not None and isinstance(exc, EngineFailure):
+                self.harness.drop(shared, "the prompt-logprobs probe broke it")
+                shared = None
             return f"a probe with prompt logprobs failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
         finally:
-            self.harness.retire(engine, swallow=True)
+            if own is not None:
+                self.harness.retire(own, swallow=True)
+            elif shared is not None:
+                try:
+                    shared.unload_adapter("A")
+                except Exception:  # noqa: BLE001 - the next test's reset unloads it, or replaces the engine
+                    pass
 
     def assert_conforms(self, engine, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef] = {},
                         prompts: Optional[Sequence[str]] = None, *,

@@ -34,8 +34,17 @@ def session_harness(config: pytest.Config, environment: dict) -> "Harness":
 
         # Before the first engine or reference: a worker gets its share of the cores.
         parallel.apply_thread_share(get_settings(config).threads)
-        config.stash[HARNESS_KEY] = Harness(get_settings(config), environment)
+        config.stash[HARNESS_KEY] = Harness(get_settings(config), environment, run_dir=shared_run_dir(config))
     return config.stash[HARNESS_KEY]
+
+
+def shared_run_dir(config: Any) -> Optional[Path]:
+    """The folder the pytest-xdist workers of this run share: the parent of their base temp dirs
+    (xdist gives each worker ``<the run's base temp>/<worker id>``); None in a run of one process."""
+    basetemp = getattr(getattr(config, "option", None), "basetemp", None)
+    if not hasattr(config, "workerinput") or not basetemp:
+        return None
+    return Path(basetemp).resolve().parent
 
 
 def existing_harness(config: pytest.Config) -> Optional["Harness"]:
@@ -44,8 +53,11 @@ def existing_harness(config: pytest.Config) -> Optional["Harness"]:
 
 
 class Harness:
-    def __init__(self, settings: Settings, environment: Optional[dict] = None):
+    def __init__(self, settings: Settings, environment: Optional[dict] = None, run_dir: Optional[Path] = None):
         self.settings = settings
+        # Shared with the run's other pytest-xdist workers (None: this process is the run): an engine
+        # that failed to start in one worker is not started again in another (shared_engine).
+        self.run_dir = run_dir
         # Filled with what only a live engine knows (version, capabilities, limits), for the report.
         self.environment = environment if environment is not None else {}
         self.workspace = Workspace(settings)
@@ -162,6 +174,11 @@ class Harness:
         if key in self._engines:
             self._engines.move_to_end(key)
             return self._engines[key]
+        # First use here only: an engine this worker has run before is worth its own start.
+        elsewhere = None if key in self._gone else self._start_failed_elsewhere(key)
+        if elsewhere is not None:
+            self._engine_failures[key] = elsewhere
+            raise elsewhere
         while len(self._engines) >= MAX_LIVE_ENGINES:
             old_key = self._eviction_victim()
             old = self._engines.pop(old_key)
@@ -174,11 +191,57 @@ class Harness:
             engine = self.create_engine(model_dir, dtype, extra, why)
         except (Exception, NotCertified) as exc:  # NotCertified is a pytest skip, a BaseException
             self._engine_failures[key] = exc  # do not retry a failing start (or a refusal) for every test
+            self._share_start_failure(key, exc)
             raise
         self._engines[key] = engine
         self._engine_extra[key] = dict(extra)
         self._record(engine)
         return engine
+
+    # A start that failed (EngineFailure: the engine could not come up) is written to the run's shared
+    # folder, so that another worker's tests of that engine get the same failure, saying where it was
+    # met, instead of a start of their own that fails alike (an SGLang start is tens of seconds). A
+    # refusal (not certified) is cheap and not shared.
+    FAILED_STARTS = "lora-failed-starts"
+
+    def _failed_start_file(self, key: tuple) -> Optional[Path]:
+        import hashlib
+
+        if self.run_dir is None:
+            return None
+        return self.run_dir / self.FAILED_STARTS / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:24]}.json"
+
+    def _share_start_failure(self, key: tuple, exc: BaseException) -> None:
+        import os
+
+        from lora_conformance.engines import EngineFailure
+        from lora_conformance.fileio import write_json_atomic
+
+        path = self._failed_start_file(key)
+        if path is None or not isinstance(exc, EngineFailure):
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, {"engine": f"{Path(key[0]).name}, {key[1]}", "message": str(exc),
+                                     "worker": os.environ.get("PYTEST_XDIST_WORKER", "another worker")})
+        except OSError:
+            pass  # sharing only saves time: the other workers then start it themselves
+
+    def _start_failed_elsewhere(self, key: tuple) -> Optional[BaseException]:
+        """The EngineFailure another worker of this run met starting this engine, or None."""
+        import json
+
+        from lora_conformance.engines import EngineFailure
+
+        path = self._failed_start_file(key)
+        if path is None or not path.exists():
+            return None
+        try:
+            met = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return EngineFailure(f"{met['message']} [this engine failed to start in pytest-xdist worker {met['worker']} "
+                             "of this run; not started again here]")
 
     def _eviction_victim(self) -> tuple:
         """The shared engine to close for a new one: the least recently used, but the run's own
@@ -298,6 +361,15 @@ class Harness:
             cls, cfg = self.parsed_engine_args(self.settings.engine_args)
             self._declared[model_dir] = class_capabilities(cls, cfg, model_dir, self.settings.device)
         return self._declared[model_dir]
+
+    def drop(self, engine, why: str) -> None:
+        """Close a shared engine the run must not use again (``why``: the next start of its settings
+        says so in the report)."""
+        key = next((k for k, e in self._engines.items() if e is engine), None)
+        if key is not None:
+            del self._engines[key]
+            self._gone[key] = why
+        self.retire(engine, swallow=True)
 
     def discard_engines(self) -> None:
         """Close every shared engine: after an EngineFailure one may be dead, and a dead engine

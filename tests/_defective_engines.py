@@ -8,6 +8,8 @@ the kind of bug a real engine ships with. Run a suite against one with
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 from lora_conformance.engines.base import AdapterIncompatibleError, EngineFailure, UnsupportedFeatureError
@@ -47,3 +49,48 @@ class EvictionPolicyIgnored(BuiltinEngine):
     def __init__(self, model_dir, device, dtype, args):
         super().__init__(model_dir, device, dtype, {**args, "eviction": "lru"})
         self.args = dict(args)  # what it was asked for; the pool runs lru whatever it says
+
+
+class DeliveredLate(BuiltinEngine):
+    """Not a defect: the built-in engine as a caller behind a connection sees it. Submitted requests
+    are drained by adapter changes as the built-in engine drains them, but each handle learns that its
+    requests finished half a step of theirs later (their last answers in transit), so a change
+    can return before the handle is done: the in-flight suites must pass it (a served engine's unload
+    answer and the requests' last answers travel on connections of their own)."""
+
+    def submit(self, requests):
+        return _LateHandle(super().submit(requests))
+
+
+class _LateHandle:
+    def __init__(self, inner):
+        self._inner, self._delivered = inner, threading.Event()
+        self._outcome: tuple = ()
+        began = time.monotonic()
+
+        def deliver():
+            try:
+                results = inner.result(300)
+                steps = max(seq.max_new_tokens for seq in inner.seqs)
+                time.sleep(0.5 * (time.monotonic() - began) / steps)
+                self._outcome = (results, None)
+            except BaseException as exc:  # noqa: BLE001 - handed to result()
+                self._outcome = (None, exc)
+            self._delivered.set()
+
+        threading.Thread(target=deliver, daemon=True).start()
+
+    def done(self):
+        return self._delivered.is_set()
+
+    def wait_started(self, timeout):
+        return self._inner.wait_started(timeout)
+
+    def result(self, timeout):
+        if not self._delivered.wait(timeout):
+            raise EngineFailure(f"requests not delivered within {timeout} s")
+        results, error = self._outcome
+        if error is not None:
+            raise error
+        return results
+

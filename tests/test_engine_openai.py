@@ -262,7 +262,7 @@ def test_errors_are_typed_and_bounded(model_dir, server, tmp_path):
 def test_server_cmd_starts_and_stops_a_process_group(model_dir):
     cmd = f"{sys.executable} {__file__} --serve --host {{host}} --port {{port}} --model {{model}}"
     e = OpenAIEngine(model_dir, "cpu", "float32", {"server_cmd": cmd, "startup_timeout": "60"})
-    pid = e._proc.pid
+    pid = e._server.proc.pid
     assert e.base_url.startswith("http://127.0.0.1:")
     assert len(e.generate([GenerationRequest("a dog", None, 2)])[0].token_ids) == 2
     e.close()

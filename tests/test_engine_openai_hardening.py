@@ -98,7 +98,7 @@ def test_server_log_deleted_after_a_clean_close_kept_after_a_failed_start(model_
     here = Path(__file__).resolve().parent
     cmd = f"{sys.executable} {here / 'test_engine_openai.py'} --serve --host {{host}} --port {{port}} --model {{model}}"
     e = OpenAIEngine(model_dir, "cpu", "float32", {"server_cmd": cmd, "startup_timeout": "60"})
-    log = e._log_path
+    log = e._server.log_path
     assert log.exists()
     e.close()
     assert not log.exists(), "a clean run's server log is deleted"

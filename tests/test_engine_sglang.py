@@ -525,18 +525,23 @@ def test_real_sglang_matches_peft(ckpt, real):
 def test_real_sglang_embedding_and_lm_head_adapter_in_a_mixed_batch(ckpt, real):
     """The lm_head row's first token is computed from the pruned hidden states (one row per sequence),
     which torch_native slices with the unpruned segments: row 2 falls inside a1's segment when a1's
-    prompt has three or more uncached tokens. A radix-cache hit shortens a row's segment to its
-    uncached tokens and can align the rows by chance (the served variant XPASSed before, when a1's
-    prompt was one an earlier test had served): the a1 prompt here is one no other test serves."""
+    prompt has three or more uncached tokens. Which rows share a prefill batch is SGLang's scheduling:
+    the tokenizer manager sends a call's requests one at a time (srt/managers/tokenizer_manager.py:
+    1587-1595), and the scheduler may take the first alone; a radix-cache hit shortens a row's segment.
+    Either can align the rows by chance (served, 8 batches of [a1, base, emb]: 3 split [1, 2] with every
+    row right), so the batch is served 8 times, each with prompts no other test serves, and the finding
+    must show in one of them (an XPASS needs all 8 aligned)."""
     se, pe = real
     for n in ("a1", "emb"):
         se.load_adapter(n, ckpt[n])
         pe.load_adapter(n, ckpt[n])
     try:
-        prompts = [f"seven six five four three two one {se.cfg.mode}", PROMPTS[1], PROMPTS[2]]
-        reqs = [GenerationRequest(p, a, 6, 4) for p, a in zip(prompts, ["a1", None, "emb"])]
-        for s, p, r in zip(se.generate(reqs), pe.generate(reqs), reqs):
-            _assert_same(s, p, f"adapter {r.adapter}")
+        for trial in range(8):
+            prompts = [f"seven six five four three two one {se.cfg.mode} {trial}", f"a dog and a cat {trial}",
+                       f"{PROMPTS[2]} {trial}"]
+            reqs = [GenerationRequest(p, a, 6, 4) for p, a in zip(prompts, ["a1", None, "emb"])]
+            for s, p, r in zip(se.generate(reqs), pe.generate(reqs), reqs):
+                _assert_same(s, p, f"batch {trial}, adapter {r.adapter}")
     finally:
         for n in ("a1", "emb"):
             se.unload_adapter(n)

@@ -1,7 +1,8 @@
 """What an engine start costs is visible and kept low: every start is recorded with its seconds and
 why (the report's Run table sums them), the run's own engine is the last one closed for a newer
-one, engines close off the test's critical path on cpu (and close() waits for them), and a probe
-that starts an engine runs once per run, not once per pytest-xdist worker."""
+one, engines close off the test's critical path on cpu (and close() waits for them), a probe runs
+once per run, not once per pytest-xdist worker, and on the shared engine where it can, and a start
+that failed in one worker is not tried again in another (each test it affects still fails, saying so)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from lora_conformance import harness as harness_mod
+from lora_conformance.engines import Capability
 from lora_conformance.evidence import Record
 from tests.test_harness_sharing import STARTED, CountingEngine, _context
 from tests.test_harness_sharing import _harness as sharing_harness
@@ -137,9 +139,10 @@ def _worker_context(tmp_path: Path, worker: str):
     ctx = _context(h, tmp_path)
     base = tmp_path / "basetemp" / f"popen-{worker}"
     base.mkdir(parents=True, exist_ok=True)
-    factory = SimpleNamespace(getbasetemp=lambda: base)
-    ctx.request = SimpleNamespace(node=ctx.request.node, config=SimpleNamespace(workerinput={"workerid": worker}),
-                                  getfixturevalue=lambda name: factory)
+    # what pytest-xdist gives a worker: its id, and a base temp dir of its own inside the run's
+    config = SimpleNamespace(workerinput={"workerid": worker}, option=SimpleNamespace(basetemp=str(base)))
+    ctx.request = SimpleNamespace(node=ctx.request.node, config=config)
+    ctx.harness.run_dir = harness_mod.shared_run_dir(config)
     return ctx
 
 
@@ -222,3 +225,113 @@ def test_a_released_engine_closes_once_before_the_test_ends(tmp_path):
     h.close()
     assert first.closed and second.closed
     assert len(SlowClosingEngine.close_threads) == 2, "an engine was closed twice"
+
+
+class FailingStartEngine(CountingEngine):
+    """Cannot start: an EngineFailure (its server exited), or a refusal where ``max_rank`` is 8."""
+
+    def __init__(self, model_dir, device, dtype, args):
+        from lora_conformance.engines import EngineFailure, UnsupportedFeatureError
+
+        if args.get("max_rank") == "8":
+            raise UnsupportedFeatureError("rank 8 refused")
+        STARTED.append(self)
+        raise EngineFailure("server exited with code -9 during start-up")
+
+
+def test_a_failed_start_is_met_once_per_run_and_fails_every_test_it_affects(tmp_path, monkeypatch):
+    from lora_conformance.engines import EngineFailure
+    from lora_conformance.outcomes import NotCertified
+
+    STARTED.clear()
+    gw0, gw1 = (_worker_context(tmp_path, w) for w in ("gw0", "gw1"))
+    for ctx in (gw0, gw1):
+        ctx.harness.settings.engine = f"{__name__}:FailingStartEngine"
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    with pytest.raises(EngineFailure, match="exited with code -9"):
+        gw0.engine
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    for _ in range(2):  # every test of that engine in the other worker fails alike, naming where it was met
+        with pytest.raises(EngineFailure, match=r"(?s)exited with code -9.*failed to start in pytest-xdist worker gw0"):
+            gw1.engine
+    assert len(STARTED) == 1 and gw1.harness.take_starts() == [], "the other worker started it again"
+    # a refusal (not certified) is each worker's own, and other settings are another engine
+    for ctx in (gw0, gw1):
+        with pytest.raises(NotCertified):
+            ctx.engine_with(max_rank=8)
+    with pytest.raises(EngineFailure) as met:
+        gw1.engine_with(max_rank=16)
+    assert "pytest-xdist worker" not in str(met.value) and len(STARTED) == 2
+    # a run of one process shares nothing
+    alone = _context(_harness(tmp_path), tmp_path)
+    alone.harness.settings.engine = f"{__name__}:FailingStartEngine"
+    with pytest.raises(EngineFailure) as met:
+        alone.engine
+    assert "pytest-xdist worker" not in str(met.value) and len(STARTED) == 3
+
+
+class ProbedEngine(CountingEngine):
+    """Declares prompt logprobs; ``breaks`` makes its generate an EngineFailure."""
+
+    breaks = False
+
+    def __init__(self, model_dir, device, dtype, args):
+        super().__init__(model_dir, device, dtype, args)
+        self.capabilities = frozenset({Capability.DYNAMIC_LOADING, Capability.PROMPT_LOGPROBS})
+        self.cache_resets = 0
+
+    def reset_prefix_cache(self):
+        self.cache_resets += 1
+        return True
+
+    def generate(self, requests):
+        from lora_conformance.engines import EngineFailure
+
+        if self.breaks:
+            raise EngineFailure("engine core died: prompt logprobs requested")
+        return []
+
+
+def _probing_context(tmp_path, monkeypatch, breaks=False):
+    monkeypatch.setattr(ProbedEngine, "breaks", breaks)
+    h = _harness(tmp_path, "ProbedEngine")
+    _own_model(h, tmp_path)
+    ctx = _context(h, tmp_path)
+    ctx.adapter_path = lambda ref: tmp_path
+    ctx.requests = lambda labels, **kw: list(labels)
+    return ctx
+
+
+def test_the_probe_runs_on_the_shared_engine_unless_it_is_the_callers(tmp_path, monkeypatch):
+    seen = []
+    STARTED.clear()
+    ctx = _probing_context(tmp_path, monkeypatch)
+    ctx.assert_matches_reference = lambda outs, refs, reqs, label: seen.append(label)
+    ctx.reference = lambda reqs: []
+    shared = ctx.engine
+    caller = ctx.engine_with(chunked_prefill_size=16)
+    ctx.harness.take_starts()
+    assert ctx._probe_prompt_logprobs(caller) == ""
+    assert ctx.harness.take_starts() == [], "the probe started an engine beside the shared one"
+    assert shared.cache_resets == 1 and shared.loaded == {} and seen == ["prompt-logprobs probe"]
+    # where the caller's engine is the shared one, the probe must not touch it: an engine of its own
+    assert ctx._probe_prompt_logprobs(shared) == ""
+    assert [s["why"] for s in ctx.harness.take_starts()] == ["the prompt-logprobs probe's own engine"]
+    assert STARTED[-1].closed and not shared.closed and shared.cache_resets == 1
+
+
+def test_a_probe_that_breaks_the_shared_engine_closes_it(tmp_path, monkeypatch):
+    STARTED.clear()
+    ctx = _probing_context(tmp_path, monkeypatch, breaks=True)
+    shared = ctx.engine
+    caller = ctx.engine_with(chunked_prefill_size=16)
+    answer = ctx._probe_prompt_logprobs(caller)
+    assert answer.startswith("a probe with prompt logprobs failed (EngineFailure: engine core died")
+    assert shared not in ctx.harness._engines.values(), "the broken shared engine was left in the pool"
+    ctx.harness.take_starts()
+    again = ctx.engine
+    assert again is not shared and not caller.closed
+    assert [s["why"] for s in ctx.harness.take_starts()] == [
+        "shared engine, started again: the prompt-logprobs probe broke it"]
+    ctx.harness.close()
+    assert shared.closed

@@ -8,8 +8,7 @@ What the plugin does:
 * Our converters (``llamacpp_convert``) write the base model and every adapter as GGUF, as in the
   offline mode. The plugin starts ``llama-server -m base.gguf --lora a.gguf --lora b.gguf ...
   --lora-init-without-apply --parallel N --cont-batching`` on 127.0.0.1 on a free port, waits for
-  ``GET /health`` under a deadline, and stops the server's process group
-  (``served.stop_process_group``).
+  ``GET /health`` under a deadline, and stops the server's process group (``served.ServerProcess``).
 * Every request is one ``POST /completion`` with the prompt as token ids (our tokenizer), greedy
   (``temperature`` 0), ``n_probs`` = top_k with pre-sampling logprobs (``post_sampling_probs``
   false: ``tools/server/server-context.cpp`` populate_token_probs -> ``get_token_probabilities``,
@@ -50,17 +49,10 @@ Not declared, with llama.cpp's own evidence: ``NOT_DECLARED`` below (the report 
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
-import shlex
 import shutil
-import signal
 import socket
-import subprocess
-import tempfile
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -264,137 +256,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Server:
-    """One llama-server process on 127.0.0.1 with a given adapter list, its log, and HTTP to it."""
+class _Server(served.ServerProcess):
+    """One llama-server process on 127.0.0.1 with a given adapter list (``served.ServerProcess``: its
+    session, its log, HTTP to it)."""
+
+    poll_s = 0.2  # llama-server comes up in a second or two
+    tail_lines = 30
 
     def __init__(self, argv: list[str], startup_timeout: float, request_timeout: float):
-        self.port = _free_port()
-        self.argv = [*argv, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.timeout = request_timeout
-        log = tempfile.NamedTemporaryFile("wb", prefix="lora-conformance-llama-server-", suffix=".log", delete=False)
-        self.log_path = Path(log.name)
-        self.keep_log = False
-        try:
-            self.proc: Optional[subprocess.Popen] = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        except OSError as exc:
-            raise EngineFailure(f"engine 'llamacpp': cannot start {shlex.join(self.argv)}: {exc}") from exc
-        finally:
-            log.close()
-        try:
-            self._wait_ready(startup_timeout)
-        except BaseException:
-            self.keep_log = True
-            self.stop()
-            raise
+        port = _free_port()
+        super().__init__([*argv, "--host", "127.0.0.1", "--port", str(port)], port, label="llama-server",
+                         owner="engine 'llamacpp' (served)", log_prefix="lora-conformance-llama-server-",
+                         startup_timeout=startup_timeout, request_timeout=request_timeout,
+                         max_bytes=MAX_RESPONSE_BYTES)
 
-    def _wait_ready(self, startup_timeout: float) -> None:
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineFailure(f"llama-server exited with code {self.proc.returncode} during start-up "
-                                    f"({shlex.join(self.argv)}): {self.log_errors()}")
-            try:
-                status, _, _ = served.exchange("127.0.0.1", self.port, "GET", "/health", None, 5, 1 << 16,
-                                               "llama-server /health")
-                if status == 200:
-                    return
-            except (EngineError, OSError, http.client.HTTPException, ValueError):
-                pass
-            time.sleep(0.2)
-        raise EngineFailure(f"llama-server not healthy on 127.0.0.1:{self.port}/health after {startup_timeout:g} s; "
-                            f"log {self.log_path}:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def log_errors(self) -> str:
+    def start_failure(self) -> str:
         """The log's error lines (llama.cpp's own words), else its tail."""
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
-            return "(no log)"
+            return ": (no log)"
         bad = [ln.strip() for ln in lines if any(w in ln.lower() for w in ("error", "failed", "invalid", "abort"))]
-        return "; ".join(bad[-4:]) if bad else "\n".join(lines[-15:])
+        return ": " + ("; ".join(bad[-4:]) if bad else "\n".join(lines[-15:]))
 
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            served.stop_process_group(proc)
-        elif proc is not None and proc.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL):
-            self.keep_log = True
-        if not self.keep_log:
-            self.log_path.unlink(missing_ok=True)
-
-    def died(self) -> Optional[EngineFailure]:
-        if self.proc is None:
-            return EngineFailure("engine 'llamacpp' (served): the server is stopped")
-        if self.proc.poll() is not None:
-            self.keep_log = True
-            return EngineFailure(f"llama-server exited with code {self.proc.returncode}; log {self.log_path}:\n"
-                                 f"{self.log_tail()}")
-        return None
-
-    def request(self, method: str, route: str, body: Any = None) -> Any:
-        died = self.died()
-        if died is not None:
-            raise died
-        try:
-            status, raw, _ = served.exchange("127.0.0.1", self.port, method, route, body, self.timeout,
-                                             MAX_RESPONSE_BYTES, f"llama-server {method} {route}")
-        except EngineError:
-            raise
-        except (http.client.HTTPException, OSError, ValueError) as exc:
-            raise self._transport_failure(f"{method} {route}", exc) from None
-        try:
-            parsed = json.loads(raw) if raw.strip() else None
-        except ValueError:
-            parsed = raw.decode("utf-8", "replace")
-        if status >= 400:
-            raise _server_error(parsed, f"{method} {route} answered {status}")
-        return parsed
-
-    def stream(self, route: str, body: Any):
-        """The JSON objects of a streamed answer (``data: {...}`` lines)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
-        deadline = time.monotonic() + self.timeout
-        try:
-            conn.request("POST", route, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status >= 400:
-                raw = resp.read(MAX_RESPONSE_BYTES)
-                try:
-                    parsed = json.loads(raw)
-                except ValueError:
-                    parsed = raw.decode("utf-8", "replace")
-                raise _server_error(parsed, f"POST {route} (stream) answered {resp.status}")
-            yield from served.sse_events(resp, deadline, f"llama-server streamed {route} did not finish within "
-                                                         f"{self.timeout:g} s")
-        except EngineError:
-            raise
-        except (http.client.HTTPException, OSError, ValueError) as exc:
-            raise self._transport_failure(f"streamed {route}", exc) from None
-        finally:
-            conn.close()
-
-    def _transport_failure(self, what: str, exc: Exception) -> EngineError:
-        died = self.died()
-        if died is not None:
-            return died
-        if isinstance(exc, TimeoutError):
-            return EngineFailure(f"llama-server {what}: no complete answer within {self.timeout:g} s")
-        return EngineFailure(f"llama-server {what}: {type(exc).__name__}: {exc}")
+    def error(self, parsed: Any, what: str) -> EngineError:
+        return _server_error(parsed, what)
 
 
 def _server_error(parsed: Any, what: str) -> EngineError:
-    message = parsed
-    if isinstance(parsed, dict):
-        err = parsed.get("error", parsed)
-        message = err.get("message", err) if isinstance(err, dict) else err
-    return EngineFailure(f"llama-server {what}: {message}")
+    return EngineFailure(f"llama-server {what}: {served.error_message(parsed)}")
 
 
 class LlamaServerEngine(Engine):

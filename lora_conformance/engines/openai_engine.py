@@ -68,10 +68,7 @@ import http.client
 import json
 import os
 import shlex
-import signal
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -161,6 +158,12 @@ class OpenAIArgs:
                                           "starts itself (server_cmd, api_flavor=vllm)")
 
 
+class _Server(served.ServerProcess):
+    """The server ``server_cmd`` starts (``served.ServerProcess``): ready once it lists its models."""
+
+    health_route = "/v1/models"
+
+
 class OpenAIEngine(Engine):
     name = "openai"
     Args = OpenAIArgs
@@ -220,9 +223,7 @@ class OpenAIEngine(Engine):
         self.limits = self.declared_limits(a, self.model_dir, device)
         self.capabilities = self.declared_capabilities(a, self.model_dir, device)
         self._in_use = AdaptersInUse()  # adapter name -> our running (submitted) requests using it
-        self._proc: Optional[subprocess.Popen] = None
-        self._log_path: Optional[Path] = None
-        self._keep_log = False  # a failure's message names the log: it stays for the reader
+        self._server: Optional[_Server] = None  # the server started from server_cmd
         self._adapters: dict[str, str] = dict(_parse_lora_modules(a.lora_modules))
         self._tokenizer = None
         self._tok_lock = threading.Lock()
@@ -281,47 +282,15 @@ class OpenAIEngine(Engine):
                 from lora_conformance import parallel
 
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in parallel.worker_cpus())
-        log = tempfile.NamedTemporaryFile("wb", prefix="lora-conformance-server-", suffix=".log", delete=False)
-        self._log_path = Path(log.name)
-        try:
-            self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
-        except OSError as exc:
-            raise EngineFailure(f"engine 'openai': cannot start {argv[0]!r}: {exc}") from exc
-        finally:
-            log.close()
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                self._keep_log = True
-                raise EngineFailure(f"server exited with code {self._proc.returncode} during start-up; "
-                                    f"log {self._log_path}:\n{self._log_tail()}")
-            try:
-                self._http("GET", url + "/v1/models", timeout=5)
-                return url
-            except (EngineError, OSError):
-                time.sleep(1.0)
-        self._keep_log = True
-        self.close()
-        raise EngineFailure(f"server not ready on {url}/v1/models after {startup_timeout:.0f} s; "
-                            f"log {self._log_path}:\n{self._log_tail()}")
-
-    def _log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-n:])
-        except (OSError, AttributeError):
-            return "(no log)"
+        self._server = _Server(argv, port, label="server", owner="engine 'openai'",
+                               log_prefix="lora-conformance-server-", startup_timeout=startup_timeout,
+                               request_timeout=self.timeout, max_bytes=MAX_RESPONSE_BYTES, env=env)
+        return self._server.url
 
     def close(self) -> None:
-        proc, self._proc = self._proc, None
-        try:
-            served.stop_process_group(proc)
-        finally:
-            if proc is not None and proc.returncode not in (None, 0, -signal.SIGTERM, -signal.SIGKILL):
-                self._keep_log = True  # it died on its own: the log says why
-            if self._log_path is not None and not self._keep_log:
-                self._log_path.unlink(missing_ok=True)  # server logs are kept only when something failed
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()  # its log is kept only where something failed
 
     # ---- HTTP -------------------------------------------------------------------------
 

@@ -66,15 +66,11 @@ prompt position, the first one None (dropped, so entry i predicts token i+1); to
 from __future__ import annotations
 
 import dataclasses
-import http.client
-import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -936,141 +932,31 @@ def _free_port() -> int:
     raise EngineFailure("engine 'sglang' (served): no free port in 20000-55535 on 127.0.0.1")
 
 
-class _Server:
-    """``python -m sglang.launch_server`` on 127.0.0.1, its log, and HTTP to it (standard library,
-    never a proxy; one deadline per exchange)."""
+class _Server(served.ServerProcess):
+    """``python -m sglang.launch_server`` on 127.0.0.1 (``served.ServerProcess``: its session, its log,
+    HTTP to it), SGLang's error texts mapped to our types."""
 
     def __init__(self, engine: SGLangEngine, kwargs: Mapping[str, Any]):
         cfg = engine.cfg
-        self.timeout = cfg.request_timeout
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = _free_port()
         python = cfg.python or sys.executable
-        self.argv = [python, "-m", "sglang.launch_server", *_cli(kwargs), "--host", "127.0.0.1",
-                     "--port", str(self.port)]
         env = dict(os.environ)
         if _on_cpu(engine.device):
             env["SGLANG_USE_CPU_ENGINE"] = "1"
         if engine.workaround:
             env = workaround.environment(env)
-        log = tempfile.NamedTemporaryFile("wb", prefix="lora-conformance-sglang-", suffix=".log", delete=False)
-        self.log_path = Path(log.name)
-        self.keep_log = False
-        try:
-            self.proc: Optional[subprocess.Popen] = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
-                start_new_session=True)
-        except OSError as exc:
-            raise EngineFailure(f"engine 'sglang': cannot start {shlex.join(self.argv)}: {exc}") from exc
-        finally:
-            log.close()
-        try:
-            self._wait_ready(cfg.startup_timeout)
-        except BaseException:
-            self.keep_log = True
-            self.stop()
-            raise
+        super().__init__([python, "-m", "sglang.launch_server", *_cli(kwargs), "--host", "127.0.0.1",
+                          "--port", str(port)], port, label="SGLang server", owner="engine 'sglang'",
+                         log_prefix="lora-conformance-sglang-", startup_timeout=cfg.startup_timeout,
+                         request_timeout=cfg.request_timeout, max_bytes=MAX_RESPONSE_BYTES, env=env)
 
-    def _wait_ready(self, startup_timeout: float) -> None:
-        deadline = time.monotonic() + startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineFailure(f"SGLang server exited with code {self.proc.returncode} during start-up "
-                                    f"({shlex.join(self.argv)}); log {self.log_path}:\n{self.log_tail()}")
-            try:
-                self.request("GET", "/health", timeout=5)
-                return
-            except (EngineError, OSError):
-                time.sleep(1.0)
-        raise EngineFailure(f"SGLang server not healthy on {self.url}/health after {startup_timeout:.0f} s; "
-                            f"log {self.log_path}:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            served.stop_process_group(proc)  # our own session: the server and its scheduler processes
-        elif proc is not None and proc.returncode not in (0, -signal.SIGTERM, -signal.SIGKILL):
-            self.keep_log = True  # it died on its own: the log says why
-        if not self.keep_log:
-            self.log_path.unlink(missing_ok=True)
-
-    def _died(self) -> Optional[EngineFailure]:
-        if self.proc is None:
-            return EngineFailure("SGLang engine is closed")
-        if self.proc.poll() is not None:
-            self.keep_log = True
-            return EngineFailure(f"SGLang server exited with code {self.proc.returncode}; log {self.log_path}:\n"
-                                 f"{self.log_tail()}")
-        return None
+    def error(self, parsed: Any, what: str) -> EngineError:
+        return map_sglang_error(str(served.error_message(parsed)), what)
 
     def post(self, route: str, body: Any, update: bool = False) -> Any:
         """POST a JSON body. ``update``: SGLang answers LoRA updates with 400 and a body
         ``{"success": false, "error_message": ...}``, which is returned for the caller to read."""
-        return self.request("POST", route, body, update=update)
-
-    def request(self, method: str, route: str, body: Any = None, timeout: Optional[float] = None,
-                update: bool = False) -> Any:
-        died = self._died()
-        if died is not None:
-            raise died
-        status, raw = self._exchange(method, route, body, timeout or self.timeout)
-        text = raw.decode("utf-8", errors="replace")
-        try:
-            parsed = json.loads(text) if text.strip() else None
-        except ValueError:
-            parsed = text  # some routes (flush_cache) answer in plain text
-        if status >= 400:
-            if update and isinstance(parsed, dict) and "success" in parsed:
-                return parsed
-            message = parsed
-            if isinstance(parsed, dict):
-                err = parsed.get("error", parsed)
-                message = err.get("message", err) if isinstance(err, dict) else err
-            raise map_sglang_error(str(message), f"{method} {route} answered {status}")
-        if not 200 <= status < 300:
-            raise EngineFailure(f"SGLang {method} {route}: answered {status}; expected 2xx")
-        return parsed
-
-    def _exchange(self, method: str, route: str, body: Any, budget: float) -> tuple[int, bytes]:
-        try:
-            status, raw, _ = served.exchange("127.0.0.1", self.port, method, route, body, budget, MAX_RESPONSE_BYTES,
-                                             f"SGLang {method} {route}")
-            return status, raw
-        except EngineError:
-            raise
-        except (http.client.HTTPException, OSError, ValueError) as exc:
-            timed_out = isinstance(exc, TimeoutError)  # socket.timeout too
-            raise self._transport_failure(f"{method} {route}", exc, budget if timed_out else None) from None
-
-    def stream(self, route: str, body: Any):
-        """The JSON objects of a server-sent-event answer (``data: {...}`` lines) until ``[DONE]``."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
-        deadline = time.monotonic() + self.timeout
-        try:
-            conn.request("POST", route, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status >= 400:
-                raw = resp.read().decode("utf-8", errors="replace")
-                raise map_sglang_error(raw, f"POST {route} (stream) answered {resp.status}")
-            yield from served.sse_events(resp, deadline, f"SGLang streamed {route} did not finish within {self.timeout:g} s")
-        except EngineError:
-            raise
-        except (http.client.HTTPException, OSError, ValueError) as exc:
-            raise self._transport_failure(f"streamed {route}", exc) from None
-        finally:
-            conn.close()
-
-    def _transport_failure(self, what: str, exc: Exception, timed_out_after: Optional[float] = None) -> EngineError:
-        """What a broken HTTP exchange means: the server's death where it died, else a timeout or the error."""
-        died = self._died()
-        if died is not None:
-            return died
-        if timed_out_after is not None:
-            return EngineFailure(f"SGLang {what}: no complete answer within {timed_out_after:g} s")
-        return EngineFailure(f"SGLang {what}: {type(exc).__name__}: {exc}")
+        status, parsed = self.exchange("POST", route, body)
+        if update and status >= 400 and isinstance(parsed, dict) and "success" in parsed:
+            return parsed
+        return self.checked(status, parsed, f"POST {route}")
