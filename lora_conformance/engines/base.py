@@ -52,6 +52,22 @@ class FuturesHandle(RequestHandle):
     def __init__(self, futures: Sequence[Any], started: Sequence[threading.Event]):
         self._futures, self._started = list(futures), list(started)
 
+    @classmethod
+    def on_threads(cls, run_one, requests: Sequence[Any]) -> "FuturesHandle":
+        """Each request on a thread of its own: ``run_one(request, started)`` returns its result and
+        sets ``started`` at its first token (a served engine streaming one request per connection)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        started = [threading.Event() for _ in requests]
+        pool = ThreadPoolExecutor(max_workers=max(1, len(requests)))
+        futures = [pool.submit(run_one, r, ev) for r, ev in zip(requests, started)]
+        pool.shutdown(wait=False)
+        return cls(futures, started)
+
+    @property
+    def futures(self) -> list[Any]:
+        return list(self._futures)
+
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 

@@ -520,11 +520,7 @@ class LlamaServerEngine(Engine):
         if self.kind == "encoder":
             raise UnsupportedFeatureError("engine 'llamacpp' (served): an encoder base serves embeddings (embed)")
         self._admit(requests)
-        started = [threading.Event() for _ in requests]
-        pool = ThreadPoolExecutor(max_workers=max(1, len(requests)))
-        futures = [pool.submit(self._one, r, ev) for r, ev in zip(requests, started)]
-        pool.shutdown(wait=False)
-        return FuturesHandle(futures, started)
+        return FuturesHandle.on_threads(self._one, requests)
 
     def embed(self, texts: Sequence[str], adapter: Optional[str] = None) -> list[list[float]]:
         """``POST /embedding`` (normalised, the server's pooling) after ``POST /lora-adapters`` set the

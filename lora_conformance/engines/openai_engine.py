@@ -432,12 +432,9 @@ class OpenAIEngine(Engine):
             self.require_loaded(requests)
         names = [r.adapter for r in requests if r.adapter is not None]
         self._in_use.started(names)
-        started = [threading.Event() for _ in requests]
-        pool = ThreadPoolExecutor(max_workers=max(1, len(requests)))
-        futures = [pool.submit(self._one_streamed, r, ev) for r, ev in zip(requests, started)]
-        pool.shutdown(wait=False)
-        self._in_use.finished_with(futures, names)
-        return FuturesHandle(futures, started)
+        handle = FuturesHandle.on_threads(self._one_streamed, requests)
+        self._in_use.finished_with(handle.futures, names)
+        return handle
 
     def _one_streamed(self, req: GenerationRequest, started: threading.Event) -> GenerationResult:
         if req.prompt_logprobs:  # echo is not streamed: the whole answer at once

@@ -73,7 +73,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -606,11 +605,7 @@ class SGLangEngine(Engine):
         if Capability.INFLIGHT_LIFECYCLE not in self.capabilities or not self.served:
             return super().submit(requests)
         self.require_loaded(requests)
-        started = [threading.Event() for _ in requests]
-        pool = ThreadPoolExecutor(max_workers=max(1, len(requests)))
-        futures = [pool.submit(self._one_streamed, r, ev) for r, ev in zip(requests, started)]
-        pool.shutdown(wait=False)
-        return FuturesHandle(futures, started)
+        return FuturesHandle.on_threads(self._one_streamed, requests)
 
     def _one_streamed(self, req: GenerationRequest, started: threading.Event) -> GenerationResult:
         body = {"text": req.prompt, "stream": True,
