@@ -142,14 +142,19 @@ def test_model_conversion_is_cached_by_content(ckpt, tmp_path):
 # ---- llama.cpp itself ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine(ckpt):
+def _float32_engine(built):
+    """A float32 llama.cpp engine on ``built``'s base (its GGUF cache beside it), closed after the module."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'lora-conformance[llamacpp]')")
     from lora_conformance.engines.llamacpp_engine import LlamaCppEngine
 
-    e = LlamaCppEngine(ckpt["base"], "cpu", "float32", {"gguf_cache": str(ckpt["root"] / "gguf"), "n_threads": "2"})
+    e = LlamaCppEngine(built["base"], "cpu", "float32", {"gguf_cache": str(built["root"] / "gguf"), "n_threads": "2"})
     yield e
     e.close()
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    yield from _float32_engine(ckpt)
 
 
 @pytest.mark.parametrize("adapter", [None, "all", "rs", "emb"])
@@ -243,12 +248,7 @@ def test_bert_base_and_its_lora_are_written_as_llama_cpp_bert(tmp_path):
 
 @pytest.fixture(scope="module")
 def moe_engine(moe):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'lora-conformance[llamacpp]')")
-    from lora_conformance.engines.llamacpp_engine import LlamaCppEngine
-
-    e = LlamaCppEngine(moe["base"], "cpu", "float32", {"gguf_cache": str(moe["root"] / "gguf"), "n_threads": "2"})
-    yield e
-    e.close()
+    yield from _float32_engine(moe)
 
 
 @pytest.mark.parametrize("adapter", [None, "experts", "attn"])
