@@ -49,6 +49,7 @@ from lora_conformance.judge import paired
 from lora_conformance.adapters import AdapterSpec, synthesize_cached
 from lora_conformance import checkpoints
 from lora_conformance.judge import tolerance_for
+from lora_conformance.judge.tolerances import scale_of_model
 from lora_conformance.judge.logprobs import assert_logprobs_close, assert_prompt_logprobs_close
 from lora_conformance.judge.errors import ConformanceAssertionError
 from lora_conformance.judge.rouge import assert_rouge_l
@@ -295,7 +296,7 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None,
         for n in names:
             engine.load_adapter(n, transformed(paths[n], how, dtype, tmp) if how else paths[n])
             loaded.append(n)
-        tol = tolerance_for(dtype, _scale(model_dir))
+        tol = tolerance_for(dtype, scale_of_model(model_dir))
         alts = paired.default_alternatives(labels, paths)
         plan = paired.Plan(labels, prompts, paths, alts,
                                    paired.required_hypotheses(alts, modules=family == "alllinear"))
@@ -351,13 +352,6 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None,
     finally:
         for n in loaded:
             engine.unload_adapter(n)
-
-
-def _scale(model_dir: Path) -> str:
-    from lora_conformance.checkpoints import read_model_config
-    from lora_conformance.judge.tolerances import scale_of_config
-
-    return scale_of_config(read_model_config(model_dir))
 
 
 def routing_check(rng, names, paths, prompts, engine, runner, failures, defects, new_tokens=16) -> None:
@@ -420,7 +414,7 @@ def main() -> None:
     def model(kind):
         if kind not in models:
             models[kind] = resolve_base_model(specs[kind], a.cache / "models")
-            a.scale = max(a.scale, _scale(models[kind]), key=("small", "real").index)
+            a.scale = max(a.scale, scale_of_model(models[kind]), key=("small", "real").index)
             runners[kind] = ReferenceRunner(models[kind], a.reference_device, "float32", ReferenceCache(a.cache / "references"))
         return models[kind], runners[kind]
 

@@ -18,6 +18,7 @@ from lora_conformance.harness import Harness, item_dtype
 from lora_conformance.judge import paired
 from lora_conformance.judge.checks import Judge
 from lora_conformance.judge.paired import Alternatives
+from lora_conformance.judge.tolerances import scale_of_model
 from lora_conformance.markers import base_model_kind
 from lora_conformance.types import GenerationRequest, GenerationResult
 
@@ -53,14 +54,6 @@ def check_loaded_limit(engine, needed: int, evicting: bool = False) -> None:
 AdapterRef = Union[str, Path, Any]  # a DEFAULT_ADAPTERS name, a PEFT directory, or an AdapterSpec
 
 
-def _scale_of(model_dir: Path) -> str:
-    """The base's scale class, which picks its tolerance rows (judge.tolerances.scale_of_config)."""
-    from lora_conformance.checkpoints import read_model_config
-    from lora_conformance.judge.tolerances import scale_of_config
-
-    return scale_of_config(read_model_config(model_dir))
-
-
 def _adapter_names(labels: Sequence[Optional[str]]) -> list[str]:
     """The adapters of a batch's labels (None: a base row), each once, in order."""
     return [n for n in dict.fromkeys(labels) if n]
@@ -83,7 +76,7 @@ class TestContext:
         self._reset: set[int] = set()  # shared engines this test has reset already
         self._paths: dict[tuple[int, str], Path] = {}  # (engine, adapter name) -> the directory loaded
         self.judge = Judge(self.dtype, harness.workspace.reference(self.model_dir), self._record_effects,
-                           _scale_of(self.model_dir))
+                           scale_of_model(self.model_dir))
 
     # ---- engines -----------------------------------------------------------------------
 
@@ -446,6 +439,6 @@ def run_audit(harness: Harness, seed: int) -> dict:
 
     def judge_for(case):
         return Judge(case.dtype, harness.workspace.reference(case.model_dir), lambda evidence: None,
-                     _scale_of(case.model_dir))
+                     scale_of_model(case.model_dir))
 
     return audit.run(list(harness.audit_cases.values()), seed, start, judge_for).as_dict()

@@ -132,6 +132,13 @@ def scale_of_config(cfg: dict) -> str:
     return "small"
 
 
+def scale_of_model(model_dir) -> str:
+    """``scale_of_config`` of a checkpoint directory's config.json."""
+    from lora_conformance.checkpoints import read_model_config
+
+    return scale_of_config(read_model_config(model_dir))
+
+
 # Real-scale rows: only the fields that differ from the dtype's small row. Measured on the H200 by
 # `bash bench/power_profile.sh OUT full cuda 460 48 default,rescale:3,fold:B,svd,permute,pad:8,preround,reverse,peft
 # bfloat16:accuracy,alllinear,semantics,mixed,rank:11 bfloat16:moe:12 float16:alllinear,accuracy,mixed,rank:13

@@ -79,13 +79,10 @@ class DecodeGraphs:
     def _capture(self, bufs: dict, k: int):
         """Capture with the current batch already in the buffers (the warm-up step writes the
         same KV values the replay will write)."""
-        r, dev = self.runner, self.device
+        dev = self.device
 
         def fn():
-            logits = r.decode_forward(bufs["ids"], bufs["pos"], bufs["smap"], bufs["tables"], bufs["ctx"],
-                                      bufs["slots"])
-            _, top_ids, top_lp = greedy_with_topk(logits, k)
-            return top_ids, top_lp
+            return self._step(bufs["ids"], bufs["pos"], bufs["smap"], bufs["tables"], bufs["ctx"], bufs["slots"], k)
 
         side = devices.new_stream(dev)
         side.wait_stream(devices.current_stream(dev))
