@@ -268,6 +268,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
         keep_audit(config, run_audit(harness, random.SystemRandom().randrange(2**31)))
         harness.close()  # the audit's engines
+    if harness is not None:
+        from lora_conformance.report.recorder import keep_reference_work
+
+        keep_reference_work(config, harness.workspace.reference_work())
     if hasattr(config, "workeroutput") and harness is not None:
         from lora_conformance.report.recorder import ship_environment
 
@@ -276,10 +280,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
-    from lora_conformance.report.recorder import receive_audit, receive_environment
+    from lora_conformance.report.recorder import receive_audit, receive_environment, receive_reference_work
 
     receive_environment(node)
     receive_audit(node)
+    receive_reference_work(node)
 
 
 

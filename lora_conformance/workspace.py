@@ -74,3 +74,12 @@ class Workspace:
             self._references[model_dir] = ReferenceRunner(model_dir, s.reference_device, s.reference_dtype, cache,
                                                           tokenizer_cache=s.cache_dir / "tokenizers")
         return self._references[model_dir]
+
+    def reference_work(self) -> dict[str, float]:
+        """What this process's references computed and what it took, summed over its base models
+        (``ReferenceRunner.work``); empty where no reference was asked for."""
+        total: dict[str, float] = {}
+        for runner in self._references.values():
+            for key, value in runner.work().items():
+                total[key] = round(total.get(key, 0) + value, 3)
+        return total

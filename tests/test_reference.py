@@ -9,6 +9,8 @@ from lora_conformance.models import resolve_base_model
 from lora_conformance.reference import ReferenceCache, ReferenceRunner
 from lora_conformance.types import GenerationRequest
 
+pytest_plugins = ["pytester"]
+
 PROMPTS = ["the old man", "once upon a time there was a dragon who"]
 
 
@@ -80,3 +82,31 @@ def test_cache_key_depends_on_adapter_content(world, tmp_path, lora_settings):
     b = runner.generate([GenerationRequest(PROMPTS[0], "X", max_new_tokens=6)], {"X": other})[0]
     assert runner.cache.misses == 2  # same name, other weights: never a stale hit
     assert a.logprobs != b.logprobs
+
+
+def test_a_mixed_batch_makes_one_copy_per_adapter_and_keeps_its_order(world, lora_settings):
+    model, adapter = world
+    other = synthesize_cached(model, AdapterSpec(seed=10), lora_settings.cache_dir / "adapters")
+    adapters = {"A": adapter, "B": other}
+    mixed = [GenerationRequest(PROMPTS[i % 2], adapter=name, max_new_tokens=4)
+             for i, name in enumerate(["A", "B", None, "A", "B", "A"])]
+    runner = ReferenceRunner(model, max_models=2)  # the base and one adapted copy at a time
+    out = runner.generate(mixed, adapters)
+    work = runner.work()
+    assert work["copies"] == 2 and work["computed"] == len(mixed) and work["base_loads"] == 1
+    assert work["compute_s"] > 0 and work["forward_passes"] == runner.forward_passes
+    alone = [ReferenceRunner(model).generate([req], adapters)[0] for req in mixed]
+    assert [r.to_dict() for r in out] == [r.to_dict() for r in alone]
+
+
+def test_the_report_says_what_the_references_cost(pytester):
+    pytester.makepyfile(
+        "def test_one(lora):\n"
+        "    from lora_conformance.types import GenerationRequest\n"
+        "    lora.reference([GenerationRequest('the old man', max_new_tokens=2)])\n")
+    result = pytester.runpytest_subprocess("--device=cpu", "--lora-report=out", "-p", "no:cacheprovider")
+    assert result.ret == 0, result.stdout.str()
+    work = json.loads((pytester.path / "out" / "report.json").read_text())["environment"]["reference"]["work"]
+    assert work["processes"] == 1 and work["computed"] + work["cache_hits"] == 1
+    result.stdout.fnmatch_lines(["reference: * cached, * computed in * s *summed over 1 processes"])
+    assert "| reference work |" in (pytester.path / "out" / "report.md").read_text()

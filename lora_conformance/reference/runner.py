@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from lora_conformance.reference.cache import ReferenceCache, key_of
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
@@ -70,6 +72,13 @@ class ReferenceRunner:
         self.dtype = dtype
         self.cache = cache
         self.forward_passes = 0  # model forward calls actually made (a warm cache makes none)
+        # Where a cold reference spends its time (work()): loading the base, making adapted copies,
+        # computing outputs; a warm cache spends none of it.
+        self.base_load_s = 0.0
+        self.copies = 0
+        self.copy_s = 0.0
+        self.computed = 0
+        self.compute_s = 0.0
         self._max_models = max_models
         self._tokenizer_cache = tokenizer_cache  # where the tokenizer class choice is kept (load_tokenizer)
         self._base = None
@@ -139,12 +148,24 @@ class ReferenceRunner:
         return torch_dtype(self.dtype)
 
     def _load_base(self):
+        """The base model, on the reference's device from the start: an adapted copy is then a copy
+        on that device (a 7 GB base deep-copied on the host and moved over took seconds per copy)."""
         if self._base is None:
             from transformers import AutoModel, AutoModelForCausalLM
 
+            start = time.perf_counter()
             cls = AutoModel if self.is_encoder else AutoModelForCausalLM
-            self._base = cls.from_pretrained(self.model_dir, dtype=self._torch_dtype()).eval()
+            self._base = cls.from_pretrained(self.model_dir, dtype=self._torch_dtype()).eval().to(self.device)
+            self.base_load_s += time.perf_counter() - start
         return self._base
+
+    def work(self) -> dict[str, float]:
+        """What this runner computed and what it took (seconds), with its cache's hits and misses."""
+        return {"base_loads": int(self._base is not None), "base_load_s": round(self.base_load_s, 3),
+                "copies": self.copies, "copy_s": round(self.copy_s, 3), "computed": self.computed,
+                "compute_s": round(self.compute_s, 3), "forward_passes": self.forward_passes,
+                "cache_hits": self.cache.hits if self.cache is not None else 0,
+                "cache_misses": self.cache.misses if self.cache is not None else 0}
 
     def _model_for(self, adapter_path: Optional[Path]):
         key = "__base__" if adapter_path is None else self.adapter_hash(adapter_path)
@@ -164,8 +185,10 @@ class ReferenceRunner:
         else:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(copy.deepcopy(base), str(adapter_path)).eval()
-        model = model.to(self.device)
+            start = time.perf_counter()
+            model = PeftModel.from_pretrained(copy.deepcopy(base), str(adapter_path)).eval().to(self.device)
+            self.copies += 1
+            self.copy_s += time.perf_counter() - start
         self._models[key] = model
         while len(self._models) > self._max_models:
             self._models.popitem(last=False)
@@ -189,16 +212,19 @@ class ReferenceRunner:
 
     def generate(self, requests: Sequence[GenerationRequest],
                  adapters: Mapping[str, Path] = {}) -> list[GenerationResult]:
-        """Reference outputs; ``adapters`` maps each request's adapter name to its PEFT directory."""
-        results = []
+        """Reference outputs; ``adapters`` maps each request's adapter name to its PEFT directory.
+
+        Computed adapter by adapter (results in the requests' order): a mixed batch's references
+        then make one adapted copy per adapter, not one per change of adapter along the batch."""
+        paths: list[Optional[Path]] = []
         for req in requests:
-            path = None
-            if req.adapter is not None:
-                if req.adapter not in adapters:
-                    raise KeyError(f"reference: no adapter directory given for {req.adapter!r}")
-                path = Path(adapters[req.adapter])
-            results.append(self._generate_one(req, path))
-        return results
+            if req.adapter is not None and req.adapter not in adapters:
+                raise KeyError(f"reference: no adapter directory given for {req.adapter!r}")
+            paths.append(None if req.adapter is None else Path(adapters[req.adapter]))
+        results: list[Optional[GenerationResult]] = [None] * len(requests)
+        for i in sorted(range(len(requests)), key=lambda i: "" if paths[i] is None else str(paths[i])):
+            results[i] = self._generate_one(requests[i], paths[i])
+        return results  # type: ignore[return-value]
 
     def _generate_one(self, req: GenerationRequest, adapter_path: Optional[Path]) -> GenerationResult:
         if self.cache is None:
@@ -216,10 +242,23 @@ class ReferenceRunner:
             self.cache.put(key, result.to_dict())
             return result
 
+    @contextmanager
+    def _computing(self) -> Iterator[None]:
+        """Count one computed output and its seconds, less the base loads and copies made meanwhile."""
+        start, made = time.perf_counter(), self.copy_s + self.base_load_s
+        try:
+            yield
+        finally:
+            self.computed += 1
+            self.compute_s += time.perf_counter() - start - (self.copy_s + self.base_load_s - made)
+
     def _compute(self, req: GenerationRequest, adapter_path: Optional[Path]) -> GenerationResult:
+        with self._computing():
+            return self._decode(self._model_for(adapter_path), req)
+
+    def _decode(self, model, req: GenerationRequest) -> GenerationResult:
         import torch
 
-        model = self._model_for(adapter_path)
         tok = self.tokenizer
         ids = tok(req.prompt, return_tensors="pt").input_ids.to(self.device)
         eos = tok.eos_token_id
@@ -279,7 +318,8 @@ class ReferenceRunner:
             hit = self.cache.get(key)
             if hit is not None and isinstance(hit, dict) and isinstance(hit.get("rows"), list):
                 return [[{int(k): float(v) for k, v in row.items()} for row in seq] for seq in hit["rows"]]
-        rows = self._context_rows(sequences, positions, adapter_path, hyp, ids, top)
+        with self._computing():
+            rows = self._context_rows(sequences, positions, adapter_path, hyp, ids, top)
         if key is not None:
             with self.cache.lock(key):
                 self.cache.misses += 1
@@ -321,7 +361,8 @@ class ReferenceRunner:
             key = self._cache_key(req, adapter_path, "embed") if self.cache is not None else None
             hit = self.cache.get(key, _embedding_entry) if key else None
             if hit is None:
-                vec = self._embed_one(text, adapter_path)
+                with self._computing():
+                    vec = self._embed_one(text, adapter_path)
                 if key:
                     with self.cache.lock(key):
                         self.cache.misses += 1

@@ -70,6 +70,7 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
                                              device.get("runtime") or device.get("driver")) if x)),
         ("dtype", str(env.get("dtype"))),
         ("reference", f"{ref.get('device')} / {ref.get('dtype')}"),
+        *([("reference work", reference_work_summary(ref["work"]))] if isinstance(ref.get("work"), Mapping) else []),
         ("base model", str(env.get("base_model"))),
         *_base_quant_rows(env.get("base_quant")),
         ("torch / transformers / peft", " / ".join(str(pk.get(n)) for n in ("torch", "transformers", "peft"))),
@@ -79,6 +80,18 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("git commit", str(env.get("git_commit") or "-")),
         ("date", str(env.get("date"))),
     ]
+
+
+def reference_work_summary(work: Mapping[str, Any]) -> str:
+    """What the run's references computed and what it took (environment ``reference.work``)."""
+    def n(key: str) -> float:
+        value = work.get(key)
+        return value if isinstance(value, (int, float)) else 0
+
+    return (f"{n('cache_hits'):.0f} cached, {n('computed'):.0f} computed in {n('compute_s'):.0f} s "
+            f"({n('forward_passes'):.0f} forward passes); {n('copies'):.0f} adapted model copies in "
+            f"{n('copy_s'):.0f} s; base loaded {n('base_loads'):.0f} times in {n('base_load_s'):.0f} s; "
+            f"summed over {n('processes'):.0f} processes")
 
 
 def _base_quant_rows(quant: Any) -> list[tuple[str, str]]:

@@ -35,6 +35,7 @@ ENV_KEY = pytest.StashKey[dict]()
 DESELECTED_OUTPUT = "lora_deselected"  # workeroutput key: JSON {nodeid: feature id}
 ENVIRONMENT_OUTPUT = "lora_environment"  # workeroutput key: JSON of a worker's environment facts
 AUDIT_OUTPUT = "lora_audit"  # workeroutput key: JSON of a worker's audit (judge.audit)
+REFERENCE_WORK_OUTPUT = "lora_reference_work"  # workeroutput key: JSON of a worker's Workspace.reference_work
 AUDITS_KEY = pytest.StashKey[list]()  # every process's audit, gathered on the controller
 MAX_TEXT = 8000
 
@@ -67,6 +68,32 @@ def receive_environment(node: Any) -> None:
         environment = run_environment(node.config)
         for key, value in json.loads(raw).items():
             environment.setdefault(key, value)
+
+
+def keep_reference_work(config: pytest.Config, work: dict) -> None:
+    """This process's reference work (``Workspace.reference_work``): shipped to the controller from
+    a pytest-xdist worker; the controller (or a run without workers) adds it to the environment's
+    ``reference.work``, summed over processes, so a report says what its references cost."""
+    if hasattr(config, "workeroutput"):
+        config.workeroutput[REFERENCE_WORK_OUTPUT] = json.dumps(work)
+    elif work:
+        _add_reference_work(config, work)
+
+
+def receive_reference_work(node: Any) -> None:
+    """On the controller, as a worker goes down: its reference work, added to the run's."""
+    raw = getattr(node, "workeroutput", {}).get(REFERENCE_WORK_OUTPUT)
+    work = json.loads(raw) if raw else None
+    if work:
+        _add_reference_work(node.config, work)
+
+
+def _add_reference_work(config: pytest.Config, work: dict) -> None:
+    total = run_environment(config).setdefault("reference", {}).setdefault("work", {"processes": 0})
+    total["processes"] += 1
+    for key, value in work.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            total[key] = round(total.get(key, 0) + value, 3)
 
 
 def keep_audit(config: pytest.Config, audit: dict) -> None:
@@ -251,4 +278,9 @@ class ReportRecorder:
                           + (f" (selected by {', '.join(narrowed)})" if narrowed else "")
                           + "; a certification runs them all")
         tr.write_line(status_line(self.report or {}, self.verdict))
+        work = ((self.report or {}).get("environment") or {}).get("reference", {}).get("work")
+        if work:
+            from lora_conformance.report.markdown import reference_work_summary
+
+            tr.write_line(f"reference: {reference_work_summary(work)}")
         tr.write_line(f"report: {self.written.get('report.html')}")
