@@ -239,3 +239,29 @@ def test_compiled_decode_matches_peft_at_two_batch_sizes(llama):
             eng.load_adapter(n, p)
         check_against_reference(eng, base, ads, ["a1", None, "a2"], "float32", max_new=4)
         check_against_reference(eng, base, ads, ["a2", "a1", None, "a1", "a2"], "float32", max_new=4)
+
+
+def test_compiled_decode_on_the_accelerator_layout_is_one_graph(llama, monkeypatch):
+    """exec_mode=compile on the layout accelerators use (o_proj / down_proj with the expand under the
+    base weight, the attention output and act(gate) * up written into their input buffers): the decode
+    step compiles without a graph break and gives PEFT's tokens and logprobs. Each ``out=`` into a
+    buffer's view was a graph break, and the frame resumed after it took aliased buffers as inputs,
+    which inductor could not compile (13 cases of the H200's compile-mode certification)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from lora_conformance.engines.builtin.layers import attention
+    from test_builtin_fast_paths import _accelerator_layout
+
+    monkeypatch.setattr(attention, "DECODE_OUT_ALWAYS", True)  # cuda's attention writes into the buffer
+    base, ads = llama
+    torch._dynamo.reset()
+    counters.clear()
+    with BuiltinEngine(base, "cpu", "float32", {"exec_mode": "compile"}) as eng:
+        _accelerator_layout(eng)
+        for n, p in ads.items():
+            eng.load_adapter(n, p)
+        check_against_reference(eng, base, ads, ["a1", None, "a2", "a1"], "float32", max_new=4)
+        layer = eng.model.model.layers[0]
+        assert layer.self_attn.o_proj.group.cat and layer.mlp.down_proj.group.cat
+    assert not counters["graph_break"], dict(counters["graph_break"])

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lora_conformance.engines.builtin.layers import kernels
+from lora_conformance.engines.builtin.layers import into, kernels
 from lora_conformance.engines.builtin.layers.lora import LoraBatch
 
 
@@ -317,7 +317,7 @@ class LinearGroup:
         if self.use_kernels:  # own slot's shrink, other slots' columns zero: one kernel
             kernels.ops.lora_shrink(x, self.A, batch.token_slots, lo, self.S, self.R, float(batch.times))
         else:
-            torch.mul(torch.mm(x, self.A.t()), batch.mask(self.R, 1), out=lo)
+            into(lo, torch.mul, torch.mm(x, self.A.t()), batch.mask(self.R, 1))
             if batch.times != 1:  # fault delta_twice: the expand counted times over
                 lo.mul_(batch.times)
         out2.addmm_(buf, self.wt)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lora_conformance.engines.base import UnsupportedFeatureError
+from lora_conformance.engines.builtin.layers import into
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict], exponent_dim: int = 0) -> torch.Tensor:
@@ -62,4 +63,4 @@ class RotaryEmbedding(nn.Module):
         cos, sin_signed = rope
         T, n, D = x.shape
         swapped = x.reshape(T, n, 2, D // 2).flip(2).view(T, n, D)
-        return torch.addcmul(x * cos, swapped, sin_signed, out=out)
+        return into(out, torch.addcmul, x * cos, swapped, sin_signed)

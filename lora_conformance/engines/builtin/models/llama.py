@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_conformance.engines.builtin.layers import kernels
+from lora_conformance.engines.builtin.layers import into, kernels
 from lora_conformance.engines.builtin.layers.attention import AttentionMetadata, paged_attention
 from lora_conformance.engines.builtin.layers.embedding import LoraEmbedding
 from lora_conformance.engines.builtin.layers.linear import LinearGroup, LoraContext, LoraLinear
@@ -97,7 +97,7 @@ class DenseMLP(nn.Module):
             return out
         if out is None:
             return self.act(gu[..., : self.inter]).mul_(gu[..., self.inter:])  # in place: one buffer fewer
-        return torch.mul(self.act(gu[:, : self.inter]), gu[:, self.inter:], out=out)
+        return into(out, torch.mul, self.act(gu[:, : self.inter]), gu[:, self.inter:])
 
     def _inner(self, x):
         return self._act_mul(self.gate_up(x))
