@@ -268,10 +268,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
         keep_audit(config, run_audit(harness, random.SystemRandom().randrange(2**31)))
         harness.close()  # the audit's engines
-    if harness is not None:
-        from lora_conformance.report.recorder import keep_reference_work
-
-        keep_reference_work(config, harness.workspace.reference_work())
     if hasattr(config, "workeroutput") and harness is not None:
         from lora_conformance.report.recorder import ship_environment
 
@@ -280,11 +276,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
-    from lora_conformance.report.recorder import receive_audit, receive_environment, receive_reference_work
+    from lora_conformance.report.recorder import receive_audit, receive_environment
 
     receive_environment(node)
     receive_audit(node)
-    receive_reference_work(node)
 
 
 
@@ -311,6 +306,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             from lora_conformance import run_order
 
             item.user_properties.append((run_order.USES_PROPERTY, json.dumps(uses)))
+        if call.when == "teardown":  # this process's reference work so far: a run stopped early says it too
+            from lora_conformance.report.recorder import REFERENCE_WORK_PROPERTY
+
+            work = harness.workspace.reference_work()
+            if work:
+                item.user_properties.append((REFERENCE_WORK_PROPERTY, json.dumps(work)))
         if call.excinfo is not None:
             from lora_conformance.engines.base import EngineFailure
 

@@ -110,3 +110,72 @@ def test_the_report_says_what_the_references_cost(pytester):
     assert work["processes"] == 1 and work["computed"] + work["cache_hits"] == 1
     result.stdout.fnmatch_lines(["reference: * cached, * computed in * s *summed over 1 processes"])
     assert "| reference work |" in (pytester.path / "out" / "report.md").read_text()
+
+
+def test_cache_keys_do_not_depend_on_what_the_process_imported(monkeypatch):
+    """A loaded module's ``__version__`` may differ from its distribution's (PyPI's CUDA torch wheels:
+    2.11.0+cu130 against 2.11.0): the key reads the distribution's either way, so a process that had
+    imported the module first and one that had not compute the same keys."""
+    import sys
+    import types
+    from importlib.metadata import version
+
+    from lora_conformance.reference import runner
+
+    runner._versions.cache_clear()
+    monkeypatch.setitem(sys.modules, "peft", types.SimpleNamespace(__version__="0.0.0+local-build"))
+    try:
+        assert runner._versions()["peft"] == version("peft")
+    finally:
+        runner._versions.cache_clear()
+
+
+def test_a_run_stopped_early_still_says_what_its_references_cost(pytester):
+    """Each test's teardown carries its process's work so far: a run interrupted (a time limit's
+    SIGTERM, ^C) reports what its references computed before it stopped."""
+    pytester.makepyfile(
+        "def test_one(lora):\n"
+        "    from lora_conformance.types import GenerationRequest\n"
+        "    lora.reference([GenerationRequest('once upon a time', max_new_tokens=2)])\n"
+        "def test_two():\n"
+        "    raise KeyboardInterrupt\n")
+    result = pytester.runpytest_subprocess("--device=cpu", "--lora-report=out", "-p", "no:cacheprovider")
+    assert result.ret == 2, result.stdout.str()  # interrupted
+    env = json.loads((pytester.path / "out" / "report.json").read_text())["environment"]
+    assert env["interrupted"] is True
+    work = env["reference"]["work"]
+    assert work["processes"] == 1 and work["computed"] + work["cache_hits"] == 1
+
+
+def test_the_paired_verdict_scores_adapter_by_adapter(world, lora_settings):
+    """The paired verdict's reference scores (each row under its own adapter, the base, and "served as"
+    every other adapter of the batch) are made model by model: with room for one adapted copy at a
+    time (a real-size base on an accelerator), a batch of three adapters makes a few copies per
+    adapter, not one per score (28 before), and the verdict is that of a runner that never evicts."""
+    from lora_conformance.judge import paired
+    from lora_conformance.judge.tolerances import tolerance_for
+    from lora_conformance.models import default_prompts
+
+    model, _ = world
+    ads = {n: synthesize_cached(model, AdapterSpec(seed=s), lora_settings.cache_dir / "adapters")
+           for n, s in (("A", 1), ("B", 2), ("C", 3))}
+
+    class Echo:  # an engine that answers each context with the reference's own top-k
+        class limits:
+            max_top_k = None
+
+        def __init__(self):
+            self.runner = ReferenceRunner(model)
+
+        def generate(self, reqs):
+            return self.runner.generate([GenerationRequest(r.prompt, r.adapter, 1, r.top_k) for r in reqs], ads)
+
+    labels = ["A", "B", None, "C", "A", "B", None, "C"]
+    verdicts, copies = [], []
+    for max_models in (2, 100):
+        runner = ReferenceRunner(model, max_models=max_models)
+        out = paired.run(paired.plan(labels, default_prompts(), ads), Echo(), runner, tolerance_for("float32"))
+        verdicts.append(json.dumps([a.as_evidence() for a in out], sort_keys=True, default=str))
+        copies.append(runner.work()["copies"])
+    assert verdicts[0] == verdicts[1]
+    assert copies[0] <= 3 * len(ads) and copies[1] == len(ads), copies

@@ -24,13 +24,21 @@ RUNNER_VERSION = 3  # 3: keys use models.content_hash / adapters.adapter_hash
 @functools.lru_cache(maxsize=1)
 def _versions() -> dict[str, str]:
     """Library versions for cache keys, without importing what is not loaded yet: a warm cache hit
-    must not pay for importing PEFT (about 2 s of cpu per process). A loaded module's own
-    ``__version__`` wins; otherwise the installed distribution's, which is the same string."""
-    import sys
-    from importlib.metadata import version
+    must not pay for importing PEFT (about 2 s of cpu per process). The installed distribution's
+    version, whether or not the module is loaded: a module's own ``__version__`` can differ from it
+    (PyPI's CUDA torch wheels: ``2.11.0+cu130`` against ``2.11.0``), and a key that depended on what
+    the process had imported first would miss the entries another process wrote. Only a module with
+    no distribution metadata (a source tree on the path) is imported for its ``__version__``."""
+    import importlib
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {name: getattr(sys.modules.get(name), "__version__", None) or version(name)
-            for name in ("torch", "transformers", "peft")}
+    out = {}
+    for name in ("torch", "transformers", "peft"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = getattr(importlib.import_module(name), "__version__", "unknown")
+    return out
 
 
 def kv_cache_argument(model: Any) -> str:

@@ -35,7 +35,9 @@ ENV_KEY = pytest.StashKey[dict]()
 DESELECTED_OUTPUT = "lora_deselected"  # workeroutput key: JSON {nodeid: feature id}
 ENVIRONMENT_OUTPUT = "lora_environment"  # workeroutput key: JSON of a worker's environment facts
 AUDIT_OUTPUT = "lora_audit"  # workeroutput key: JSON of a worker's audit (judge.audit)
-REFERENCE_WORK_OUTPUT = "lora_reference_work"  # workeroutput key: JSON of a worker's Workspace.reference_work
+# A test's user property at its teardown: its process's reference work so far (Workspace.reference_work,
+# JSON); the report sums each process's latest, so a run stopped early still says what it computed.
+REFERENCE_WORK_PROPERTY = "lora_reference_work"
 AUDITS_KEY = pytest.StashKey[list]()  # every process's audit, gathered on the controller
 MAX_TEXT = 8000
 
@@ -70,30 +72,14 @@ def receive_environment(node: Any) -> None:
             environment.setdefault(key, value)
 
 
-def keep_reference_work(config: pytest.Config, work: dict) -> None:
-    """This process's reference work (``Workspace.reference_work``): shipped to the controller from
-    a pytest-xdist worker; the controller (or a run without workers) adds it to the environment's
-    ``reference.work``, summed over processes, so a report says what its references cost."""
-    if hasattr(config, "workeroutput"):
-        config.workeroutput[REFERENCE_WORK_OUTPUT] = json.dumps(work)
-    elif work:
-        _add_reference_work(config, work)
-
-
-def receive_reference_work(node: Any) -> None:
-    """On the controller, as a worker goes down: its reference work, added to the run's."""
-    raw = getattr(node, "workeroutput", {}).get(REFERENCE_WORK_OUTPUT)
-    work = json.loads(raw) if raw else None
-    if work:
-        _add_reference_work(node.config, work)
-
-
-def _add_reference_work(config: pytest.Config, work: dict) -> None:
-    total = run_environment(config).setdefault("reference", {}).setdefault("work", {"processes": 0})
-    total["processes"] += 1
-    for key, value in work.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            total[key] = round(total.get(key, 0) + value, 3)
+def sum_reference_work(per_process: dict[str, dict]) -> dict[str, float]:
+    """Each process's reference work (``Workspace.reference_work``) summed, with how many processes."""
+    total: dict[str, float] = {"processes": len(per_process)}
+    for work in per_process.values():
+        for key, value in work.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[key] = round(total.get(key, 0) + value, 3)
+    return total
 
 
 def keep_audit(config: pytest.Config, audit: dict) -> None:
@@ -154,6 +140,7 @@ class ReportRecorder:
         self.deselected: dict[str, str] = {}  # node id -> feature id
         self.written: dict[str, Path] = {}
         self.verdict = None
+        self.reference_work: dict[str, dict] = {}  # process (xdist worker id, or "main") -> its latest
         self.report: Optional[dict] = None
         self.config: Optional[pytest.Config] = None
 
@@ -167,6 +154,10 @@ class ReportRecorder:
             return
         rec = self._record(report.nodeid)
         rec.phases[report.when] = report.outcome
+        work = evidence.values(report, REFERENCE_WORK_PROPERTY) if report.when == "teardown" else ()
+        if work:
+            gateway = getattr(getattr(report, "node", None), "gateway", None)
+            self.reference_work[str(getattr(gateway, "id", None) or "main")] = json.loads(work[-1])
         rec.duration = round(rec.duration + float(report.duration or 0.0), 6)
         if getattr(report, "wasxfail", None) is not None:
             rec.wasxfail = str(report.wasxfail)
@@ -230,6 +221,8 @@ class ReportRecorder:
         from lora_conformance.report.selection import describe
         from lora_conformance.judge.verdict import verify
 
+        if self.reference_work:  # what the run's references computed, summed over its processes
+            run_environment(config).setdefault("reference", {})["work"] = sum_reference_work(self.reference_work)
         selection = describe(config, self.deselected, self.records, exitstatus)
         certification = self.certification(config, selection)
         self.report = build_report(self.environment(config), self.records.values(), selection, certification)
