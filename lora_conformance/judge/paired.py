@@ -116,10 +116,9 @@ def run(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
 
         limit_too_small("top-k logprobs per generated token (the paired check)", MIN_COMMON_IDS, limit)
     rows: list[Row] = [None] * len(plan.labels)  # type: ignore[list-item]
-    for i in by_model(range(len(plan.labels)), lambda i: plan.adapters.get(plan.labels[i]) if plan.labels[i] else None):
+    for i in runner.by_model(range(len(plan.labels)), lambda i: _path(plan, plan.labels[i])):
         label = plan.labels[i]
-        rows[i] = contexts_of(runner, label, plan.prompts[i], plan.adapters.get(label) if label else None,
-                              plan.contexts_per_prompt)
+        rows[i] = contexts_of(runner, label, plan.prompts[i], _path(plan, label), plan.contexts_per_prompt)
     slots = [(i, j) for j in range(plan.contexts_per_prompt) for i, r in enumerate(rows) if r.texts[j] is not None]
     with_adapter = engine.generate([GenerationRequest(rows[i].texts[j], rows[i].label, 1, plan.top_k)
                                     for i, j in slots])
@@ -163,25 +162,22 @@ def _pooled(plan: Plan, runner, rows: list[Row], got_a: dict, got_b: dict, tol) 
     """Per label: the centred engine effect ``E`` and reference effects (correct ``R``, each
     alternative ``H``) at every context ``(row, position index)`` the engine answered. ``got_a``:
     the engine's logprobs with the row's adapter, ``got_b``: without it, keyed by (row, position)."""
-    def path_of(label: Optional[str]) -> Optional[Path]:
-        return plan.adapters.get(label) if label else None
-
-    # Every reference score the verdict needs, computed model by model (``by_model``): a row scored
-    # under its own adapter first (its top ids are what the other scores read), then under the
+    # Every reference score the verdict needs, computed model by model (the runner's by_model): a row
+    # scored under its own adapter first (its top ids are what the other scores read), then under the
     # base and each alternative. Row by row, a batch of 32 adapters whose rows are each scored
     # "served as" the 31 others made an adapted model copy per score (about 1,000 copies of a
     # 7 GB base per batch at the full profile); adapter by adapter it makes one per adapter.
     # Each score depends only on its model, row, hypothesis and ids: the order changes no value.
-    own = {i: _row_scorer(runner, rows[i])(path_of(rows[i].label), None, None)
-           for i in by_model(range(len(rows)), lambda i: path_of(rows[i].label))}
+    own = {i: _row_scorer(runner, rows[i])(_path(plan, rows[i].label), None, None)
+           for i in runner.by_model(range(len(rows)), lambda i: _path(plan, rows[i].label))}
     ids_of = {i: [sorted(step) for step in adapted] for i, adapted in own.items()}
     # (row, what: None for the base, else the alternative's name; adapter path; hypothesis)
     jobs: list[tuple[int, Optional[str], Optional[Path], Optional[hyps.Hypothesis]]] = []
     for i, r in enumerate(rows):
-        if path_of(r.label) is not None:
+        if _path(plan, r.label) is not None:
             jobs.append((i, None, None, hyps.base()))
     for label in dict.fromkeys(plan.labels):
-        path = path_of(label)
+        path = _path(plan, label)
         for h in plan.alternatives.get(label or BASE_LABEL, []):
             for i in (i for i, r in enumerate(rows) if r.label == label):
                 if h.kind == "served_as":
@@ -189,7 +185,7 @@ def _pooled(plan: Plan, runner, rows: list[Row], got_a: dict, got_b: dict, tol) 
                 elif h.kind != hyps.BASE:
                     jobs.append((i, h.name, path, h))
     scores: dict[tuple[int, Optional[str]], list] = {}
-    for j in by_model(range(len(jobs)), lambda j: None if jobs[j][3] is not None and jobs[j][3].kind == hyps.BASE
+    for j in runner.by_model(range(len(jobs)), lambda j: None if jobs[j][3] is not None and jobs[j][3].kind == hyps.BASE
                       else jobs[j][2]):
         i, what, path, hyp = jobs[j]
         scores[(i, what)] = _row_scorer(runner, rows[i])(path, hyp, ids_of[i])
@@ -198,7 +194,7 @@ def _pooled(plan: Plan, runner, rows: list[Row], got_a: dict, got_b: dict, tol) 
     for label in dict.fromkeys(plan.labels):
         row_ids = [i for i, r in enumerate(rows) if r.label == label]
         name = label or BASE_LABEL
-        path = path_of(label)
+        path = _path(plan, label)
         alts = plan.alternatives.get(name, [])
         ref_adapted = [own[i] for i in row_ids]
         ref_base = [scores[(i, None)] if path else own[i] for i in row_ids]
@@ -241,11 +237,9 @@ def _pooled(plan: Plan, runner, rows: list[Row], got_a: dict, got_b: dict, tol) 
     return [analyse(s, tol) for s in samples.values()]
 
 
-def by_model(indices, path_of) -> list[int]:
-    """``indices`` in the order that groups them by the model they run on (``path_of(i)``: an adapter
-    directory, or None for the base), the base first, the given order kept within a model: the
-    reference then makes one adapted copy per adapter instead of one per change of adapter."""
-    return sorted(indices, key=lambda i: (path_of(i) is not None, str(path_of(i) or "")))
+def _path(plan: Plan, label: Optional[str]) -> Optional[Path]:
+    """The adapter directory of a row's label (None: a base row)."""
+    return plan.adapters.get(label) if label else None
 
 
 def _row_scorer(runner, row: Row):

@@ -167,6 +167,15 @@ class ReferenceRunner:
             self.base_load_s += time.perf_counter() - start
         return self._base
 
+    @staticmethod
+    def by_model(indices, path_of) -> list[int]:
+        """``indices`` in the order that groups them by the model they run on (``path_of(i)``: an
+        adapter directory, or None for the base), the base first, the given order kept within a
+        model: computed in that order, the outputs need one adapted copy per adapter instead of one
+        per change of adapter (callers that ask for many outputs at once, the judge's paired
+        scores, order them so)."""
+        return sorted(indices, key=lambda i: (path_of(i) is not None, str(path_of(i) or "")))
+
     def work(self) -> dict[str, float]:
         """What this runner computed and what it took (seconds), with its cache's hits and misses."""
         return {"base_loads": int(self._base is not None), "base_load_s": round(self.base_load_s, 3),
@@ -230,7 +239,7 @@ class ReferenceRunner:
                 raise KeyError(f"reference: no adapter directory given for {req.adapter!r}")
             paths.append(None if req.adapter is None else Path(adapters[req.adapter]))
         results: list[Optional[GenerationResult]] = [None] * len(requests)
-        for i in sorted(range(len(requests)), key=lambda i: "" if paths[i] is None else str(paths[i])):
+        for i in self.by_model(range(len(requests)), paths.__getitem__):
             results[i] = self._generate_one(requests[i], paths[i])
         return results  # type: ignore[return-value]
 
