@@ -356,7 +356,9 @@ class TestContext:
         ``Alternatives(modules=True)`` tests must separate (elsewhere they are judged where separable
         and reported otherwise). Returns the analyses; raises SuiteDefectError when the test cannot
         separate a hypothesis."""
-        plan = self._paired_plan(labels, adapters, prompts, alternatives)
+        free = self.requests(list(labels), prompts=list(prompts or self.prompts))  # assert_free_running_matches'
+        plan = self._paired_plan(labels, adapters, prompts, alternatives,
+                                 decode=(free[0].max_new_tokens, free[0].top_k) if free else None)
         analyses = self.judge.effects(plan, engine, label or ", ".join(_adapter_names(labels)) or "base")
         self.assert_free_running_matches(engine, labels, {**adapters, **alternatives.old}, prompts, label=label)
         return analyses
@@ -398,10 +400,11 @@ class TestContext:
         return self.judge.free_running_tolerance
 
     def _paired_plan(self, labels: Sequence[Optional[str]], adapters: Mapping[str, AdapterRef],
-                     prompts: Optional[Sequence[str]], alternatives: Alternatives) -> paired.Plan:
+                     prompts: Optional[Sequence[str]], alternatives: Alternatives,
+                     decode: Optional[tuple[int, int]] = None) -> paired.Plan:
         paths = {n: self.adapter_path(adapters.get(n, n)) for n in _adapter_names(labels)}
         old = {n: self.adapter_path(ref) for n, ref in alternatives.old.items()}
-        return paired.plan(labels, list(prompts or self.prompts), paths, old, alternatives.modules)
+        return paired.plan(labels, list(prompts or self.prompts), paths, old, alternatives.modules, decode)
 
     def _record_effects(self, analyses_evidence: list) -> None:
         from lora_conformance import evidence

@@ -179,3 +179,20 @@ def test_the_paired_verdict_scores_adapter_by_adapter(world, lora_settings):
         copies.append(runner.work()["copies"])
     assert verdicts[0] == verdicts[1]
     assert copies[0] <= 3 * len(ads) and copies[1] == len(ads), copies
+
+
+def test_the_paired_contexts_come_from_the_free_running_decode(world, tmp_path):
+    """A greedy decode's first n tokens do not depend on how many follow: the contexts read from the
+    check's own 16-token free-running decode are those of an 8-token decode, and the free-running
+    reference then finds that decode cached (one decode per row, not two)."""
+    from lora_conformance.judge.paired import contexts_of
+
+    model, adapter = world
+    for label, path in (("A", adapter), (None, None)):
+        for prompt in PROMPTS:
+            alone = contexts_of(ReferenceRunner(model), label, prompt, path, 8)
+            runner = ReferenceRunner(model, cache=ReferenceCache(tmp_path / f"{label}-{len(prompt)}"))
+            shared = contexts_of(runner, label, prompt, path, 8, decode=(16, 5))
+            assert shared == alone
+            runner.generate([GenerationRequest(prompt, label, 16, 5)], {"A": adapter})
+            assert (runner.cache.misses, runner.cache.hits, runner.work()["computed"]) == (1, 1, 1)

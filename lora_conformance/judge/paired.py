@@ -50,6 +50,9 @@ class Plan:
     required: Optional[dict[str, set]] = None  # per label: hypotheses the test certifies (None: all)
     contexts_per_prompt: int = CONTEXTS_PER_PROMPT
     top_k: int = ENGINE_TOP_K
+    # (max_new_tokens, top_k) of the free-running decode the same check makes of each row (None: none):
+    # the contexts are read from that very reference decode, so a row costs the reference one decode.
+    decode: Optional[tuple[int, int]] = None
 
 
 @dataclass(frozen=True)
@@ -66,19 +69,24 @@ class Alternatives:
 
 
 def plan(labels: Sequence[Optional[str]], prompts: Sequence[str], adapters: Mapping[str, Path],
-         old: Mapping[str, Path] = {}, modules: bool = False) -> Plan:
+         old: Mapping[str, Path] = {}, modules: bool = False, decode: Optional[tuple[int, int]] = None) -> Plan:
     """One paired check: a row per label (None: a base row) in that order, prompts taken in turn,
-    ``adapters`` the labels' directories, ``old`` those of ``Alternatives.old``."""
+    ``adapters`` the labels' directories, ``old`` those of ``Alternatives.old``, ``decode`` the
+    (max_new_tokens, top_k) of the check's free-running decode (``Plan.decode``)."""
     paths = {**adapters, **old}
     alternatives = default_alternatives(labels, paths, extra=list(old))
     return Plan(list(labels), [prompts[i % len(prompts)] for i in range(len(labels))], paths, alternatives,
-                required_hypotheses(alternatives, modules))
+                required_hypotheses(alternatives, modules), decode=decode)
 
 
-def contexts_of(runner, label: Optional[str], prompt: str, path: Optional[Path], n: int) -> Row:
+def contexts_of(runner, label: Optional[str], prompt: str, path: Optional[Path], n: int,
+                decode: Optional[tuple[int, int]] = None) -> Row:
     """The row's contexts: the prompt plus each prefix (0 .. n-1 tokens) of the reference's greedy
-    continuation, kept only where the text re-tokenises to exactly those ids."""
-    ref = runner.generate([GenerationRequest(prompt=prompt, adapter=label, max_new_tokens=n, top_k=5)],
+    continuation, kept only where the text re-tokenises to exactly those ids. ``decode``: the
+    (max_new_tokens, top_k) of a decode of the same row the caller also asks for; the prefixes are
+    read from that one (a greedy decode's first n tokens do not depend on how many follow)."""
+    tokens, top_k = decode or (n, 5)
+    ref = runner.generate([GenerationRequest(prompt=prompt, adapter=label, max_new_tokens=max(n, tokens), top_k=top_k)],
                           {label: path} if label else {})[0]
     prompt_ids = list(ref.prompt_token_ids)
     seq = prompt_ids + list(ref.token_ids[: n - 1])
@@ -118,7 +126,7 @@ def run(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
     rows: list[Row] = [None] * len(plan.labels)  # type: ignore[list-item]
     for i in runner.by_model(range(len(plan.labels)), lambda i: _path(plan, plan.labels[i])):
         label = plan.labels[i]
-        rows[i] = contexts_of(runner, label, plan.prompts[i], _path(plan, label), plan.contexts_per_prompt)
+        rows[i] = contexts_of(runner, label, plan.prompts[i], _path(plan, label), plan.contexts_per_prompt, plan.decode)
     slots = [(i, j) for j in range(plan.contexts_per_prompt) for i, r in enumerate(rows) if r.texts[j] is not None]
     with_adapter = engine.generate([GenerationRequest(rows[i].texts[j], rows[i].label, 1, plan.top_k)
                                     for i, j in slots])
