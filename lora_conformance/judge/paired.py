@@ -124,16 +124,18 @@ def run(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
 
         limit_too_small("top-k logprobs per generated token (the paired check)", MIN_COMMON_IDS, limit)
     rows: list[Row] = [None] * len(plan.labels)  # type: ignore[list-item]
+    own: dict[int, list] = {}  # each row scored under its own adapter, on the model its decode just used
     for i in runner.by_model(range(len(plan.labels)), lambda i: _path(plan, plan.labels[i])):
         label = plan.labels[i]
         rows[i] = contexts_of(runner, label, plan.prompts[i], _path(plan, label), plan.contexts_per_prompt, plan.decode)
+        own[i] = _row_scorer(runner, rows[i])(_path(plan, label), None, None)
     slots = [(i, j) for j in range(plan.contexts_per_prompt) for i, r in enumerate(rows) if r.texts[j] is not None]
     with_adapter = engine.generate([GenerationRequest(rows[i].texts[j], rows[i].label, 1, plan.top_k)
                                     for i, j in slots])
     without = engine.generate([GenerationRequest(rows[i].texts[j], None, 1, plan.top_k) for i, j in slots])
     got_a = {s: (o.logprobs[0] if o.logprobs else {}) for s, o in zip(slots, with_adapter)}
     got_b = {s: (o.logprobs[0] if o.logprobs else {}) for s, o in zip(slots, without)}
-    return _pooled(plan, runner, rows, got_a, got_b, tol)
+    return _pooled(plan, runner, rows, got_a, got_b, tol, own)
 
 
 def run_prompt_logprobs(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]:
@@ -166,18 +168,21 @@ def run_prompt_logprobs(plan: Plan, engine, runner, tol) -> list[EffectAnalysis]
     return _pooled(plan, runner, rows, got_a, got_b, tol)
 
 
-def _pooled(plan: Plan, runner, rows: list[Row], got_a: dict, got_b: dict, tol) -> list[EffectAnalysis]:
+def _pooled(plan: Plan, runner, rows: list[Row], got_a: dict, got_b: dict, tol,
+            own: Optional[dict[int, list]] = None) -> list[EffectAnalysis]:
     """Per label: the centred engine effect ``E`` and reference effects (correct ``R``, each
     alternative ``H``) at every context ``(row, position index)`` the engine answered. ``got_a``:
-    the engine's logprobs with the row's adapter, ``got_b``: without it, keyed by (row, position)."""
+    the engine's logprobs with the row's adapter, ``got_b``: without it, keyed by (row, position).
+    ``own``: the rows' scores under their own adapters where the caller has them already."""
     # Every reference score the verdict needs, computed model by model (the runner's by_model): a row
     # scored under its own adapter first (its top ids are what the other scores read), then under the
     # base and each alternative. Row by row, a batch of 32 adapters whose rows are each scored
     # "served as" the 31 others made an adapted model copy per score (about 1,000 copies of a
     # 7 GB base per batch at the full profile); adapter by adapter it makes one per adapter.
     # Each score depends only on its model, row, hypothesis and ids: the order changes no value.
-    own = {i: _row_scorer(runner, rows[i])(_path(plan, rows[i].label), None, None)
-           for i in runner.by_model(range(len(rows)), lambda i: _path(plan, rows[i].label))}
+    if own is None:
+        own = {i: _row_scorer(runner, rows[i])(_path(plan, rows[i].label), None, None)
+               for i in runner.by_model(range(len(rows)), lambda i: _path(plan, rows[i].label))}
     ids_of = {i: [sorted(step) for step in adapted] for i, adapted in own.items()}
     # (row, what: None for the base, else the alternative's name; adapter path; hypothesis)
     jobs: list[tuple[int, Optional[str], Optional[Path], Optional[hyps.Hypothesis]]] = []
