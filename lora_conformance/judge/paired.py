@@ -178,7 +178,7 @@ def _pooled(plan: Plan, runner, rows: list[Row], got_a: dict, got_b: dict, tol,
     # scored under its own adapter first (its top ids are what the other scores read), then under the
     # base and each alternative. Row by row, a batch of 32 adapters whose rows are each scored
     # "served as" the 31 others made an adapted model copy per score (about 1,000 copies of a
-    # 7 GB base per batch at the full profile); adapter by adapter it makes one per adapter.
+    # 7 GB base per batch at the full profile); adapter by adapter, one per adapter and pass.
     # Each score depends only on its model, row, hypothesis and ids: the order changes no value.
     if own is None:
         own = {i: _row_scorer(runner, rows[i])(_path(plan, rows[i].label), None, None)
@@ -197,9 +197,12 @@ def _pooled(plan: Plan, runner, rows: list[Row], got_a: dict, got_b: dict, tol,
                     jobs.append((i, h.name, plan.adapters[h.adapter], None))
                 elif h.kind != hyps.BASE:
                     jobs.append((i, h.name, path, h))
+    def model_of(j: int) -> Optional[Path]:  # the base hypothesis runs on the base model
+        hyp = jobs[j][3]
+        return None if hyp is not None and hyp.kind == hyps.BASE else jobs[j][2]
+
     scores: dict[tuple[int, Optional[str]], list] = {}
-    for j in runner.by_model(range(len(jobs)), lambda j: None if jobs[j][3] is not None and jobs[j][3].kind == hyps.BASE
-                      else jobs[j][2]):
+    for j in runner.by_model(range(len(jobs)), model_of):
         i, what, path, hyp = jobs[j]
         scores[(i, what)] = _row_scorer(runner, rows[i])(path, hyp, ids_of[i])
 
