@@ -356,7 +356,7 @@ class TestContext:
         ``Alternatives(modules=True)`` tests must separate (elsewhere they are judged where separable
         and reported otherwise). Returns the analyses; raises SuiteDefectError when the test cannot
         separate a hypothesis."""
-        free = self.requests(list(labels), prompts=list(prompts or self.prompts))  # assert_free_running_matches'
+        free = self._free_running_requests(labels, prompts)  # the contexts are read from these decodes
         plan = self._paired_plan(labels, adapters, prompts, alternatives,
                                  decode=(free[0].max_new_tokens, free[0].top_k) if free else None)
         analyses = self.judge.effects(plan, engine, label or ", ".join(_adapter_names(labels)) or "base")
@@ -377,10 +377,16 @@ class TestContext:
                                     *, label: str = "") -> None:
         """The greedy decode of one request per label (prompts taken in turn) against the reference, at
         the gross bounds (``Judge.free_running``): tie-aware tokens and ROUGE-L, the decode path."""
-        reqs = self.requests(list(labels), prompts=list(prompts or self.prompts))
+        reqs = self._free_running_requests(labels, prompts)
         outputs = engine.generate(reqs)
         self._offer_to_audit(engine, reqs, outputs)
         self.judge.free_running(outputs, self.reference(reqs, adapters), reqs, label=label)
+
+    def _free_running_requests(self, labels: Sequence[Optional[str]],
+                               prompts: Optional[Sequence[str]]) -> list[GenerationRequest]:
+        """The free-running check's requests: one per label, prompts taken in turn (``requests``'
+        defaults). ``assert_conforms`` reads the paired contexts from the reference's decodes of these."""
+        return self.requests(list(labels), prompts=list(prompts or self.prompts))
 
     def _offer_to_audit(self, engine, reqs: Sequence[GenerationRequest], outputs: Sequence[GenerationResult]) -> None:
         """This decode, for the end-of-run audit (``judge.audit``): where a fresh engine can be given
