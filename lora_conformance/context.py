@@ -75,6 +75,9 @@ class TestContext:
         self._own_engines: list[Any] = []
         self._reset: set[int] = set()  # shared engines this test has reset already
         self._paths: dict[tuple[int, str], Path] = {}  # (engine, adapter name) -> the directory loaded
+        # The reference results this test got, each with the adapter directory it was made with (None:
+        # the base), so a comparison can ask the reference about them (``_reference_scorer``).
+        self._made: list[tuple[GenerationResult, Optional[Path]]] = []
         self.judge = Judge(self.dtype, harness.workspace.reference(self.model_dir), self._record_effects,
                            scale_of_model(self.model_dir))
 
@@ -219,7 +222,24 @@ class TestContext:
         (names absent from it are taken from DEFAULT_ADAPTERS)."""
         names = {r.adapter for r in requests if r.adapter is not None}
         paths = {n: self.adapter_path(adapters.get(n, n)) for n in names}
-        return self.reference_runner.generate(requests, paths)
+        results = self.reference_runner.generate(requests, paths)
+        self._made.extend((res, None if req.adapter is None else paths[req.adapter])
+                          for req, res in zip(requests, results))
+        return results
+
+    def _reference_scorer(self, references: Sequence[GenerationResult]):
+        """``Judge.matches_reference``'s ``score``: the reference's logprobs of given ids at a decode step
+        of ``references[i]``, teacher-forced on its prompt and its tokens before that step (the engine
+        chose the same ones: the step is the first divergence), for results this test's ``reference``
+        made; None for any other (an engine's output used as the reference, say)."""
+        made = {id(res): path for res, path in self._made}
+        runner = self.reference_runner
+
+        def score(i: int, step: int, ids: list[int]):
+            ref = references[i]
+            return runner.step_logprobs(ref, step, ids, made[id(ref)]) if id(ref) in made else None
+
+        return score
 
     @property
     def reference_runner(self):
@@ -380,7 +400,8 @@ class TestContext:
         reqs = self._free_running_requests(labels, prompts)
         outputs = engine.generate(reqs)
         self._offer_to_audit(engine, reqs, outputs)
-        self.judge.free_running(outputs, self.reference(reqs, adapters), reqs, label=label)
+        references = self.reference(reqs, adapters)
+        self.judge.free_running(outputs, references, reqs, label=label, score=self._reference_scorer(references))
 
     def _free_running_requests(self, labels: Sequence[Optional[str]],
                                prompts: Optional[Sequence[str]]) -> list[GenerationRequest]:
@@ -420,7 +441,8 @@ class TestContext:
     def assert_matches_reference(self, outputs: Sequence[GenerationResult], references: Sequence[GenerationResult],
                                  requests: Sequence[GenerationRequest], label: str = "", tolerance=None) -> None:
         """``Judge.matches_reference``: prompt logprobs (pooled), decode logprobs (tie-aware) and ROUGE-L."""
-        self.judge.matches_reference(outputs, references, requests, label=label, tolerance=tolerance)
+        self.judge.matches_reference(outputs, references, requests, label=label, tolerance=tolerance,
+                                     score=self._reference_scorer(references))
 
     def close(self) -> None:
         from lora_conformance.engines.base import EngineError

@@ -1,6 +1,7 @@
 """The comparison library on hand-made outputs: each check passes on agreement and fails on each way of disagreeing."""
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -79,6 +80,52 @@ def test_divergence_outside_topk_fails():
     act = result([1, 42, 3])
     with pytest.raises(ConformanceAssertionError, match="not in the reference top-k"):
         assert_logprobs_close(act, ref, "float32")
+
+
+def flat_pair(engine_lp: float, scored: dict):
+    """The reference prefers 5 at step 1 and its top-k leaves out 42, the engine's choice; ``scored``
+    is what the reference says of 5 and 42 there when asked (teacher-forced)."""
+    ref = GenerationResult(token_ids=[1, 5, 7], text="",
+                           logprobs=[{1: -0.1, 2: -3.0}, {5: -2.26, 6: -2.2603, 7: -2.3, 8: -2.35, 9: -2.4}, {7: -0.1}])
+    act = GenerationResult(token_ids=[1, 42, 8], text="",
+                           logprobs=[{1: -0.1, 2: -3.0}, {42: engine_lp, 5: -2.3, 6: -2.31}, {8: -0.1}])
+    asked = []
+
+    def resolve(step, ids):
+        asked.append((step, list(ids)))
+        return {t: scored[t] for t in ids if t in scored} or None
+    return act, ref, resolve, asked
+
+
+def test_an_engine_token_outside_the_reference_topk_is_scored_by_the_reference():
+    """At a flat step the engine may pick a token the reference's top 5 leave out: the reference scores
+    it (teacher-forced) and the divergence is judged on that: a tie where it lies within tie_margin of
+    the reference's token and decode_atol of the engine's logprob, a failure otherwise, and without a
+    reference to ask the old failure."""
+    tol = tolerance_for("bfloat16")
+    act, ref, resolve, asked = flat_pair(-2.06, {5: -2.26, 42: -2.45})
+    a = assert_logprobs_close(act, ref, tol, resolve=resolve)
+    assert a.tie_at == 1 and asked == [(1, [5, 42])] and any("scored" in n for n in a.notes)
+    # the reference decided against 42: a decisive divergence, however the engine scores it
+    act, ref, resolve, _ = flat_pair(-2.06, {5: -2.26, 42: -2.26 - tol.tie_margin - 0.1})
+    with pytest.raises(ConformanceAssertionError, match="decided .*scored by the reference") as exc:
+        assert_logprobs_close(act, ref, replace(tol, decode_atol=10.0), resolve=resolve)
+    assert exc.value.evidence["scored"] == {"5": -2.26, "42": pytest.approx(-2.26 - tol.tie_margin - 0.1)}
+    # the engine's logprob of its token is off from the reference's
+    act, ref, resolve, _ = flat_pair(-2.06, {5: -2.26, 42: -2.06 - tol.decode_atol - 0.05})
+    with pytest.raises(ConformanceAssertionError, match="scored by the reference: logprob differs"):
+        assert_logprobs_close(act, ref, replace(tol, tie_margin=10 * tol.decode_atol), resolve=resolve)
+    # nobody to ask, or the reference cannot say: the top-k rule as before
+    act, ref, _, _ = flat_pair(-2.06, {})
+    for resolve in (None, lambda step, ids: None):
+        with pytest.raises(ConformanceAssertionError, match="not in the reference top-k"):
+            assert_logprobs_close(act, ref, tol, resolve=resolve)
+    # the reference's token outside the engine's top-k still fails (the engine is not asked)
+    act, ref, resolve, asked = flat_pair(-2.06, {5: -2.26, 42: -2.3})
+    act.logprobs[1] = {42: -2.06, 6: -2.31}
+    with pytest.raises(ConformanceAssertionError, match="not in the reference top-k"):
+        assert_logprobs_close(act, ref, tol, resolve=resolve)
+    assert asked == []
 
 
 def test_prefill_tolerance():

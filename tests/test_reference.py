@@ -197,3 +197,21 @@ def test_the_paired_contexts_come_from_the_free_running_decode(world, tmp_path):
             assert shared == alone
             runner.generate([GenerationRequest(prompt, label, 16, 5)], {"A": adapter})
             assert (runner.cache.misses, runner.cache.hits, runner.work()["computed"]) == (1, 1, 1)
+
+
+def test_step_logprobs_are_the_decodes_own(world):
+    """``step_logprobs`` scores ids at a decode step, teacher-forced on the prompt and the tokens
+    before it: for the ids the decode reported, the decode's own logprobs (float32, 1e-4); for an
+    id outside its top-k, a value below the k-th."""
+    model, adapter = world
+    runner = ReferenceRunner(model)
+    for req in _requests()[:2]:
+        path = adapter if req.adapter else None
+        ref = runner.generate([req], {"A": adapter})[0]
+        for step, top in enumerate(ref.logprobs):
+            outside = next(t for t in range(50) if t not in top)
+            got = runner.step_logprobs(ref, step, [*top, outside], path)
+            assert set(got) == {*top, outside}
+            for t, lp in top.items():
+                assert abs(got[t] - lp) < 1e-4, (req, step, t)
+            assert got[outside] <= min(top.values()) + 1e-5

@@ -18,7 +18,10 @@ from lora_conformance.judge.errors import ConformanceAssertionError
 from lora_conformance.judge.logprobs import assert_logprobs_close, assert_prompt_logprobs_close
 from lora_conformance.judge.rouge import assert_rouge_l
 from lora_conformance.judge.tolerances import Tolerance, tolerance_for
-from lora_conformance.types import GenerationRequest, GenerationResult
+from lora_conformance.types import GenerationRequest, GenerationResult, TopK
+
+# score(i, step, ids): the reference's logprobs of ``ids`` at decode step ``step`` of the i-th reference, or None
+Scorer = Callable[[int, int, list[int]], Optional[TopK]]
 
 
 class Judge:
@@ -69,23 +72,27 @@ class Judge:
 
     def matches_reference(self, outputs: Sequence[GenerationResult], references: Sequence[GenerationResult],
                           requests: Sequence[GenerationRequest], label: str = "",
-                          tolerance: Optional[Tolerance] = None) -> None:
+                          tolerance: Optional[Tolerance] = None, score: Optional[Scorer] = None) -> None:
         """Prompt logprobs (pooled over every request), decode logprobs (tie-aware) and ROUGE-L of every
-        output against its reference."""
+        output against its reference. ``score(i, step, ids)``: the reference's logprobs of ``ids`` at
+        decode step ``step`` of ``references[i]`` (``assert_logprobs_close``'s ``resolve``), or None."""
         assert len(outputs) == len(references) == len(requests), "one output per request"
         tol = tolerance or self.tolerance
         whats = [f"{label + ' ' if label else ''}slot {i} (adapter={req.adapter or 'base'})"
                  for i, req in enumerate(requests)]
         assert_prompt_logprobs_close(outputs, references, tol, labels=whats, decode=self.decode)
-        for out, ref, what in zip(outputs, references, whats):
-            agreement = assert_logprobs_close(out, ref, tol, label=what, decode=self.decode, check_prompt=False)
+        for i, (out, ref, what) in enumerate(zip(outputs, references, whats)):
+            resolve = None if score is None else (lambda step, ids, i=i: score(i, step, ids))
+            agreement = assert_logprobs_close(out, ref, tol, label=what, decode=self.decode, check_prompt=False,
+                                              resolve=resolve)
             if agreement.tie_at is None:
                 assert_rouge_l(out.text, ref.text, tol.rouge_l_min, label=what)
 
     def free_running(self, outputs: Sequence[GenerationResult], references: Sequence[GenerationResult],
-                     requests: Sequence[GenerationRequest], label: str = "") -> None:
+                     requests: Sequence[GenerationRequest], label: str = "", score: Optional[Scorer] = None) -> None:
         """A greedy decode against the reference at the gross bounds (``free_running_tolerance``)."""
-        self.matches_reference(outputs, references, requests, label=label, tolerance=self.free_running_tolerance)
+        self.matches_reference(outputs, references, requests, label=label, tolerance=self.free_running_tolerance,
+                               score=score)
 
     def adapter_visible(self, references: Sequence[GenerationResult], others: Sequence[GenerationResult],
                         label: str = "", factor: float = 2.0, tolerance: Optional[Tolerance] = None) -> None:

@@ -343,6 +343,16 @@ class ReferenceRunner:
                 self.cache.put(key, {"rows": [[{str(k): v for k, v in row.items()} for row in seq] for seq in rows]})
         return rows
 
+    def step_logprobs(self, result: GenerationResult, step: int, ids: Sequence[int],
+                      adapter_path: Optional[Path] = None) -> Optional[TopK]:
+        """The logprobs of ``ids`` at decode step ``step`` of ``result`` (a greedy decode this runner made
+        with ``adapter_path``), teacher-forced on its prompt and its first ``step`` tokens: what its
+        top-k leaves out. None without the result's prompt ids."""
+        if not result.prompt_token_ids:
+            return None
+        seq = list(result.prompt_token_ids) + list(result.token_ids[:step])
+        return self.context_logprobs([seq], [[len(seq) - 1]], adapter_path, ids=[[[int(t) for t in ids]]])[0][0]
+
     def _context_rows(self, sequences, positions, adapter_path, hyp, ids, top) -> list[list[TopK]]:
         import torch
 
