@@ -78,8 +78,6 @@ class Workspace:
     def reference_work(self) -> dict[str, float]:
         """What this process's references computed and what it took, summed over its base models
         (``ReferenceRunner.work``); empty where no reference was asked for."""
-        total: dict[str, float] = {}
-        for runner in self._references.values():
-            for key, value in runner.work().items():
-                total[key] = round(total.get(key, 0) + value, 3)
-        return total
+        from lora_conformance.reference import sum_work
+
+        return sum_work(runner.work() for runner in self._references.values())

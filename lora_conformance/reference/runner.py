@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 from lora_conformance.reference.cache import ReferenceCache, key_of
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
@@ -61,6 +61,17 @@ def _topk(logprobs_row, k: int, extra: Optional[int] = None) -> TopK:
     if extra is not None and extra not in out:
         out[int(extra)] = float(logprobs_row[extra])
     return out
+
+
+def sum_work(works: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Several ``ReferenceRunner.work()`` summed key by key (numbers only): a process's runners, or a
+    run's processes."""
+    total: dict[str, float] = {}
+    for work in works:
+        for key, value in work.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[key] = round(total.get(key, 0) + value, 3)
+    return total
 
 
 # Bytes of adapted model copies a reference keeps on an accelerator (the base's own copy aside).

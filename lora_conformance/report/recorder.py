@@ -74,12 +74,9 @@ def receive_environment(node: Any) -> None:
 
 def sum_reference_work(per_process: dict[str, dict]) -> dict[str, float]:
     """Each process's reference work (``Workspace.reference_work``) summed, with how many processes."""
-    total: dict[str, float] = {"processes": len(per_process)}
-    for work in per_process.values():
-        for key, value in work.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                total[key] = round(total.get(key, 0) + value, 3)
-    return total
+    from lora_conformance.reference import sum_work
+
+    return {"processes": len(per_process), **sum_work(per_process.values())}
 
 
 def keep_audit(config: pytest.Config, audit: dict) -> None:
