@@ -44,6 +44,26 @@ def test_decode_mask_equals_the_general_mask():
         assert torch.equal(decode_mask(ctx, 32, dtype), ref)
 
 
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 512}])
+def test_rotary_tables_are_float64_values_rounded_once(scaling):
+    """The cos / sin tables are each float64 value rounded once to float32 (rotary.host_cos_sin), not
+    torch's float32 cos, whose MKL path on cpu once returned enhanced-performance accuracy (errors up to
+    1.5e-4) for part of a table: every entry within half an ulp of float64, sin's first half negated."""
+    import numpy as np
+
+    from lora_conformance.engines.builtin.layers.rotary import RotaryEmbedding, inverse_frequencies
+
+    D, L = 64, 3000
+    rope = RotaryEmbedding(D, 10000.0, scaling, L, "cpu", torch.float32)
+    angles = torch.outer(torch.arange(L, dtype=torch.float32), inverse_frequencies(D, 10000.0, scaling)).double()
+    cos = torch.from_numpy(np.cos(torch.cat([angles, angles], -1).numpy()))
+    sin = torch.from_numpy(np.sin(torch.cat([angles, angles], -1).numpy()))
+    sin[:, : D // 2] *= -1
+    assert torch.equal(rope.cos, cos.float()) and torch.equal(rope.sin_signed, sin.float())
+    assert (rope.cos.double() - cos).abs().max() <= 2.0**-25  # half an ulp of 1.0
+
 def _accelerator_layout(eng):
     """Re-fuse every linear group the way accelerators store it ((out, in) rows, transposed views)."""
     groups = {id(m.group): m.group for m in eng.model.modules() if isinstance(m, LoraLinear)}

@@ -6,13 +6,12 @@ built-in engine (tests/test_detection_power.py); ``bench/calibrate_tolerances.py
 the measured worst cases next to these values.
 
 Measured worst cases (all suites, default prompts, 16 new tokens):
-- float32: built-in engine and PEFT on cpu, built-in on an H200: logprob drift <= 1e-4 in those
-  runs, but a correct engine's decode can drift further at single steps: the built-in engine in one
-  process with 2 torch threads on a 2-core cpu (`pytest suites/test_accuracy.py -k "base_model or
-  single"`, cold cache each run) drifted 3.15e-3 (adapter A, row 1, step 10) and 2.02e-3 (B, row 0,
-  step 7) in 10 of 51 runs, the same values each time (another summation order taken in some runs;
-  every other step within 1e-4), and in 0 of 12 runs with 1 thread. The table allows 5e-3 (1.6x
-  that worst); the fault ``lora_fp16`` drifts further and is caught.
+- float32: built-in engine and PEFT on cpu, built-in on an H200: logprob drift <= 1e-4
+  (the table allows 2e-3; the fault ``lora_fp16`` drifts further and is caught). For a session the
+  bound was 5e-3, after the built-in engine drifted 3.15e-3 in about one cpu process in twenty: a
+  platform fault (MKL's vector cos returned enhanced-performance accuracy for half of the engine's
+  first rotary table, docs/method.md), not rounding; the engine's tables are now made in float64
+  (layers/rotary.py host_cos_sin) and the bound is 2e-3 again.
 - bfloat16: built-in engine on an H200 (graphs on and off): decode 0.53 (MoE, step 15),
   prefill 0.26; on cpu below 0.25. Drift grows with the step: bf16 rounding compounds.
 - float16: decode within 0.046 (built-in and PEFT on cpu; the H200 runs stayed inside 0.08);
@@ -72,8 +71,8 @@ class Tolerance:
 #   bfloat16: residual rms 0.101 (cuda) / 0.100 (cpu) -> effect_noise_max 0.15; gross 1.09 -> 2.0;
 #             free-running decode 1.71 -> 2.5, then 3.4 (below); |slope - 1| at most 0.14 of (margin + 4 SE).
 #   float16:  residual rms 0.0094 -> 0.015; free-running 0.284 -> 0.45.
-#   float32:  residual rms 2.9e-5 -> 1e-3; free-running 1.4e-4 (of 2e-3), then 3.15e-3 in 10 of 51
-#             two-thread runs (module doc) -> 5e-3.
+#   float32:  residual rms 2.9e-5 -> 1e-3; free-running 1.4e-4 (of 2e-3; the 3.15e-3 of some cpu runs
+#             was a platform fault in a rotary table, module doc).
 # bfloat16 free-running, strong all-linear family: later null runs alarmed at 2.5 (2 of 200 on the H200
 # host's cpu; their values were not kept), and `python bench/power.py --dtypes bfloat16 --families alllinear
 # --variations default,rescale:3,rescale:0.25,fold:A,fold:B,svd,permute,pad:8,preround,reverse,peft --runs 150
@@ -84,7 +83,7 @@ class Tolerance:
 # bf16 run; fp16 and f32 catch 3%. effect_noise is the per-point noise the tests' own power assumes.
 EFFECTS: dict[str, dict[str, float]] = {
     "float32": dict(effect_noise=1e-4, effect_noise_max=1e-3, effect_slope_margin=0.005, effect_gross_atol=1e-2,
-                    embedding_effect_rel_max=1e-3, free_running_atol=5e-3),
+                    embedding_effect_rel_max=1e-3, free_running_atol=2e-3),
     "bfloat16": dict(effect_noise=0.02, effect_noise_max=0.15, effect_slope_margin=0.03, effect_gross_atol=2.0,
                      embedding_effect_rel_max=0.15, free_running_atol=3.4),
     "float16": dict(effect_noise=0.005, effect_noise_max=0.015, effect_slope_margin=0.01, effect_gross_atol=0.3,
@@ -105,7 +104,7 @@ EFFECTS: dict[str, dict[str, float]] = {
 # The paired checks (teacher-forced contexts and prompt logprobs) had 0 false alarms in 200 runs per
 # dtype at the bounds above (EFFECTS), the prompt check's worst residual 0.43 of its bound (float16).
 TOLERANCES: dict[str, Tolerance] = {
-    "float32": Tolerance("float32", prompt_rms_max=1e-3, decode_atol=5e-3, tie_margin=5e-3,
+    "float32": Tolerance("float32", prompt_rms_max=1e-3, decode_atol=2e-3, tie_margin=2e-3,
                          rouge_l_min=1.0, embedding_cos_min=0.999, **EFFECTS["float32"]),
     "bfloat16": Tolerance("bfloat16", prompt_rms_max=0.3, decode_atol=0.75, tie_margin=0.75,
                           rouge_l_min=0.9, embedding_cos_min=0.99, **EFFECTS["bfloat16"]),

@@ -36,6 +36,24 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Optional[dict], ex
     raise UnsupportedFeatureError(f"rope scaling type {kind!r} (config.json) is not supported by the builtin engine")
 
 
+def host_cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``angles`` (float32), computed in float64 by numpy on the host and returned in
+    float32 on the angles' device: the tables are made once, so their cost does not matter, and each
+    entry is the float64 value rounded once.
+
+    Not torch's own cos: on cpu the torch 2.13 wheel computes float32 cos through MKL's vector math
+    (vmsCos, asked for high accuracy), and in about one pytest process in twenty on this project's
+    2-core cpu the first large cos of the process came back, for the half of the table the calling
+    thread computed, bit-identical to MKL's *enhanced-performance* mode (errors up to 1.5e-4 where
+    high accuracy errs by 4e-8). The engine's float32 logprobs then drifted by up to 8e-3 from the
+    reference for the whole process (docs/method.md, "A platform fault in the rotary table")."""
+    import numpy as np
+
+    a = angles.detach().to("cpu", torch.float64).numpy()
+    return (torch.from_numpy(np.cos(a)).to(angles.device, torch.float32),
+            torch.from_numpy(np.sin(a)).to(angles.device, torch.float32))
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables; ``lookup`` once per forward, ``apply`` per layer (three kernels for q and k)."""
 
@@ -45,13 +63,14 @@ class RotaryEmbedding(nn.Module):
         inv = inverse_frequencies(head_dim, theta, scaling, exponent_dim).to(device)
         pos = torch.arange(max_len, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv)  # exact products, as HF's (d,1)@(1,L) matmul
-        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = host_cos_sin(freqs)
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         half = head_dim // 2
         sign = torch.cat([-torch.ones(half, device=device), torch.ones(half, device=device)])
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
         # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated): exact,
         # and swapping halves is one flip instead of neg + cat.
-        self.register_buffer("sin_signed", (emb.sin() * sign).to(dtype), persistent=False)
+        self.register_buffer("sin_signed", (sin * sign).to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) for these positions, (T, 1, D): shared by every layer of the forward."""
