@@ -215,3 +215,60 @@ def test_step_logprobs_are_the_decodes_own(world):
             for t, lp in top.items():
                 assert abs(got[t] - lp) < 1e-4, (req, step, t)
             assert got[outside] <= min(top.values()) + 1e-5
+
+
+def _rotary_modules(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+
+def _faulty_rotary(runner, calls_wrong):
+    """The base's rotary module returns a cos off by 1e-4 (the size of the MKL fault docs/method.md
+    describes) on its first ``calls_wrong`` calls, then right."""
+    (rope,) = _rotary_modules(runner._load_base())
+    real, calls = rope.forward, [0]
+
+    def forward(*args, **kwargs):
+        cos, sin = real(*args, **kwargs)
+        calls[0] += 1
+        return (cos + 1e-4, sin) if calls[0] <= calls_wrong else (cos, sin)
+
+    rope.forward = forward
+    return calls
+
+
+def test_a_rotary_table_wrong_once_is_computed_again(world):
+    """A transient platform fault in the reference's rotary table (rotary_guard.py) never reaches the
+    output: the table is computed again, the output equals the fault-free one, and the runner counts it."""
+    model, adapter = world
+    req = [GenerationRequest(PROMPTS[1], max_new_tokens=4)]
+    clean = ReferenceRunner(model).generate(req, {})
+    runner = ReferenceRunner(model)
+    calls = _faulty_rotary(runner, calls_wrong=1)
+    assert [r.to_dict() for r in runner.generate(req, {})] == [r.to_dict() for r in clean]
+    assert calls[0] > 2 and runner.work()["rotary_recomputed"] == 1
+
+
+def test_a_rotary_table_wrong_twice_stops_the_reference(world, tmp_path):
+    from lora_conformance.reference.rotary_guard import PlatformFaultError
+
+    model, adapter = world
+    runner = ReferenceRunner(model, cache=ReferenceCache(tmp_path))
+    _faulty_rotary(runner, calls_wrong=2)
+    with pytest.raises(PlatformFaultError, match="wrong twice in a row"):
+        runner.generate([GenerationRequest(PROMPTS[0], max_new_tokens=4)], {})
+    assert not list(tmp_path.rglob("*.json")), "no reference output cached from a wrong table"
+
+
+def test_adapted_copies_keep_the_rotary_guard(world):
+    from lora_conformance.reference.rotary_guard import table_error
+
+    model, adapter = world
+    runner = ReferenceRunner(model)
+    copy = runner._model_for(adapter)
+    (rope,) = _rotary_modules(copy)
+    assert len(rope._forward_hooks) == 1
+    import torch
+
+    x, pos = torch.zeros(1, 3, 8), torch.arange(3).view(1, 3)
+    cos, sin = rope(x, pos)
+    assert table_error(cos, sin) < 1e-6

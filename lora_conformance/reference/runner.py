@@ -95,6 +95,7 @@ class ReferenceRunner:
         # computing outputs; a warm cache spends none of it.
         self.base_load_s = 0.0
         self.copies = 0
+        self._rotary = None  # the RotaryGuard on the base (rotary_guard.py), made with it
         self.copy_s = 0.0
         self.computed = 0
         self.compute_s = 0.0
@@ -175,6 +176,10 @@ class ReferenceRunner:
             start = time.perf_counter()
             cls = AutoModel if self.is_encoder else AutoModelForCausalLM
             self._base = cls.from_pretrained(self.model_dir, dtype=self._torch_dtype()).eval().to(self.device)
+            from lora_conformance.reference.rotary_guard import RotaryGuard
+
+            self._rotary = RotaryGuard()
+            self._rotary.install(self._base)  # adapted copies are deep copies: they keep the hooks
             self.base_load_s += time.perf_counter() - start
         return self._base
 
@@ -191,6 +196,7 @@ class ReferenceRunner:
         """What this runner computed and what it took (seconds), with its cache's hits and misses."""
         return {"base_loads": int(self._base is not None), "base_load_s": round(self.base_load_s, 3),
                 "copies": self.copies, "copy_s": round(self.copy_s, 3), "computed": self.computed,
+                "rotary_recomputed": self._rotary.recomputed if self._rotary is not None else 0,
                 "compute_s": round(self.compute_s, 3), "forward_passes": self.forward_passes,
                 "cache_hits": self.cache.hits if self.cache is not None else 0,
                 "cache_misses": self.cache.misses if self.cache is not None else 0}

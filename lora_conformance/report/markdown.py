@@ -91,7 +91,9 @@ def reference_work_summary(work: Mapping[str, Any]) -> str:
     return (f"{n('cache_hits'):.0f} cached, {n('computed'):.0f} computed in {n('compute_s'):.0f} s "
             f"({n('forward_passes'):.0f} forward passes); {n('copies'):.0f} adapted model copies in "
             f"{n('copy_s'):.0f} s; base loaded {n('base_loads'):.0f} times in {n('base_load_s'):.0f} s; "
-            f"summed over {n('processes'):.0f} processes")
+            f"summed over {n('processes'):.0f} processes"
+            + (f"; {n('rotary_recomputed'):.0f} rotary tables computed again (a platform fault: "
+               f"reference/rotary_guard.py)" if n('rotary_recomputed') else ""))
 
 
 def _base_quant_rows(quant: Any) -> list[tuple[str, str]]:
