@@ -44,7 +44,6 @@ def test_decode_mask_equals_the_general_mask():
         assert torch.equal(decode_mask(ctx, 32, dtype), ref)
 
 
-
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 512}])
 def test_rotary_tables_are_float64_values_rounded_once(scaling):
@@ -63,6 +62,7 @@ def test_rotary_tables_are_float64_values_rounded_once(scaling):
     sin[:, : D // 2] *= -1
     assert torch.equal(rope.cos, cos.float()) and torch.equal(rope.sin_signed, sin.float())
     assert (rope.cos.double() - cos).abs().max() <= 2.0**-25  # half an ulp of 1.0
+
 
 def _accelerator_layout(eng):
     """Re-fuse every linear group the way accelerators store it ((out, in) rows, transposed views)."""

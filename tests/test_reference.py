@@ -217,14 +217,12 @@ def test_step_logprobs_are_the_decodes_own(world):
             assert got[outside] <= min(top.values()) + 1e-5
 
 
-def _rotary_modules(model):
-    return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
-
-
 def _faulty_rotary(runner, calls_wrong):
     """The base's rotary module returns a cos off by 1e-4 (the size of the MKL fault docs/method.md
     describes) on its first ``calls_wrong`` calls, then right."""
-    (rope,) = _rotary_modules(runner._load_base())
+    from lora_conformance.reference.rotary_guard import rotary_modules
+
+    (rope,) = rotary_modules(runner._load_base())
     real, calls = rope.forward, [0]
 
     def forward(*args, **kwargs):
@@ -260,12 +258,12 @@ def test_a_rotary_table_wrong_twice_stops_the_reference(world, tmp_path):
 
 
 def test_adapted_copies_keep_the_rotary_guard(world):
-    from lora_conformance.reference.rotary_guard import table_error
+    from lora_conformance.reference.rotary_guard import rotary_modules, table_error
 
     model, adapter = world
     runner = ReferenceRunner(model)
     copy = runner._model_for(adapter)
-    (rope,) = _rotary_modules(copy)
+    (rope,) = rotary_modules(copy)
     assert len(rope._forward_hooks) == 1
     import torch
 

@@ -27,6 +27,11 @@ def table_error(cos, sin, scaling: float = 1.0) -> float:
     return float((c * c + s * s - scaling * scaling).abs().max()) if c.numel() else 0.0
 
 
+def rotary_modules(model: Any) -> list:
+    """The rotary-embedding modules of an HF model (transformers names them ``*RotaryEmbedding``)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+
 def _bound(output_dtype, scaling: float) -> float:
     import torch
 
@@ -40,15 +45,11 @@ class RotaryGuard:
     def __init__(self) -> None:
         self.recomputed = 0
 
-    def install(self, model: Any) -> int:
-        """Hook every rotary module of ``model``; returns how many. Deep copies of the model (PEFT's
-        adapted copies) keep the hooks."""
-        n = 0
-        for module in model.modules():
-            if type(module).__name__.endswith("RotaryEmbedding"):
-                module.register_forward_hook(self._check, with_kwargs=True)
-                n += 1
-        return n
+    def install(self, model: Any) -> None:
+        """Hook every rotary module of ``model``. Deep copies of the model (PEFT's adapted copies) keep
+        the hooks."""
+        for module in rotary_modules(model):
+            module.register_forward_hook(self._check, with_kwargs=True)
 
     def _check(self, module, args, kwargs, output):
         if not (isinstance(output, tuple) and len(output) == 2 and all(hasattr(t, "dtype") for t in output)):
