@@ -111,7 +111,10 @@ def assert_nearest_reference_routing(
                           for n, d in dists.items()},
             "text": " ".join(show(t) for t in out.token_ids),
         })
-        if not strictly:
+        if not strictly and best == own:  # a tie: as near another reference as its own
+            tied = ", ".join(repr(n) for n in others if dists[n] <= dists[own])
+            problems.append(f"slot {slot} expected {own!r} but is as near {tied} (distance {dists[own]:.3f})")
+        elif not strictly:
             problems.append(f"slot {slot} expected {own!r} but is nearest {best!r}")
     distinct_labels = len(set(labels)) > 1
     all_same = len({tuple(o.token_ids) for o in outputs}) == 1 and len(outputs) > 1
