@@ -1,5 +1,7 @@
 """Features combined, as engines combine them in production (the seed's XPU suite did the same)."""
 
+import shutil
+
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
@@ -93,18 +95,24 @@ RECONFIGURED = {"A": STRONG["A"], "B": AdapterSpec(seed=422, targets="attention"
 
 @pytest.mark.feature("combinations/dynamic_loading_with_prefix_cache",
                       "reloading a name with new weights while its prompt's KV is cached", requires=("dynamic_loading", "prefix_cache"))
-@pytest.mark.parametrize("change", ["weights", "configuration"])
-def test_dynamic_loading_with_prefix_cache(lora, device, dtype, change):
+@pytest.mark.parametrize("change", ["weights", "configuration", "rewritten-in-place"])
+def test_dynamic_loading_with_prefix_cache(lora, device, dtype, change, tmp_path):
     """Unload and reload a name with other weights (or another configuration: rank, alpha, rsLoRA,
     target set) while its prompts' KV is cached: each load's effect must be the new adapter's, and
-    nearer it than the old one's ("served as" the previous load)."""
+    nearer it than the old one's ("served as" the previous load). ``rewritten-in-place``: the other
+    weights are written over the same directory before each load (a cache or a prefix key that
+    names the adapter by its path serves the old weights)."""
     engine = lora.engine_with(prefix_cache=1)
     ps = lora.prompts
     prompts = [" ".join(ps[i:i + 4]) for i in (6, 9, 12, 2)]  # several KV blocks long: mostly cached
     previous = {"A": "B", "B": "A"}
-    specs = STRONG if change == "weights" else RECONFIGURED
+    specs = RECONFIGURED if change == "configuration" else STRONG
     for step, weights in enumerate(("A", "B", "A", "B")):
-        lora.load(engine, "X", specs[weights])  # odd steps load over the loaded name, even steps after an unload
+        ref = specs[weights]
+        if change == "rewritten-in-place":
+            ref = tmp_path / "X"
+            shutil.copytree(lora.adapter_path(specs[weights]), ref, dirs_exist_ok=True)
+        lora.load(engine, "X", ref)  # odd steps load over the loaded name, even steps after an unload
         old = Alternatives(old={f"old {previous[weights]}": specs[previous[weights]]})
         lora.assert_conforms(engine, ["X"] * len(prompts), {"X": specs[weights]}, prompts=prompts, alternatives=old,
                              label=f"X = {weights}")

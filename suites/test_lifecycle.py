@@ -1,5 +1,7 @@
 """Adapter lifecycle: dynamic load / unload / reload, unknown names, pinning, eviction."""
 
+import shutil
+
 import pytest
 
 from lora_conformance.adapters import AdapterSpec
@@ -71,14 +73,26 @@ def test_unknown_adapter_gives_a_clear_error(lora, device, dtype):
 
 @pytest.mark.feature("lifecycle/reloading_a_name_with_new_weights",
                       "a name reloaded with other weights serves the new weights")
-@pytest.mark.parametrize("how", ["unload-then-load", "load-over"])
-def test_reloading_a_name_with_new_weights(lora, device, dtype, how):
+@pytest.mark.parametrize("how", ["unload-then-load", "load-over", "rewritten-in-place"])
+def test_reloading_a_name_with_new_weights(lora, device, dtype, how, tmp_path):
+    """``rewritten-in-place``: the adapter's directory is overwritten with the new weights between an
+    unload and the next load of the same path (a retrained adapter saved where the old one was), so
+    an engine that keys what it read, or converted, by the path serves the old weights."""
     engine = lora.engine_with()
-    lora.load(engine, "X", "A")
+    if how == "rewritten-in-place":
+        shutil.copytree(lora.adapter_path("A"), tmp_path / "X")
+        lora.load(engine, "X", tmp_path / "X")
+    else:
+        lora.load(engine, "X", "A")
     _run(lora, engine, "X")  # serve once with A's weights, so any cache is warm
-    if how == "unload-then-load":
+    if how != "load-over":
         engine.unload_adapter("X")
-    lora.load(engine, "X", "B")
+    if how == "rewritten-in-place":
+        for f in lora.adapter_path("B").iterdir():
+            shutil.copyfile(f, tmp_path / "X" / f.name)
+        lora.load(engine, "X", tmp_path / "X")
+    else:
+        lora.load(engine, "X", "B")
     reqs, outs = _run(lora, engine, "X")
     lora.assert_matches_reference(outs, lora.reference(reqs, {"X": "B"}), reqs, label="X reloaded with B")
 
@@ -113,6 +127,59 @@ def test_reloading_a_name_with_a_new_configuration(lora, device, dtype, change, 
     lora.load(engine, "X", new)
     lora.assert_conforms(engine, ["X"] * 4, {"X": new}, prompts=lora.prompts[PROMPTS],
                          alternatives=Alternatives(old={"the first load": FIRST}), label=f"X reloaded, {change} changed")
+
+
+# A device slot that an adapter leaves is taken by the next one; nothing of the first may be left in it
+# where the second has nothing (ranks past its own, modules it does not target): engines pad every slot
+# to the largest rank and hold every module, so a load that writes only its own factors, or an unload that
+# only frees the slot in its bookkeeping, serves the second adapter with part of the first. The wide
+# adapters hold rank 16 on every linear module, the narrow ones rank 4 on q / v or on the MLP (B twice
+# the default std, so that a bfloat16 run can tell their delta x0.9 / x1.1 apart): each narrow one has
+# stale ranks of its own modules and stale modules beside them if it lands on a wide one.
+def _wide(i: int, max_rank: int) -> AdapterSpec:
+    r = min(16, max_rank)
+    return AdapterSpec(seed=71 + i, targets="all-linear", rank=r, alpha=2 * r)
+
+
+def _narrow(i: int) -> AdapterSpec:
+    return AdapterSpec(seed=81 + i, targets="qv" if i % 2 == 0 else "mlp", rank=4, alpha=8, b_std=0.06)
+
+
+@pytest.mark.feature("lifecycle/slot_reuse_serves_only_the_new_adapter",
+                      "an adapter served in a slot a wider one held (higher rank, more modules) gives its own "
+                      "outputs, nothing of the earlier one")
+@pytest.mark.parametrize("how", ["unload", "evict"])
+def test_slot_reuse_serves_only_the_new_adapter(lora, device, dtype, how):
+    """``unload``: wide adapters fill the shared engine's slots (up to four) and are served, then
+    unloaded, and narrow ones are loaded and served in the freed slots. ``evict``: the capacity
+    engine (two slots, four held) serves two wide adapters, then two narrow ones, which take the
+    wide ones' slots with nothing unloaded. Each narrow adapter is judged alone (no mixed batch)."""
+    if how == "evict":
+        lora.require("max_loaded")
+        engine = lora.capacity_engine()
+    else:
+        engine = lora.engine_with()
+    n = min(4, engine.limits.max_loras_per_batch) if how == "unload" else lora.CAPACITY["max_loras_per_batch"]
+    if engine.limits.max_rank < 8:
+        pytest.skip(f"not applicable: max_rank {engine.limits.max_rank} leaves no rank for a wider adapter")
+    wide = {f"W{i}": _wide(i, engine.limits.max_rank) for i in range(n)}
+    narrow = {f"N{i}": _narrow(i) for i in range(n)}
+    for name, spec in wide.items():
+        lora.load(engine, name, spec)
+    if how == "evict":
+        for name, spec in narrow.items():
+            lora.load(engine, name, spec)
+    for name in wide:  # each wide adapter into a device slot
+        engine.generate(lora.requests([name], prompts=lora.prompts[:1], max_new_tokens=2))
+    if how == "unload":
+        for name in wide:
+            engine.unload_adapter(name)
+        for name, spec in narrow.items():
+            lora.load(engine, name, spec)
+    for name, spec in narrow.items():
+        lora.assert_conforms(engine, [name] * 2, {name: spec}, prompts=lora.prompts[PROMPTS],
+                             label=f"{name} ({spec.targets}, rank {spec.rank}) after {how} of rank-"
+                                   f"{wide['W0'].rank} all-linear adapters")
 
 
 @pytest.mark.feature("lifecycle/pinning_every_slot_is_refused",

@@ -7,6 +7,8 @@ checks routing of free-running decodes; base rows must equal a run with no adapt
 slots are saturated and oversubscribed; batch size and order must not matter.
 """
 
+import random
+
 import pytest
 
 from lora_conformance.ci import register_cpu_ci, register_cuda_ci, register_npu_ci, register_xpu_ci
@@ -156,6 +158,29 @@ def test_more_adapters_than_slots(lora, device, dtype):
         lora.load(engine, name, spec)
     labels = ["S0", "S1", None, "S2", "S3", "S1", None, "S0", "S3", "S1", "S2", "S0"]
     lora.assert_conforms(engine, labels, specs, label="oversubscribed")
+
+
+LARGE_BATCH = 48
+
+
+@pytest.mark.feature("mixed_batch/large_batch_matches_isolated_references",
+                      f"a batch of {LARGE_BATCH} requests (three adapters and the base mixed) decodes every row as its "
+                      "isolated reference")
+def test_large_batch_matches_isolated_references(lora, device, dtype):
+    """Users serve dozens of requests at once, and engines change kernels, index buffers and graph
+    buckets with the batch size; the other mixed-batch tests decode a dozen rows at most. Here
+    every decode step holds 48 rows: their adapters drawn (seeded) from A, B, C and the base, the
+    16 prompts three times over, so a row that takes another row's adapter past any batch-size
+    threshold differs from its own reference."""
+    engine = lora.engine
+    lora.require_loaded(engine, 3)
+    for name in ("A", "B", "C"):
+        lora.load(engine, name)
+    rng = random.Random(LARGE_BATCH)
+    labels = [rng.choice(["A", "B", "C", None]) for _ in range(LARGE_BATCH)]
+    reqs = lora.requests(labels)
+    lora.assert_matches_reference(engine.generate(reqs), lora.reference(reqs), reqs,
+                                  label=f"a batch of {LARGE_BATCH} rows")
 
 
 @pytest.mark.feature("mixed_batch/batch_size_invariance", "a request's output does not depend on the batch around it")

@@ -92,6 +92,28 @@ def scenario(w, fault, active: bool):
             gen(["x"])
             eng.load_adapter("x", w["a1_alpha64"])
             return gen(["x"])
+        if fault in ("slot_reuse_keeps_stale_ranks", "slot_reuse_keeps_stale_modules"):
+            eng.load_adapter("wide", w["rs"])  # rank 16, every linear module
+            gen(["wide"])
+            eng.unload_adapter("wide")
+            narrow = "a2" if fault.endswith("ranks") else "emb"  # rank 4 / embed_tokens and lm_head only
+            eng.load_adapter("narrow", w[narrow])
+            return gen(["narrow"])
+        if fault == "adapter_cache_keyed_by_path":  # the same directory, written again between the loads
+            import shutil
+
+            where = w["base"].parent / "rewritten"
+            shutil.copytree(w["a1"], where, dirs_exist_ok=True)
+            eng.load_adapter("x", where)
+            gen(["x"])
+            eng.unload_adapter("x")
+            shutil.copytree(w["a2"], where, dirs_exist_ok=True)
+            eng.load_adapter("x", where)
+            return gen(["x"])
+        if fault == "decode_rows_over_32_wrap":  # a decode step of 40 rows
+            for n in ("a1", "a2"):
+                eng.load_adapter(n, w[n])
+            return gen([("a1", None, "a2")[i % 3] for i in range(40)])
         if fault in ("embed_tokens_lora_from_first_slot", "lm_head_lora_from_first_slot"):
             return gen(["a1", "emb"])  # emb in the second slot
         if fault == "prefix_cache_ignores_adapter":
@@ -151,7 +173,7 @@ def test_fault_changes_behaviour(world, fault):
 
 
 def test_catalogue():
-    assert len(FAULTS) == 45 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait",
+    assert len(FAULTS) == 49 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait",
                                                              "compile_drops_lora"}
     assert Faults(None).name is None and Faults("").name is None
     assert not any(Faults(None).on(f) for f in FAULTS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import textwrap
 from pathlib import Path
 
@@ -245,6 +246,23 @@ def test_the_audit_samples_passed_cases_by_its_seed_and_reports_a_dead_engine():
     result = audit.run(cases, 7, broken, lambda c: None, k=2)
     assert result.sampled == 2 and [m["difference"] for m in result.mismatches] == [
         "the fresh engine failed: RuntimeError: out of memory"] * 2
+
+
+def test_the_audit_never_replays_a_case_whose_adapter_directory_was_rewritten(tmp_path):
+    """A test that writes new weights over a directory it loaded (a retrained adapter saved in place)
+    leaves cases whose adapter is no longer on disk: a fresh engine would load the new weights and
+    differ from a correct run, so such cases are not sampled."""
+    kept, rewritten = tmp_path / "kept", tmp_path / "rewritten"
+    for d in (kept, rewritten):
+        d.mkdir()
+        (d / "adapter_model.safetensors").write_bytes(b"first weights")
+    cases = [audit.AuditCase(f"t::{d.name}", Path("."), "float32", {}, {"X": d}, [], [], passed=True)
+             for d in (kept, rewritten)]
+    assert [c.nodeid for c in audit.sample(cases, seed=1, k=2)] == ["t::kept", "t::rewritten"]
+    (rewritten / "adapter_model.safetensors").write_bytes(b"other weights")  # the same size, written again
+    st = (rewritten / "adapter_model.safetensors").stat()
+    os.utime(rewritten / "adapter_model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert [c.nodeid for c in audit.sample(cases, seed=1, k=2)] == ["t::kept"]
 
 
 def test_every_run_reports_its_audit(tmp_path):

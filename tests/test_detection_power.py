@@ -49,6 +49,12 @@ CATCHERS: dict[str, list[str]] = {
     "embed_tokens_dropped": ["adapter_semantics/embed_tokens"],
     "stale_reload": ["lifecycle/reloading_a_name_with_new_weights",
                      "combinations/dynamic_loading_with_prefix_cache"],
+    "adapter_cache_keyed_by_path": ["lifecycle/reloading_a_name_with_new_weights",
+                                    "combinations/dynamic_loading_with_prefix_cache"],
+    # a slot's reuse: a narrow adapter where a wide one was (the shared engine's slots after an unload,
+    # the capacity engine's after an eviction)
+    "slot_reuse_keeps_stale_ranks": ["lifecycle/slot_reuse_serves_only_the_new_adapter"],
+    "slot_reuse_keeps_stale_modules": ["lifecycle/slot_reuse_serves_only_the_new_adapter"],
     "prefix_cache_ignores_adapter": ["prefix_cache/adapters_never_share_cached_entries",
                                      "combinations/prefix_cache_with_routing"],
     "evict_pinned": ["combinations/pinning_with_eviction"],
@@ -72,6 +78,8 @@ CATCHERS: dict[str, list[str]] = {
     # run here on the small base (FULL_SHAPES_ON_SMALL_BASE); the fast profile stays under both thresholds
     "rank_ge_128_truncated": ["adapter_semantics/rank"],
     "batch_over_16_adapters_wraps": ["mixed_batch/slot_saturation"],
+    # a threshold on decode rows, which the fast profile crosses (a batch of 48)
+    "decode_rows_over_32_wrap": ["mixed_batch/large_batch_matches_isolated_references"],
     # execution-mode fault: the mode axis (each declared exec_mode against the reference) catches it
     "compile_drops_lora": ["runtime_modes/each_exec_mode_matches_reference"],
     # sharding faults: the tensor-parallel suite's tp=2 engine has them (its tp=1 engine cannot)
@@ -115,7 +123,9 @@ NOT_YET_SHOWN_ON_GPU: set = {"rank_ge_128_truncated", "batch_over_16_adapters_wr
                              "moe_lora_first_expert_only", "tp_scaling_per_shard", "tp_packed_slice_as_one_block",
                              "tp_b_shard_wrong_rank", "embed_tokens_lora_from_first_slot",
                              "lm_head_lora_from_first_slot", "reload_keeps_first_scaling",
-                             "quant_delta_before_scale", "quant_lora_skipped", "quant_scale_of_channel_0"}
+                             "quant_delta_before_scale", "quant_lora_skipped", "quant_scale_of_channel_0",
+                             "slot_reuse_keeps_stale_ranks", "slot_reuse_keeps_stale_modules",
+                             "adapter_cache_keyed_by_path", "decode_rows_over_32_wrap"}
 SHOWN_ON_GPU_IN = ("float32", "bfloat16", "float16")
 # Faults shown on the accelerator in fewer dtypes than that: compile_drops_lora on an H200,
 # LORA_DETECTION_DTYPES=bfloat16 pytest tests/test_detection_power.py -k compile_drops_lora --device=cuda: 1 passed.

@@ -34,6 +34,25 @@ class AuditCase:
     requests: list[GenerationRequest]
     outputs: list[GenerationResult]
     passed: bool = False
+    # each adapter directory's files as they were at the decode (``files_signature``): a case whose
+    # directory was rewritten since (a test that reloads a path with new weights) cannot be asked again
+    signatures: dict[str, tuple] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.signatures:
+            self.signatures = {name: files_signature(path) for name, path in self.adapters.items()}
+
+    def adapters_unchanged(self) -> bool:
+        return all(files_signature(path) == self.signatures.get(name) for name, path in self.adapters.items())
+
+
+def files_signature(directory: Path) -> tuple:
+    """(name, size, mtime in ns) of each file in ``directory``: what changes when it is written again."""
+    try:
+        return tuple(sorted((f.name, st.st_size, st.st_mtime_ns)
+                            for f in Path(directory).iterdir() if f.is_file() for st in (f.stat(),)))
+    except OSError:
+        return ()
 
 
 @dataclass
@@ -49,8 +68,9 @@ class AuditResult:
 
 
 def sample(cases: Sequence[AuditCase], seed: int, k: int = SAMPLE_PER_PROCESS) -> list[AuditCase]:
-    """Up to ``k`` of the passed cases, chosen by ``seed`` (the report records it)."""
-    passed = sorted((c for c in cases if c.passed), key=lambda c: c.nodeid)
+    """Up to ``k`` of the passed cases whose adapter directories are as they were at the decode,
+    chosen by ``seed`` (the report records it)."""
+    passed = sorted((c for c in cases if c.passed and c.adapters_unchanged()), key=lambda c: c.nodeid)
     return random.Random(seed).sample(passed, min(k, len(passed)))
 
 

@@ -51,9 +51,12 @@ class BuiltinEngine(Engine):
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
         self.cfg = self.parse_args(self.args)
+        import dataclasses
+
         import torch
 
-        from lora_conformance.engines.builtin.engine.adapter import SCALING_FIELDS, load_adapter_dir, model_lora_modules
+        from lora_conformance.engines.builtin.engine.adapter import (SCALING_FIELDS, HostAdapter, load_adapter_dir,
+                                                                      model_lora_modules)
         from lora_conformance.engines.builtin.engine.adapter_pool import AdapterPool
         from lora_conformance.engines.builtin.engine.block_manager import BlockManager
         from lora_conformance.engines.builtin.engine.inflight import InflightServer
@@ -86,16 +89,22 @@ class BuiltinEngine(Engine):
         self._modules = model_lora_modules(self.model)
         pin = devices.pin_memory_supported(self.device)
         first_scaling: dict[str, dict] = {}  # name -> its first load's scaling fields (read only under a fault)
+        by_path: dict[str, HostAdapter] = {}  # directory -> its first read (only under a fault)
 
         def read(n, p, pinned):
+            if plan.cache_by_path and str(Path(p).resolve()) in by_path:  # the fault adapter_cache_keyed_by_path
+                return dataclasses.replace(by_path[str(Path(p).resolve())], name=n)
             keep = None
             if not plan.reload_reads_scaling:  # the fault reload_keeps_first_scaling
                 from lora_conformance.checkpoints import read_adapter_config
 
                 cfg = read_adapter_config(p)
                 keep = first_scaling.setdefault(n, {k: cfg[k] for k in SCALING_FIELDS if k in cfg})
-            return load_adapter_dir(n, p, self._modules, self.cfg.max_rank, plan.adapters, self.torch_dtype, pin,
-                                    self.model_dir, keep)
+            adapter = load_adapter_dir(n, p, self._modules, self.cfg.max_rank, plan.adapters, self.torch_dtype, pin,
+                                       self.model_dir, keep)
+            if plan.cache_by_path:
+                by_path[str(Path(p).resolve())] = adapter
+            return adapter
 
         self.pool = AdapterPool(self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction, read,
                                 plan.reload_reads_weights, plan.evict_pinned)

@@ -22,6 +22,13 @@ FAULTS: dict[str, str] = {
     "lm_head_dropped": "lm_head LoRA is silently dropped",
     "embed_tokens_dropped": "embed_tokens LoRA is silently dropped",
     "stale_reload": "reloading an adapter name keeps the old weights",
+    "adapter_cache_keyed_by_path": "parsed adapters are cached by directory path: an adapter rewritten in place and "
+                                   "loaded again serves the weights first read from that path",
+    "slot_reuse_keeps_stale_ranks": "a load writes only its own ranks into a device slot: the ranks past them keep "
+                                    "the slot's last occupant's factors (a lower-rank adapter where a higher-rank one was; "
+                                    "an unload leaves the slot as it was)",
+    "slot_reuse_keeps_stale_modules": "a load leaves the modules it does not target as the slot's last occupant left "
+                                      "them (a narrower adapter where a wider one was; an unload leaves the slot as it was)",
     "reload_keeps_first_scaling": "a name loaded again (unloaded first or loaded over) gets the new weights but "
                                   "the scaling of its first load's config (r, lora_alpha, use_rslora, patterns)",
     "prefix_cache_ignores_adapter": "prefix cache blocks are keyed by tokens only, not by adapter identity",
@@ -58,6 +65,9 @@ FAULTS: dict[str, str] = {
     # in one execution mode; caught by the full profile's shapes (models/profiles.py) or the mode axis
     "rank_ge_128_truncated": "[threshold] adapters of rank >= 128 take a kernel tiled for 64 ranks: ranks 64 and up "
                              "contribute nothing (ranks below 128 are served right)",
+    "decode_rows_over_32_wrap": "[threshold] a decode step of more than 32 rows reads the slots of rows 32 and up "
+                                "from a 32-entry index buffer: row r takes row r - 32's adapter (prefill and decode "
+                                "steps of 32 rows or fewer are right)",
     "batch_over_16_adapters_wraps": "[threshold] a batch with more than 16 distinct adapters indexes slots with 4 "
                                     "bits: rows of slot 16 and up read slot - 16 (16 or fewer are served right)",
     "compile_drops_lora": "[compile] the compiled decode step runs without the LoRA delta (as intel/llm-scaler#634 "
@@ -82,6 +92,7 @@ DEVICE_ONLY_FAULTS: dict[str, str] = {"graph_stale_indices": "graphs", "overlap_
 # Thresholds of the kernel-threshold faults (what the fast profile stays under, the full one crosses).
 RANK_TILE_THRESHOLD, RANK_TILE = 128, 64
 SLOT_INDEX_BITS_ADAPTERS = 16
+DECODE_INDEX_ROWS = 32
 
 # Faults that only change results in some model dtypes: dtype -> why not in the others.
 DTYPE_ONLY_FAULTS: dict[str, tuple[tuple[str, ...], str]] = {

@@ -71,6 +71,8 @@ class ModelRunner:
                     p = ad.modules.get(name)
                     A, Bt = self._pool_of(mod)
                     if p is None:
+                        if self.plan.slot_keeps_absent_modules:
+                            continue  # fault: the last occupant's factors stay, and are read
                         if mod.slot_rank[slot]:
                             A[..., slot, :, :].zero_() if A.dim() == 4 else A[slot].zero_()
                             Bt[..., slot, :, :].zero_() if Bt.dim() == 4 else Bt[slot].zero_()
@@ -78,12 +80,13 @@ class ModelRunner:
                         continue
                     nb = p.A.is_pinned()
                     pa, pb = self.sharder.cut(name, p, ad)
-                    if A.dim() == 4:  # experts: (E, S, R, in)
-                        A[:, slot].copy_(pa, non_blocking=nb)
-                        Bt[:, slot].copy_(pb, non_blocking=nb)
-                    else:
-                        A[slot].copy_(pa, non_blocking=nb)
-                        Bt[slot].copy_(pb, non_blocking=nb)
+                    dst_a, dst_b = (A[:, slot], Bt[:, slot]) if A.dim() == 4 else (A[slot], Bt[slot])  # experts: (E, S, R, in)
+                    if self.plan.slot_writes_own_ranks_only:  # fault: ranks past p.rank keep the last occupant's
+                        a_axis = dst_a.dim() - 1 if hasattr(mod, "lora_At") else dst_a.dim() - 2  # embedding: (vocab, R)
+                        dst_a, pa = dst_a.narrow(a_axis, 0, p.rank), pa.narrow(a_axis, 0, p.rank)
+                        dst_b, pb = dst_b.narrow(dst_b.dim() - 2, 0, p.rank), pb.narrow(pb.dim() - 2, 0, p.rank)
+                    dst_a.copy_(pa, non_blocking=nb)
+                    dst_b.copy_(pb, non_blocking=nb)
                     mod.slot_rank[slot] = p.rank
                 self._inflight.append(ad)
         # Which modules have any LoRA at all is host state the forward branches on: graphs key on it.
@@ -98,6 +101,8 @@ class ModelRunner:
     @torch.inference_mode()
     def clear_slot(self, slot: int) -> None:
         """Zero a freed slot in every pool (in stream order with queued work that reads it)."""
+        if self.plan.slot_writes_own_ranks_only or self.plan.slot_keeps_absent_modules:
+            return  # the slot_reuse_* faults: freed in the pool's bookkeeping only
         for _, mod in self.lora_modules.values():
             pool = self._pool_of(mod)
             if pool is None:
@@ -231,7 +236,7 @@ class ModelRunner:
             pos.append(p)
             smap.append(s.block_table[p // bs] * bs + p % bs)
             ctx.append(n)
-        return ids, pos, smap, ctx, self.row_slots(seqs)
+        return ids, pos, smap, ctx, self.plan.routing.decode_rows(self.row_slots(seqs))
 
     def decode_forward(self, ids, pos, smap, tables, ctx_lens, slots) -> torch.Tensor:
         """Tensor-only decode step (what graphs capture): one query per sequence."""

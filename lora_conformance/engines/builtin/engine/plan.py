@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from lora_conformance import devices
 from lora_conformance.checkpoints import scaling_rule
-from lora_conformance.engines.builtin.faults import (DROPPABLE_LINEAR_MODULES, RANK_TILE, RANK_TILE_THRESHOLD,
-                                                    SLOT_INDEX_BITS_ADAPTERS, Faults)
+from lora_conformance.engines.builtin.faults import (DECODE_INDEX_ROWS, DROPPABLE_LINEAR_MODULES, RANK_TILE,
+                                                    RANK_TILE_THRESHOLD, SLOT_INDEX_BITS_ADAPTERS, Faults)
 from lora_conformance.engines.builtin.engine.sharding import ShardRules
 from lora_conformance.engines.builtin.layers.int8_linear import QuantRules
 from lora_conformance.engines.builtin.layers.lora import ExpertLora
@@ -36,6 +36,7 @@ class Routing:
     embed_tokens_first_slot: bool = False  # the token embedding's LoRA reads slot 0 for every adapter token
     lm_head_first_slot: bool = False  # the lm_head LoRA reads slot 0 for every adapter row
     wrap_above: int = 0  # a batch of more distinct adapters than this reads slot mod this (0: never)
+    decode_index_rows: int = 0  # a decode step of more rows than this: row r reads row r mod this's slot (0: never)
 
     def route(self, slots: list[int]) -> list[int]:
         """Each row's adapter slot as the LoRA layers read it (-1: base), from the rows' own slots."""
@@ -48,6 +49,11 @@ class Routing:
             if used:
                 slots = [x if x >= 0 else max(used) for x in slots]
         return slots
+
+    def decode_rows(self, slots: list[int]) -> list[int]:
+        """A decode step's routed slots (``route``'s), as the decode step's index buffer holds them."""
+        n = self.decode_index_rows
+        return [slots[i % n] for i in range(len(slots))] if n and len(slots) > n else slots
 
     def embed_route(self, slots: list[int]) -> list[int]:
         rows = self.route(slots)
@@ -102,8 +108,13 @@ class EnginePlan:
     rope_exponent_dim: int = 0  # the dimension in rotary theta's exponent (0: the head dim)
     prefix_salt: str = "identity"  # the prefix cache's adapter key: identity | name | none
     reload_reads_weights: bool = True  # reloading a name reads the new weights
+    cache_by_path: bool = False  # a load from a directory read before takes that read's weights (no re-read)
     reload_reads_scaling: bool = True  # reloading a name reads the new config's scaling
     evict_pinned: bool = False  # eviction may take a pinned adapter
+    # A device slot's reuse: a load writes every rank of every module (zeros past its own), an unload zeroes
+    # the slot. Under the slot_reuse_* faults a load writes only its own ranks / modules, an unload nothing.
+    slot_writes_own_ranks_only: bool = False
+    slot_keeps_absent_modules: bool = False
     drain_before_change: bool = True  # adapter changes wait for the requests that use the name
     graphs_refresh_slots: bool = True  # graph replay writes the rows' slots every step
     compiled_applies_lora: bool = True  # the compiled decode step (exec_mode=compile) reads the rows' slots
@@ -138,7 +149,8 @@ class EnginePlan:
                             masked_by_padded_row=f.on("masked_prefill_padded_rows"),
                             embed_tokens_first_slot=f.on("embed_tokens_lora_from_first_slot"),
                             lm_head_first_slot=f.on("lm_head_lora_from_first_slot"),
-                            wrap_above=SLOT_INDEX_BITS_ADAPTERS if f.on("batch_over_16_adapters_wraps") else 0),
+                            wrap_above=SLOT_INDEX_BITS_ADAPTERS if f.on("batch_over_16_adapters_wraps") else 0,
+                            decode_index_rows=DECODE_INDEX_ROWS if f.on("decode_rows_over_32_wrap") else 0),
             adapters=AdapterRules(Scaling(patterns=not f.on("patterns_ignored"), rslora=not f.on("rslora_ignored"),
                                           over_rank=not f.on("scaling_alpha_not_over_r"),
                                           factor=1.1 if f.on("delta_x1_1") else 1.0),
@@ -155,8 +167,11 @@ class EnginePlan:
             prefix_salt=("none" if f.on("prefix_cache_ignores_adapter") else
                          "name" if f.on("prefix_cache_keyed_by_name") else "identity"),
             reload_reads_weights=not f.on("stale_reload"),
+            cache_by_path=f.on("adapter_cache_keyed_by_path"),
             reload_reads_scaling=not f.on("reload_keeps_first_scaling"),
             evict_pinned=f.on("evict_pinned"),
+            slot_writes_own_ranks_only=f.on("slot_reuse_keeps_stale_ranks"),
+            slot_keeps_absent_modules=f.on("slot_reuse_keeps_stale_modules"),
             drain_before_change=not f.on("inflight_no_drain"),
             graphs_refresh_slots=not f.on("graph_stale_indices"),
             compiled_applies_lora=not f.on("compile_drops_lora"),
