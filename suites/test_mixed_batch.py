@@ -114,6 +114,27 @@ def test_embedding_and_lm_head_adapters_beside_others(lora, device, dtype, modul
     lora.assert_conforms(engine, labels, specs, label=f"{module} beside A, B and base rows")
 
 
+# Adapters of different target sets in one batch: an engine that decides once per batch which layers
+# apply LoRA (from one row's adapter, or the first slot's) is right only where the batch's adapters
+# target the same modules, as in every other mixed-batch test.
+TARGET_MIX = {"Tqv": {"seed": 131, "targets": "qv"}, "Tmlp": {"seed": 132, "targets": "mlp"},
+              "Tattn": {"seed": 133, "targets": "attention"}}
+
+
+@pytest.mark.feature("mixed_batch/different_target_sets_in_one_batch",
+                      "adapters of different target modules (q/v, MLP, attention) in one batch, each row its own")
+def test_different_target_sets_in_one_batch(lora, device, dtype):
+    from lora_conformance.adapters import AdapterSpec
+
+    engine = lora.engine
+    lora.require_loaded(engine, len(TARGET_MIX))
+    specs = {name: AdapterSpec(**spec) for name, spec in TARGET_MIX.items()}
+    for name, spec in specs.items():
+        lora.load(engine, name, spec)
+    labels = ["Tmlp", "Tqv", None, "Tattn", "Tqv", "Tmlp", "Tattn", None, "Tqv", "Tattn", "Tmlp", "Tqv"]
+    lora.assert_conforms(engine, labels, specs, label="q/v, MLP and attention adapters in one batch")
+
+
 def _distinct_specs(n, rank=8):
     from lora_conformance.adapters import AdapterSpec
 

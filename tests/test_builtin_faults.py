@@ -110,6 +110,10 @@ def scenario(w, fault, active: bool):
             shutil.copytree(w["a2"], where, dirs_exist_ok=True)
             eng.load_adapter("x", where)
             return gen(["x"])
+        if fault == "batch_modules_of_first_adapter":  # a1 targets every linear module, emb none of them
+            for n in ("emb", "a1"):
+                eng.load_adapter(n, w[n])
+            return gen(["emb", "a1"])
         if fault == "decode_rows_over_32_wrap":  # a decode step of 40 rows
             for n in ("a1", "a2"):
                 eng.load_adapter(n, w[n])
@@ -173,7 +177,7 @@ def test_fault_changes_behaviour(world, fault):
 
 
 def test_catalogue():
-    assert len(FAULTS) == 49 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait",
+    assert len(FAULTS) == 50 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait",
                                                              "compile_drops_lora"}
     assert Faults(None).name is None and Faults("").name is None
     assert not any(Faults(None).on(f) for f in FAULTS)

@@ -44,6 +44,9 @@ FAULTS: dict[str, str] = {
     "moe_lora_first_expert_only": "MoE expert LoRA is applied only to the first (highest-weight) of a token's "
                                   "selected experts",
     "delta_twice": "the LoRA delta is added twice",
+    "batch_modules_of_first_adapter": "a batch applies LoRA only on the layers that the adapter of its first "
+                                      "adapter row targets: other adapters' other modules are skipped (right when "
+                                      "every adapter of a batch targets the same modules)",
     "delta_x1_1": "the LoRA delta is scaled by 1.1 (a 10% mis-scale)",
     "moe_down_proj_dropped": "the MoE experts' down_proj LoRA is silently dropped (gate_up_proj kept)",
     "embed_tokens_lora_from_first_slot": "embed_tokens LoRA of every adapter token is gathered from the first "

@@ -33,6 +33,7 @@ class ModelRunner:
         self.sharder = Sharder(self.lora_modules, plan.shards)  # each rank's cut of an adapter (one device: none)
         # The widest pool layout is q/k/v's three parts; every LoRA mask is a prefix of its columns.
         self.col_slots = column_slots(self.num_slots, self.rank, 3, device)
+        self.module_gate = None  # only under the fault batch_modules_of_first_adapter (row_slots)
         self.layout_version = 0  # bumped when a module's pool is allocated: graphs must be recaptured
         self.lora_signature: tuple = ()
         self.load_stream = devices.new_stream(device) if args.overlap_loading else None
@@ -120,7 +121,10 @@ class ModelRunner:
 
     # ---- routing ---------------------------------------------------------------------
     def row_slots(self, seqs: list[Sequence]) -> list[int]:
-        return self.route([s.slot for s in seqs])
+        slots = self.route([s.slot for s in seqs])
+        if self.plan.routing.modules_of_first_adapter:  # the fault: the next forward's layers gated by this slot
+            self.module_gate = next((x for x in slots if x >= 0), None)
+        return slots
 
     def route(self, slots: list[int]) -> list[int]:
         """Each row's adapter slot as the LoRA layers read it (-1: base), from the rows' own slots."""
@@ -136,7 +140,7 @@ class ModelRunner:
         return LoraBatch.build(token_slots, self.num_slots, self.dtype, segments,
                                delta_dtype=self.delta_dtype, times=self.plan.delta_times,
                                col_slots=self.col_slots, col_rank=self.rank, experts=self.plan.experts,
-                               embed_slots=embed)
+                               embed_slots=embed, module_gate=self.module_gate)
 
     def logits_batch(self, lora: LoraBatch, rows: Optional[torch.Tensor] = None,
                      row_slots: Optional[list[int]] = None) -> LoraBatch:

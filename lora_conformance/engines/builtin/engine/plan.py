@@ -37,6 +37,7 @@ class Routing:
     lm_head_first_slot: bool = False  # the lm_head LoRA reads slot 0 for every adapter row
     wrap_above: int = 0  # a batch of more distinct adapters than this reads slot mod this (0: never)
     decode_index_rows: int = 0  # a decode step of more rows than this: row r reads row r mod this's slot (0: never)
+    modules_of_first_adapter: bool = False  # a batch's LoRA layers are those its first adapter row's adapter targets
 
     def route(self, slots: list[int]) -> list[int]:
         """Each row's adapter slot as the LoRA layers read it (-1: base), from the rows' own slots."""
@@ -150,7 +151,8 @@ class EnginePlan:
                             embed_tokens_first_slot=f.on("embed_tokens_lora_from_first_slot"),
                             lm_head_first_slot=f.on("lm_head_lora_from_first_slot"),
                             wrap_above=SLOT_INDEX_BITS_ADAPTERS if f.on("batch_over_16_adapters_wraps") else 0,
-                            decode_index_rows=DECODE_INDEX_ROWS if f.on("decode_rows_over_32_wrap") else 0),
+                            decode_index_rows=DECODE_INDEX_ROWS if f.on("decode_rows_over_32_wrap") else 0,
+                            modules_of_first_adapter=f.on("batch_modules_of_first_adapter")),
             adapters=AdapterRules(Scaling(patterns=not f.on("patterns_ignored"), rslora=not f.on("rslora_ignored"),
                                           over_rank=not f.on("scaling_alpha_not_over_r"),
                                           factor=1.1 if f.on("delta_x1_1") else 1.0),

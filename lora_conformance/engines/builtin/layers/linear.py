@@ -191,6 +191,8 @@ class LinearGroup:
         batch = self.ctx.batch
         if self.A is None or batch is None or not any(any(p.slot_rank) for p in self.parts):
             return None
+        if batch.module_gate is not None and not any(p.slot_rank[batch.module_gate] for p in self.parts):
+            return None  # the fault batch_modules_of_first_adapter: a layer the first adapter does not target
         return batch
 
     # ---- the compute path, decided once ----------------------------------------------

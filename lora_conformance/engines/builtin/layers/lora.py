@@ -55,14 +55,17 @@ class LoraBatch:
     # The slots the token embedding's LoRA reads (None: token_slots; other only under the fault
     # embed_tokens_lora_from_first_slot).
     embed_slots: Optional[torch.Tensor] = None
+    # The slot whose adapter decides which linear layers apply LoRA for the whole batch (None: each
+    # layer applies it wherever a slot holds it; other only under the fault batch_modules_of_first_adapter).
+    module_gate: Optional[int] = None
     _masks: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, token_slots: torch.Tensor, num_slots: int, dtype, segments=None, delta_dtype=None, times=1,
               col_slots: Optional[torch.Tensor] = None, col_rank: int = 0, experts: ExpertLora = ExpertLora(),
-              embed_slots: Optional[torch.Tensor] = None):
+              embed_slots: Optional[torch.Tensor] = None, module_gate: Optional[int] = None):
         return cls(token_slots, num_slots, dtype, segments, delta_dtype, times, col_slots, col_rank, experts,
-                   embed_slots)
+                   embed_slots, module_gate)
 
     @property
     def path(self) -> str:
@@ -107,7 +110,7 @@ class LoraBatch:
     def rows(self, index: torch.Tensor, segments=None) -> "LoraBatch":
         """The routing of a subset of rows (e.g. the positions whose logits are needed)."""
         return LoraBatch(self.token_slots[index], self.num_slots, self.dtype, segments, self.delta_dtype, self.times,
-                         self.col_slots, self.col_rank, self.experts)
+                         self.col_slots, self.col_rank, self.experts, module_gate=self.module_gate)
 
 
 def column_slots(num_slots: int, rank: int, parts: int, device) -> torch.Tensor:
