@@ -57,6 +57,25 @@ def test_load_unload_reload(lora, device, dtype):
         assert_logprobs_close(a, b, lora.tolerance, label=f"after reload, prompt {i}", decode=lora.decode)
 
 
+@pytest.mark.feature("lifecycle/two_names_for_one_directory",
+                      "one adapter directory loaded under two names: unloading one leaves the other served")
+def test_two_names_for_one_directory(lora, device, dtype):
+    """Two names for one directory (one adapter served to two tenants, say): an engine that shares
+    what it read by the path must not take it from the second name when the first is unloaded."""
+    engine = lora.engine_with()
+    lora.load(engine, "X", "A")
+    lora.load(engine, "Y", "A")
+    for name in ("X", "Y"):  # both served, so both sit in device slots
+        reqs, outs = _run(lora, engine, name)
+        lora.assert_matches_reference(outs, lora.reference(reqs, {name: "A"}), reqs, label=f"{name} (A's directory)")
+    engine.unload_adapter("X")
+    assert_listed(lora, engine, "X", False)
+    assert_listed(lora, engine, "Y", True)
+    reqs, outs = _run(lora, engine, "Y")
+    lora.assert_matches_reference(outs, lora.reference(reqs, {"Y": "A"}), reqs,
+                                  label="Y after X, loaded from the same directory, was unloaded")
+
+
 @pytest.mark.feature("lifecycle/unknown_adapter_gives_a_clear_error",
                       "requests for an unknown adapter are refused with a typed error")
 def test_unknown_adapter_gives_a_clear_error(lora, device, dtype):

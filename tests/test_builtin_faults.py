@@ -110,6 +110,12 @@ def scenario(w, fault, active: bool):
             shutil.copytree(w["a2"], where, dirs_exist_ok=True)
             eng.load_adapter("x", where)
             return gen(["x"])
+        if fault == "unload_frees_same_directory":
+            eng.load_adapter("x", w["a1"])
+            eng.load_adapter("y", w["a1"])
+            gen(["x", "y"])
+            eng.unload_adapter("x")
+            return gen(["y"])
         if fault == "batch_modules_of_first_adapter":  # a1 targets every linear module, emb none of them
             for n in ("emb", "a1"):
                 eng.load_adapter(n, w[n])
@@ -177,7 +183,7 @@ def test_fault_changes_behaviour(world, fault):
 
 
 def test_catalogue():
-    assert len(FAULTS) == 50 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait",
+    assert len(FAULTS) == 51 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait",
                                                              "compile_drops_lora"}
     assert Faults(None).name is None and Faults("").name is None
     assert not any(Faults(None).on(f) for f in FAULTS)

@@ -49,6 +49,7 @@ CATCHERS: dict[str, list[str]] = {
     "embed_tokens_dropped": ["adapter_semantics/embed_tokens"],
     "stale_reload": ["lifecycle/reloading_a_name_with_new_weights",
                      "combinations/dynamic_loading_with_prefix_cache"],
+    "unload_frees_same_directory": ["lifecycle/two_names_for_one_directory"],
     "adapter_cache_keyed_by_path": ["lifecycle/reloading_a_name_with_new_weights",
                                     "combinations/dynamic_loading_with_prefix_cache"],
     # a slot's reuse: a narrow adapter where a wide one was (the shared engine's slots after an unload,
@@ -127,7 +128,7 @@ NOT_YET_SHOWN_ON_GPU: set = {"rank_ge_128_truncated", "batch_over_16_adapters_wr
                              "quant_delta_before_scale", "quant_lora_skipped", "quant_scale_of_channel_0",
                              "slot_reuse_keeps_stale_ranks", "slot_reuse_keeps_stale_modules",
                              "adapter_cache_keyed_by_path", "decode_rows_over_32_wrap",
-                             "batch_modules_of_first_adapter"}
+                             "batch_modules_of_first_adapter", "unload_frees_same_directory"}
 SHOWN_ON_GPU_IN = ("float32", "bfloat16", "float16")
 # Faults shown on the accelerator in fewer dtypes than that: compile_drops_lora on an H200,
 # LORA_DETECTION_DTYPES=bfloat16 pytest tests/test_detection_power.py -k compile_drops_lora --device=cuda: 1 passed.

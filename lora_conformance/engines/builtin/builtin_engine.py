@@ -107,7 +107,7 @@ class BuiltinEngine(Engine):
             return adapter
 
         self.pool = AdapterPool(self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction, read,
-                                plan.reload_reads_weights, plan.evict_pinned)
+                                plan.reload_reads_weights, plan.evict_pinned, plan.unload_frees_path)
         self.runner = runner
         self.blocks = BlockManager(num_blocks, bs, self.cfg.prefix_cache, plan.prefix_salt)
         eos = set(self.spec.eos_token_ids)

@@ -22,6 +22,8 @@ FAULTS: dict[str, str] = {
     "lm_head_dropped": "lm_head LoRA is silently dropped",
     "embed_tokens_dropped": "embed_tokens LoRA is silently dropped",
     "stale_reload": "reloading an adapter name keeps the old weights",
+    "unload_frees_same_directory": "an unload zeroes the device slots of every name loaded from the same directory: "
+                                   "the other names stay listed and are served without their weights",
     "adapter_cache_keyed_by_path": "parsed adapters are cached by directory path: an adapter rewritten in place and "
                                    "loaded again serves the weights first read from that path",
     "slot_reuse_keeps_stale_ranks": "a load writes only its own ranks into a device slot: the ranks past them keep "

@@ -40,10 +40,11 @@ class Slot:
 class AdapterPool:
     def __init__(self, num_slots: int, max_loaded: int, policy: str,
                  read: Callable[[str, Path, bool], HostAdapter], reload_reads_weights: bool = True,
-                 evict_pinned: bool = False):
+                 evict_pinned: bool = False, unload_frees_path: bool = False):
         self.num_slots, self.max_loaded, self.policy = num_slots, max_loaded, policy
-        # False / True only under the faults stale_reload / evict_pinned (engine/plan.py)
+        # False / True only under the faults stale_reload / evict_pinned / unload_frees_same_directory (engine/plan.py)
         self.reload_reads_weights, self.evict_pinned = reload_reads_weights, evict_pinned
+        self.unload_frees_path = unload_frees_path
         self._read = read  # (name, path, pinned) -> HostAdapter; validates
         self.registry: dict[str, Registered] = {}
         self.host: "OrderedDict[str, HostAdapter]" = OrderedDict()
@@ -81,13 +82,15 @@ class AdapterPool:
         masked decode reads every slot, so stale weights there can still reach other rows)."""
         if name not in self.registry:
             raise AdapterNotLoadedError(name, list(self.registry))
-        del self.registry[name]
+        path = self.registry.pop(name).path
         self.host.pop(name, None)
         freed = []
         for i, s in enumerate(self.slots):
             if s.name == name:
                 s.name, s.version = None, -1
                 freed.append(i)
+            elif self.unload_frees_path and s.name in self.registry and self.registry[s.name].path == path:
+                freed.append(i)  # the fault: cleared, though its name still holds it
         return freed
 
     def names(self) -> list[str]:

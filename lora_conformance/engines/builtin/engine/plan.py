@@ -112,6 +112,7 @@ class EnginePlan:
     cache_by_path: bool = False  # a load from a directory read before takes that read's weights (no re-read)
     reload_reads_scaling: bool = True  # reloading a name reads the new config's scaling
     evict_pinned: bool = False  # eviction may take a pinned adapter
+    unload_frees_path: bool = False  # an unload also clears the slots of other names loaded from its directory
     # A device slot's reuse: a load writes every rank of every module (zeros past its own), an unload zeroes
     # the slot. Under the slot_reuse_* faults a load writes only its own ranks / modules, an unload nothing.
     slot_writes_own_ranks_only: bool = False
@@ -172,6 +173,7 @@ class EnginePlan:
             cache_by_path=f.on("adapter_cache_keyed_by_path"),
             reload_reads_scaling=not f.on("reload_keeps_first_scaling"),
             evict_pinned=f.on("evict_pinned"),
+            unload_frees_path=f.on("unload_frees_same_directory"),
             slot_writes_own_ranks_only=f.on("slot_reuse_keeps_stale_ranks"),
             slot_keeps_absent_modules=f.on("slot_reuse_keeps_stale_modules"),
             drain_before_change=not f.on("inflight_no_drain"),
