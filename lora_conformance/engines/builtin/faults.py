@@ -27,10 +27,11 @@ FAULTS: dict[str, str] = {
     "adapter_cache_keyed_by_path": "parsed adapters are cached by directory path: an adapter rewritten in place and "
                                    "loaded again serves the weights first read from that path",
     "slot_reuse_keeps_stale_ranks": "a load writes only its own ranks into a device slot: the ranks past them keep "
-                                    "the slot's last occupant's factors (a lower-rank adapter where a higher-rank one was; "
-                                    "an unload leaves the slot as it was)",
+                                    "the slot's last occupant's factors (a lower-rank adapter where a higher-rank "
+                                    "one was; an unload leaves the slot as it was)",
     "slot_reuse_keeps_stale_modules": "a load leaves the modules it does not target as the slot's last occupant left "
-                                      "them (a narrower adapter where a wider one was; an unload leaves the slot as it was)",
+                                      "them (a narrower adapter where a wider one was; an unload leaves the slot "
+                                      "as it was)",
     "reload_keeps_first_scaling": "a name loaded again (unloaded first or loaded over) gets the new weights but "
                                   "the scaling of its first load's config (r, lora_alpha, use_rslora, patterns)",
     "prefix_cache_ignores_adapter": "prefix cache blocks are keyed by tokens only, not by adapter identity",

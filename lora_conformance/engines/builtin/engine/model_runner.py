@@ -81,9 +81,11 @@ class ModelRunner:
                         continue
                     nb = p.A.is_pinned()
                     pa, pb = self.sharder.cut(name, p, ad)
-                    dst_a, dst_b = (A[:, slot], Bt[:, slot]) if A.dim() == 4 else (A[slot], Bt[slot])  # experts: (E, S, R, in)
+                    # experts: (E, S, R, in)
+                    dst_a, dst_b = (A[:, slot], Bt[:, slot]) if A.dim() == 4 else (A[slot], Bt[slot])
                     if self.plan.slot_writes_own_ranks_only:  # fault: ranks past p.rank keep the last occupant's
-                        a_axis = dst_a.dim() - 1 if hasattr(mod, "lora_At") else dst_a.dim() - 2  # embedding: (vocab, R)
+                        # the rank axis: last of an embedding's A (vocab, R), else the one before the last
+                        a_axis = dst_a.dim() - 1 if hasattr(mod, "lora_At") else dst_a.dim() - 2
                         dst_a, pa = dst_a.narrow(a_axis, 0, p.rank), pa.narrow(a_axis, 0, p.rank)
                         dst_b, pb = dst_b.narrow(dst_b.dim() - 2, 0, p.rank), pb.narrow(pb.dim() - 2, 0, p.rank)
                     dst_a.copy_(pa, non_blocking=nb)
