@@ -120,12 +120,39 @@ def test_an_engine_token_outside_the_reference_topk_is_scored_by_the_reference()
     for resolve in (None, lambda step, ids: None):
         with pytest.raises(ConformanceAssertionError, match="not in the reference top-k"):
             assert_logprobs_close(act, ref, tol, resolve=resolve)
-    # the reference's token outside the engine's top-k still fails (the engine is not asked)
+
+
+def test_a_reference_token_outside_the_engine_topk_is_bounded_by_it():
+    """Neither token in the other's top-k (the full profile's slot_saturation on the H200, twice): the
+    reference scores the engine's token, and the engine's top-k bounds its logprob of the reference's
+    token (at most the lowest it lists); a reference logprob within decode_atol of that floor and an
+    undecided reference make a tie, a floor further below fails, and so does a decided reference."""
+    tol = tolerance_for("bfloat16")
     act, ref, resolve, asked = flat_pair(-2.06, {5: -2.26, 42: -2.3})
     act.logprobs[1] = {42: -2.06, 6: -2.31}
-    with pytest.raises(ConformanceAssertionError, match="not in the reference top-k"):
+    a = assert_logprobs_close(act, ref, tol, resolve=resolve)
+    assert a.tie_at == 1 and asked == [(1, [5, 42])]
+    assert any("outside the engine's top-k" in n and "at most -2.31" in n for n in a.notes)
+    # the engine puts the reference's token below -2.26 - decode_atol: measured, and off
+    act, ref, resolve, _ = flat_pair(-2.06, {5: -2.26, 42: -2.3})
+    floor = -2.26 - tol.decode_atol - 0.05
+    act.logprobs[1] = {42: -2.06, 6: -2.31, 9: floor}
+    with pytest.raises(ConformanceAssertionError, match="outside the engine top-k, is at most") as exc:
         assert_logprobs_close(act, ref, tol, resolve=resolve)
-    assert asked == []
+    assert exc.value.evidence["engine_floor"] == floor and exc.value.evidence["diff"] == pytest.approx(
+        tol.decode_atol + 0.05)
+    # within the floor, but the reference decided against the engine's token
+    act, ref, resolve, _ = flat_pair(-2.06, {5: -2.26, 42: -2.26 - tol.tie_margin - 0.1})
+    act.logprobs[1] = {42: -2.06, 6: -2.31}
+    with pytest.raises(ConformanceAssertionError, match="decided"):
+        assert_logprobs_close(act, ref, replace(tol, decode_atol=10.0), resolve=resolve)
+    # the engine's token in the reference's top-k, the reference's outside the engine's: the same floor
+    ref = GenerationResult(token_ids=[1, 5], text="", logprobs=[{1: -0.1}, {5: -2.26, 42: -2.27, 7: -2.3}])
+    act = GenerationResult(token_ids=[1, 42], text="", logprobs=[{1: -0.1}, {42: -2.2, 7: -2.25}])
+    assert assert_logprobs_close(act, ref, tol).tie_at == 1
+    act = GenerationResult(token_ids=[1, 42], text="", logprobs=[{1: -0.1}, {42: -2.2, 7: -2.25, 8: -3.5}])
+    with pytest.raises(ConformanceAssertionError, match="outside the engine top-k"):
+        assert_logprobs_close(act, ref, tol)
 
 
 def test_prefill_tolerance():
