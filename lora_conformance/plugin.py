@@ -46,8 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
     _register_subplugins(config, settings)
     from lora_conformance import run_order
 
-    run_order.configure(config, run_order.durations_path(settings.cache_dir, settings.engine, settings.device_type,
-                                                         settings.dtype))
+    run_order.configure(config, run_order.settings_durations_path(settings))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -79,7 +78,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config):
         return None
     paths = [config.invocation_params.dir / str(a).split("::", 1)[0] for a in config.args]
     choice = parallel.workers_for_run(settings.device, run_order.recorded_work(
-        run_order.durations_path(settings.cache_dir, settings.engine, settings.device_type, settings.dtype),
+        run_order.settings_durations_path(settings),
         config.rootpath, [p for p in paths if p.exists()]), settings.profile)
     config.stash[WORKER_CHOICE_KEY] = choice
     return choice.workers

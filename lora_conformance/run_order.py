@@ -6,8 +6,9 @@ alone at the end while the other workers idle (2.4 s of a 23 s ``-n 2`` certific
 longest-processing-time rule) lets the short ones fill the gaps.
 
 * The controller (or a serial run) records each test's setup + call + teardown time, per engine,
-  device and dtype, in ``<cache>/durations/``, after the run (atomic replace; a missing or
-  unreadable file only means collection order).
+  device and dtype (and profile, base quantisation, base model and engine args where a run sets
+  them: ``settings_durations_path``), in ``<cache>/durations/``, after the run (atomic replace; a
+  missing or unreadable file only means collection order).
 * The controller reads that file once and hands it to every worker through ``workerinput``, so all
   workers reorder identically (xdist refuses workers whose collections differ), even while
   another run rewrites the file.
@@ -52,9 +53,30 @@ _GROUPS = pytest.StashKey[dict]()  # the controller's file -> group, from the la
 _LAST = pytest.StashKey[list]()  # the controller's tests that killed their engine in the last run
 
 
-def durations_path(cache_dir: Path, engine: str, device_type: str, dtype: str) -> Path:
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{engine}-{device_type}-{dtype}")
+def durations_path(cache_dir: Path, engine: str, device_type: str, dtype: str, variant: str = "") -> Path:
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{engine}-{device_type}-{dtype}" + (f"-{variant}" if variant else ""))
     return Path(cache_dir) / "durations" / f"{name}.json"
+
+
+def settings_durations_path(settings) -> Path:
+    """``durations_path`` for a run's settings. Besides engine, device type and dtype, what changes
+    its tests' durations by large factors under the same test ids keeps a file of its own: the
+    profile (the full profile's cases take 10-100x the fast one's), the base quantisation, and the base
+    model (other than the profile's own) and engine args (a compiled mode's cases compile; a real
+    checkpoint is bigger), the last two as a short hash. A fast run on its own base with no engine
+    args keeps the plain name."""
+    import hashlib
+
+    from lora_conformance.models import profiles
+
+    parts = [p for p in (settings.profile if settings.profile != "fast" else "",
+                         settings.base_quant if settings.base_quant != "none" else "") if p]
+    own_base = profiles.get(settings.profile).models.get("decoder")
+    rest = {k: v for k, v in (("base_model", settings.base_model if settings.base_model != own_base else ""),
+                              ("engine_args", dict(sorted(settings.engine_args.items())))) if v}
+    if rest:
+        parts.append(hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:10])
+    return durations_path(settings.cache_dir, settings.engine, settings.device_type, settings.dtype, "-".join(parts))
 
 
 def uses_path(durations: Path) -> Path:

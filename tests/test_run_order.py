@@ -326,3 +326,30 @@ def test_the_checked_in_file_times_name_test_files_and_yield_to_the_last_run():
                                                  "tests/c.py::v")]
     got = item_durations(items, {"tests/a.py::y": 2.0}, {"tests/a.py": 50.0, "tests/b.py": 9.0})
     assert got == {"tests/a.py::y": 2.0, "tests/b.py::z": 9.0}
+
+
+def test_settings_keep_a_durations_file_per_profile_quantisation_base_and_engine_args(tmp_path):
+    """The same test ids take 10-100x longer at the full profile, on a quantised base or in a compiled
+    mode: each keeps its own durations (so -n auto and the longest-first order read their own); the
+    default fast run keeps the plain per engine, device and dtype name."""
+    from dataclasses import replace
+
+    from lora_conformance.settings import Settings
+
+    base = Settings(device="cpu", device_spec="cpu", engine="builtin", engine_args={}, base_model="synthetic:llama",
+                    dtype="float32", reference_device="cpu", reference_dtype="float32", cache_dir=tmp_path,
+                    refresh_references=False, report_dir=None, expectations=None)
+    plain = run_order.settings_durations_path(base)
+    assert plain == run_order.durations_path(tmp_path, "builtin", "cpu", "float32")
+    variants = [replace(base, profile="full", base_model="synthetic:qwen2.5-1.5b"), replace(base, base_quant="int8"),
+                replace(base, engine_args={"exec_mode": "compile"}), replace(base, engine_args={"exec_mode": "graphs"}),
+                replace(base, base_model="synthetic:moe"),
+                replace(base, profile="full", base_model="synthetic:llama")]
+    paths = [run_order.settings_durations_path(s) for s in variants]
+    assert len({plain, *paths}) == len(paths) + 1 and all(p.parent == plain.parent for p in paths)
+    assert "-full" in paths[0].name and paths[0].name == "builtin-cpu-float32-full.json"
+    assert paths[1].name == "builtin-cpu-float32-int8.json"
+    # the same settings, the same file: engine args in any order
+    again = replace(base, engine_args={"b": "2", "a": "1"})
+    assert run_order.settings_durations_path(again) == run_order.settings_durations_path(
+        replace(base, engine_args={"a": "1", "b": "2"}))
