@@ -15,7 +15,7 @@ elsewhere: the settings (``options``, ``settings``), the markers (``markers``, `
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -311,6 +311,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             work = harness.workspace.reference_work()
             if work:
                 item.user_properties.append((REFERENCE_WORK_PROPERTY, json.dumps(work)))
+            peaks = _device_memory_peaks(harness.settings.device)
+            if peaks:  # and what it held on the device at most, so far
+                from lora_conformance.report.recorder import DEVICE_MEMORY_PROPERTY
+
+                item.user_properties.append((DEVICE_MEMORY_PROPERTY, json.dumps(peaks)))
         if call.excinfo is not None:
             from lora_conformance.engines.base import EngineFailure
 
@@ -329,3 +334,14 @@ def pytest_deselected(items: list) -> None:
         from lora_conformance.report.recorder import ship_deselected
 
         ship_deselected(items[0].config, items)
+
+
+def _device_memory_peaks(device: str) -> Optional[dict]:
+    """``devices.memory_peaks`` for the report; None where it cannot say (a device whose runtime
+    gives no figures must not fail a test's teardown)."""
+    from lora_conformance import devices
+
+    try:
+        return devices.memory_peaks(device)
+    except Exception:  # noqa: BLE001 - a figure for the report, never a test's failure
+        return None

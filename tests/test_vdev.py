@@ -3,6 +3,7 @@ built-in engine really running on it (tensors on vdev:0, not silently on the hos
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -206,3 +207,24 @@ def test_the_builtin_engine_really_runs_on_vdev(vdev, tmp_path):
                 assert devices.memory_stats(dev).allocated >= weights
             out[dev] = eng.generate(reqs)
     assert [r.token_ids for r in out["cpu"]] == [r.token_ids for r in out[vdev]]
+
+
+def test_the_report_says_what_each_process_held_on_the_device(pytester):
+    """Each test's teardown carries its process's device memory peaks (torch's allocator): the report
+    gives the largest process's, what a worker needs, and their sum; a cpu run has no such figures."""
+    pytester.makepyfile(
+        "def test_one(lora):\n"
+        "    engine = lora.engine\n"
+        "    engine.generate(lora.requests([None]))\n")
+    result = pytester.runpytest_subprocess("--device=vdev", "--dtype=bfloat16", "--lora-report=out",
+                                           "-p", "no:cacheprovider")
+    assert result.ret == 0, result.stdout.str()
+    memory = json.loads((pytester.path / "out" / "report.json").read_text())["environment"]["device_memory"]
+    assert memory["processes"] == 1 and memory["largest_peak_allocated"] > 1 << 20  # the engine's weights at least
+    assert memory["summed_peak_reserved"] == memory["largest_peak_reserved"] >= memory["largest_peak_allocated"]
+    result.stdout.fnmatch_lines(["device memory: * GiB reserved (* GiB in tensors) by the largest of 1 process; *"])
+    assert "| device memory |" in (pytester.path / "out" / "report.md").read_text()
+    result = pytester.runpytest_subprocess("--device=cpu", "--lora-report=cpu", "-p", "no:cacheprovider")
+    assert result.ret == 0, result.stdout.str()
+    assert "device_memory" not in json.loads((pytester.path / "cpu" / "report.json").read_text())["environment"]
+    assert "device memory:" not in result.stdout.str()

@@ -162,6 +162,17 @@ def reset_peak_memory(device: str) -> None:
     kind_of(device).reset_peak_memory(device)
 
 
+def memory_peaks(device: str) -> Optional[dict[str, int]]:
+    """This process's most device memory at once, in bytes (``peak_allocated`` by tensors,
+    ``peak_reserved`` by the caching allocator), as torch's allocator counts it; None on cpu or
+    where this process never started the device's runtime."""
+    kind = kind_of(device)
+    if not kind.initialized():
+        return None
+    stats = kind.memory_stats(device)
+    return {"peak_allocated": stats.peak, "peak_reserved": max(stats.peak_reserved, stats.peak)}
+
+
 def manual_seed(seed: int, device: Optional[str] = None) -> None:
     _torch().manual_seed(seed)
     if device is not None:

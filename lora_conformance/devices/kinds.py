@@ -55,6 +55,7 @@ class MemoryStats:
     allocated: int
     peak: int
     reserved: int
+    peak_reserved: int = 0  # the most the caching allocator held at once (reserved where not tracked)
 
 
 class _CpuStream:
@@ -160,11 +161,18 @@ class DeviceKind:
 
     def memory_stats(self, device: str) -> MemoryStats:
         mod, d = self.module(), _torch().device(device)
+        reserved = int(getattr(mod, "memory_reserved", lambda _d: 0)(d))
         return MemoryStats(
             allocated=int(mod.memory_allocated(d)),
             peak=int(mod.max_memory_allocated(d)),
-            reserved=int(getattr(mod, "memory_reserved", lambda _d: 0)(d)),
+            reserved=reserved,
+            peak_reserved=int(getattr(mod, "max_memory_reserved", lambda _d: reserved)(d)),
         )
+
+    def initialized(self) -> bool:
+        """Whether this process has started the device's runtime (asking for memory figures must
+        not start it: a process that never used the device has none)."""
+        return bool(getattr(self.module(), "is_initialized", lambda: True)())
 
     def reset_peak_memory(self, device: str) -> None:
         self.module().reset_peak_memory_stats(_torch().device(device))
@@ -286,6 +294,9 @@ class Cpu(DeviceKind):
 
     def memory_stats(self, device: str) -> MemoryStats:
         return MemoryStats(0, 0, 0)
+
+    def initialized(self) -> bool:
+        return False  # host memory: torch keeps no device figures for it
 
     def reset_peak_memory(self, device: str) -> None:
         pass

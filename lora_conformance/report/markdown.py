@@ -71,6 +71,8 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
         ("dtype", str(env.get("dtype"))),
         ("reference", f"{ref.get('device')} / {ref.get('dtype')}"),
         *([("reference work", reference_work_summary(ref["work"]))] if isinstance(ref.get("work"), Mapping) else []),
+        *([("device memory", device_memory_text(env["device_memory"]))]
+          if isinstance(env.get("device_memory"), Mapping) else []),
         ("base model", str(env.get("base_model"))),
         *_base_quant_rows(env.get("base_quant")),
         ("torch / transformers / peft", " / ".join(str(pk.get(n)) for n in ("torch", "transformers", "peft"))),
@@ -94,6 +96,18 @@ def reference_work_summary(work: Mapping[str, Any]) -> str:
             f"summed over {n('processes'):.0f} processes"
             + (f"; {n('rotary_recomputed'):.0f} rotary tables computed again (a platform fault: "
                f"reference/rotary_guard.py)" if n('rotary_recomputed') else ""))
+
+
+def device_memory_text(memory: Mapping[str, Any]) -> str:
+    """The run's device memory peaks (environment ``device_memory``, ``recorder.device_memory_summary``)."""
+    def gib(key: str) -> str:
+        value = memory.get(key)
+        return f"{(value if isinstance(value, (int, float)) else 0) / 2**30:.1f} GiB"
+
+    n = memory.get("processes")
+    return (f"{gib('largest_peak_reserved')} reserved ({gib('largest_peak_allocated')} in tensors) by the "
+            f"largest of {n} process{'es' if n != 1 else ''}; {gib('summed_peak_reserved')} reserved summed over "
+            "them (an upper bound: the peaks need not coincide); torch's allocator, the runtime's own memory aside")
 
 
 def _base_quant_rows(quant: Any) -> list[tuple[str, str]]:

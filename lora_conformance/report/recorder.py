@@ -38,6 +38,8 @@ AUDIT_OUTPUT = "lora_audit"  # workeroutput key: JSON of a worker's audit (judge
 # A test's user property at its teardown: its process's reference work so far (Workspace.reference_work,
 # JSON); the report sums each process's latest, so a run stopped early still says what it computed.
 REFERENCE_WORK_PROPERTY = "lora_reference_work"
+# Likewise its device memory peaks so far (devices.memory_peaks, JSON), where it used an accelerator.
+DEVICE_MEMORY_PROPERTY = "lora_device_memory"
 AUDITS_KEY = pytest.StashKey[list]()  # every process's audit, gathered on the controller
 MAX_TEXT = 8000
 
@@ -70,6 +72,18 @@ def receive_environment(node: Any) -> None:
         environment = run_environment(node.config)
         for key, value in json.loads(raw).items():
             environment.setdefault(key, value)
+
+
+def device_memory_summary(per_process: dict[str, dict]) -> dict[str, int]:
+    """Each process's device memory peaks (``devices.memory_peaks``): the largest of one process,
+    which is what a worker needs, and the sum of the reserved peaks, an upper bound of the run's use
+    at once (the peaks need not coincide)."""
+    def peaks(key: str) -> list[int]:
+        return [int(p.get(key) or 0) for p in per_process.values()]
+
+    return {"processes": len(per_process), "largest_peak_allocated": max(peaks("peak_allocated"), default=0),
+            "largest_peak_reserved": max(peaks("peak_reserved"), default=0),
+            "summed_peak_reserved": sum(peaks("peak_reserved"))}
 
 
 def sum_reference_work(per_process: dict[str, dict]) -> dict[str, float]:
@@ -138,6 +152,7 @@ class ReportRecorder:
         self.written: dict[str, Path] = {}
         self.verdict = None
         self.reference_work: dict[str, dict] = {}  # process (xdist worker id, or "main") -> its latest
+        self.device_memory: dict[str, dict] = {}  # likewise: its device memory peaks so far
         self.report: Optional[dict] = None
         self.config: Optional[pytest.Config] = None
 
@@ -151,10 +166,14 @@ class ReportRecorder:
             return
         rec = self._record(report.nodeid)
         rec.phases[report.when] = report.outcome
-        work = evidence.values(report, REFERENCE_WORK_PROPERTY) if report.when == "teardown" else ()
-        if work:
-            gateway = getattr(getattr(report, "node", None), "gateway", None)
-            self.reference_work[str(getattr(gateway, "id", None) or "main")] = json.loads(work[-1])
+        if report.when == "teardown":
+            process = str(getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None) or "main")
+            work = evidence.values(report, REFERENCE_WORK_PROPERTY)
+            if work:
+                self.reference_work[process] = json.loads(work[-1])
+            memory = evidence.values(report, DEVICE_MEMORY_PROPERTY)
+            if memory:
+                self.device_memory[process] = json.loads(memory[-1])
         rec.duration = round(rec.duration + float(report.duration or 0.0), 6)
         if getattr(report, "wasxfail", None) is not None:
             rec.wasxfail = str(report.wasxfail)
@@ -220,6 +239,8 @@ class ReportRecorder:
 
         if self.reference_work:  # what the run's references computed, summed over its processes
             run_environment(config).setdefault("reference", {})["work"] = sum_reference_work(self.reference_work)
+        if self.device_memory:  # what its processes held on the device, at most
+            run_environment(config)["device_memory"] = device_memory_summary(self.device_memory)
         selection = describe(config, self.deselected, self.records, exitstatus)
         certification = self.certification(config, selection)
         self.report = build_report(self.environment(config), self.records.values(), selection, certification)
@@ -273,4 +294,9 @@ class ReportRecorder:
             from lora_conformance.report.markdown import reference_work_summary
 
             tr.write_line(f"reference: {reference_work_summary(work)}")
+        memory = ((self.report or {}).get("environment") or {}).get("device_memory")
+        if memory:
+            from lora_conformance.report.markdown import device_memory_text
+
+            tr.write_line(f"device memory: {device_memory_text(memory)}")
         tr.write_line(f"report: {self.written.get('report.html')}")
