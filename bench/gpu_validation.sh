@@ -6,10 +6,26 @@
 #                  then graphs off, then every fault of the catalogue against the suites on the GPU;
 #                  certify picks its worker count (printed) and each worker its share of the cores;
 #   part "time":   bench/certify_time.py: certify's wall time serial and with 8 and 16 workers, warm then cold.
-# Usage: bash bench/gpu_validation.sh bench|suites|detect|time   (OUT is the folder whose files come back)
+#   The full profile's bar (certified in under 10 minutes warm), over calls on one machine, each
+#   within the machine's warm time of the last (the cache lives in /tmp, which survives that; an
+#   ignored path of the checkout does not):
+#   part "full-cold": the profile's bases, then the cold certification until LIMIT seconds (default
+#                  520) have passed since the call began; call it again while the report says
+#                  "partial" (the second call finds what the first computed);
+#   part "full-warm": bench/certify_time.py on that filled cache: the warm wall time, with "computed /
+#                  cached" beside it (a warm row computes none);
+#   part "compile": the built-in engine's compile mode, fast profile, alone (beside other jobs its
+#                  cases took 5x longer and a 400 s limit cut the run).
+# Each certification writes its report under $OUT and says what its processes held on the device.
+# The carried .whl must hold platformdirs (the image lacks it; README of the device tool, wheels).
+# Usage: bash bench/gpu_validation.sh bench|suites|detect|time|full-cold|full-warm|compile
 # The last step of suites/detect runs the overlap fault on purpose, only to print the race report.
 set -uo pipefail
-part=${1:?bench or suites}
+part=${1:?bench, suites, detect, time, full-cold, full-warm or compile}
+case "$part" in
+  bench|suites|detect|time|full-cold|full-warm|compile) ;;
+  *) echo "gpu_validation.sh: no part '$part' (bench, suites, detect, time, full-cold, full-warm or compile)" >&2; exit 2 ;;
+esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -48,6 +64,27 @@ case "$part" in
     python3 -m pytest tests/test_detection_power.py --device=cuda --lora-cache "$cache" -p no:cacheprovider -q -rfE \
       -n 8 2>&1 | tail -25 | tee "$OUT/detection_gpu.log"
     race_report "$cache"
+    ;;
+  full-cold)
+    limit=${LIMIT:-520}
+    python3 bench/build_bases.py full /tmp/lc-full 2>&1 | grep "^base" | tee "$OUT/full_cold.log"
+    left=$((limit - SECONDS))
+    echo "bases ready at ${SECONDS} s; certifying for at most ${left} s" | tee -a "$OUT/full_cold.log"
+    timeout "$left" python3 -m lora_conformance.cli certify --device cuda --profile full --lora-cache /tmp/lc-full \
+      --report "$OUT/report-full-cold" -- -p no:cacheprovider -q -rfE >> "$OUT/full_cold.log" 2>&1
+    echo "certify rc=$? at ${SECONDS} s" | tee -a "$OUT/full_cold.log"
+    grep -E "^(workers|LoRA conformance|reference|device memory|partial)" "$OUT/full_cold.log"
+    ;;
+  full-warm)
+    python3 bench/certify_time.py --device cuda --workers 2 --skip-cold --warm-cache /tmp/lc-full \
+      --json "$OUT/full_warm.json" -- --profile=full 2>&1 | tee "$OUT/full_warm.log"
+    ;;
+  compile)
+    start=$SECONDS
+    python3 -m lora_conformance.cli certify --device cuda -n 8 --engine-arg exec_mode=compile --lora-cache /tmp/lc-modes \
+      --report "$OUT/report-compile" -- -p no:cacheprovider -q -rfE > "$OUT/compile.log" 2>&1
+    echo "certify rc=$? in $((SECONDS - start)) s" | tee -a "$OUT/compile.log"
+    grep -E "^(LoRA conformance|reference|device memory|=+ .* in )" "$OUT/compile.log"
     ;;
   time)
     python3 bench/certify_time.py --device cuda --engine-arg graphs=1 --workers 1,8,16 --cold-workers 8,16 \

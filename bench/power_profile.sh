@@ -20,16 +20,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false P
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 BASE=${POWER_BASE_CACHE:-$(mktemp -d /tmp/lc-power-base-XXXX)}
 t0=$(date +%s)
-python - "$PROFILE" "$BASE" <<'PY' || exit 1
-import sys
-from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
-from lora_conformance.models import profiles, resolve_base_model
-specs = sorted(set(profiles.get(sys.argv[1]).models.values()) or {"synthetic:llama", "synthetic:moe"})
-with ProcessPoolExecutor(len(specs)) as pool:
-    for spec, path in zip(specs, pool.map(resolve_base_model, specs, [Path(sys.argv[2]) / "models"] * len(specs))):
-        print(f"base {spec}: {path}", flush=True)
-PY
+python bench/build_bases.py "$PROFILE" "$BASE" || exit 1
 echo "bases ready in $(( $(date +%s) - t0 )) s"
 pids=()
 for job in "$@"; do
