@@ -160,12 +160,13 @@ def differ(a, b, tol: float) -> bool:
 # Faults whose scenario needs a configuration this module's tiny models do not have (chunked
 # prefill over long prompts, concurrent submissions, head_dim 128/256, the masked prefill path over
 # unequal prompts, a tensor-parallel engine of two processes, adapters of rank 128 and up, more than
-# 16 adapters in a batch): their change of behaviour is shown by the suites that catch them
-# (tests/test_detection_power.py, which fails when a catcher passes; tests/test_profiles.py checks
-# the threshold faults' plan decisions).
+# 16 adapters in a batch, prompts past 4096 tokens): their change of behaviour is shown by the
+# suites that catch them (tests/test_detection_power.py, which fails when a catcher passes;
+# tests/test_profiles.py checks the threshold faults' plan decisions).
 SHOWN_BY_THE_SUITES = ("chunk_continuation_drops_adapter", "inflight_no_drain", "rotary_assumes_head_dim_64",
                        "masked_prefill_padded_rows", "tp_scaling_per_shard", "tp_packed_slice_as_one_block",
-                       "tp_b_shard_wrong_rank", "rank_ge_128_truncated", "batch_over_16_adapters_wraps")
+                       "tp_b_shard_wrong_rank", "rank_ge_128_truncated", "batch_over_16_adapters_wraps",
+                       "positions_over_4096_as_base")
 HOST_FAULTS = [f for f in FAULTS if f not in DEVICE_ONLY_FAULTS and f not in SHOWN_BY_THE_SUITES]
 
 
@@ -183,7 +184,7 @@ def test_fault_changes_behaviour(world, fault):
 
 
 def test_catalogue():
-    assert len(FAULTS) == 51 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait",
+    assert len(FAULTS) == 52 and set(DEVICE_ONLY_FAULTS) == {"graph_stale_indices", "overlap_no_wait",
                                                              "compile_drops_lora"}
     assert Faults(None).name is None and Faults("").name is None
     assert not any(Faults(None).on(f) for f in FAULTS)

@@ -76,10 +76,12 @@ CATCHERS: dict[str, list[str]] = {
     "inflight_no_drain": ["inflight_lifecycle/unload_while_requests_run",
                           "inflight_lifecycle/reload_while_requests_run"],
     "rotary_assumes_head_dim_64": ["base_models/head_dim_variants"],
-    # kernel-threshold faults: caught at the full profile's shapes (ranks to 256, 32 adapters in a batch),
-    # run here on the small base (FULL_SHAPES_ON_SMALL_BASE); the fast profile stays under both thresholds
+    # kernel-threshold faults: caught at the full profile's shapes (ranks to 256, 32 adapters in a batch,
+    # 8,192-token prompts), run here on the small base (FULL_SHAPES_ON_SMALL_BASE); the fast profile stays
+    # under each threshold
     "rank_ge_128_truncated": ["adapter_semantics/rank"],
     "batch_over_16_adapters_wraps": ["mixed_batch/slot_saturation"],
+    "positions_over_4096_as_base": ["chunked_prefill/long_prompts_match_reference"],
     # a threshold on decode rows, which the fast profile crosses (a batch of 48)
     "decode_rows_over_32_wrap": ["mixed_batch/large_batch_matches_isolated_references"],
     # execution-mode fault: the mode axis (each declared exec_mode against the reference) catches it
@@ -102,11 +104,12 @@ FULL_SHAPES_ON_SMALL_BASE = ["--profile", "full", "--base-model", "synthetic:lla
 EXTRA_ARGS: dict[str, list[str]] = {"graph_stale_indices": ["--engine-arg", "graphs=1"],
                                     "rank_ge_128_truncated": FULL_SHAPES_ON_SMALL_BASE,
                                     "batch_over_16_adapters_wraps": FULL_SHAPES_ON_SMALL_BASE,
+                                    "positions_over_4096_as_base": FULL_SHAPES_ON_SMALL_BASE,
                                     **{f: ["--base-quant", "int8"] for f in ("quant_delta_before_scale",
                                                                              "quant_lora_skipped",
                                                                              "quant_scale_of_channel_0")}}
 # The kernel-threshold faults, shown to need the full profile: the fast profile's run of their catchers passes.
-FAST_PROFILE_MISSES = ("rank_ge_128_truncated", "batch_over_16_adapters_wraps")
+FAST_PROFILE_MISSES = ("rank_ge_128_truncated", "batch_over_16_adapters_wraps", "positions_over_4096_as_base")
 
 
 # Known gaps in detection power, measured, with the reason: (fault, dtype) -> why. The test runs
@@ -128,7 +131,8 @@ NOT_YET_SHOWN_ON_GPU: set = {"rank_ge_128_truncated", "batch_over_16_adapters_wr
                              "quant_delta_before_scale", "quant_lora_skipped", "quant_scale_of_channel_0",
                              "slot_reuse_keeps_stale_ranks", "slot_reuse_keeps_stale_modules",
                              "adapter_cache_keyed_by_path", "decode_rows_over_32_wrap",
-                             "batch_modules_of_first_adapter", "unload_frees_same_directory"}
+                             "batch_modules_of_first_adapter", "unload_frees_same_directory",
+                             "positions_over_4096_as_base"}
 SHOWN_ON_GPU_IN = ("float32", "bfloat16", "float16")
 # Faults shown on the accelerator in fewer dtypes than that: compile_drops_lora on an H200,
 # LORA_DETECTION_DTYPES=bfloat16 pytest tests/test_detection_power.py -k compile_drops_lora --device=cuda: 1 passed.
@@ -185,8 +189,8 @@ def test_suites_catch_the_fault(suite_runner, fault, dtype, lora_settings):
 @pytest.mark.parametrize("fault", FAST_PROFILE_MISSES)
 def test_threshold_faults_stay_below_the_fast_profile(suite_runner, fault, lora_settings):
     """A kernel-threshold fault's path is taken only above its threshold: the fast profile's run of
-    its catchers (ranks to 64, the engine's 4 slots) passes with the fault on, which is why the
-    full profile exists (its run is test_suites_catch_the_fault's)."""
+    its catchers (ranks to 64, the engine's 4 slots, prompts of tens of tokens) passes with the fault
+    on, which is why the full profile exists (its run is test_suites_catch_the_fault's)."""
     catchers = CATCHERS[fault]
     result = suite_runner.runpytest(*files_declaring(catchers), f"--device={lora_settings.device}", "--dtype=float32",
                                     f"--lora-cache={lora_settings.cache_dir}", "--engine=builtin", "--engine-arg",

@@ -89,6 +89,10 @@ def test_threshold_faults_take_their_path_only_above_the_threshold():
     assert EnginePlan.decide(EngineArgs.parse({}), "cpu", torch.float32).routing.route(list(range(20))) == list(range(20))
     rank = EnginePlan.decide(EngineArgs.parse({"fault": "rank_ge_128_truncated"}), "cpu", torch.float32)
     assert rank.adapters.rank_tile == (128, 64)
+    long = EnginePlan.decide(EngineArgs.parse({"fault": "positions_over_4096_as_base"}), "cpu", torch.float32)
+    assert long.routing.by_position([0, 1, 2, -1], [0, 4095, 4096, 9000]) == [0, 1, -1, -1]
+    healthy = EnginePlan.decide(EngineArgs.parse({}), "cpu", torch.float32)
+    assert healthy.routing.by_position([3, 3], [4096, 9000]) == [3, 3]
     compiled = EnginePlan.decide(EngineArgs.parse({"fault": "compile_drops_lora"}), "cpu", torch.float32)
     assert not compiled.compiled_applies_lora and EnginePlan.decide(EngineArgs.parse({}), "cpu",
                                                                      torch.float32).compiled_applies_lora

@@ -67,8 +67,9 @@ FAULTS: dict[str, str] = {
                                 "dequantisation scale, so it is scaled with the base",
     "quant_lora_skipped": "[quant] layers with an int8 base apply no LoRA",
     "quant_scale_of_channel_0": "[quant] every output channel of an int8 layer is dequantised with channel 0's scale",
-    # kernel-threshold and execution-mode faults: a path taken only above a rank or a batch width, or only
-    # in one execution mode; caught by the full profile's shapes (models/profiles.py) or the mode axis
+    # kernel-threshold and execution-mode faults: a path taken only above a rank, a batch width or a
+    # sequence length, or only in one execution mode; caught by the full profile's shapes
+    # (models/profiles.py) or the mode axis
     "rank_ge_128_truncated": "[threshold] adapters of rank >= 128 take a kernel tiled for 64 ranks: ranks 64 and up "
                              "contribute nothing (ranks below 128 are served right)",
     "decode_rows_over_32_wrap": "[threshold] a decode step of more than 32 rows reads the slots of rows 32 and up "
@@ -76,6 +77,9 @@ FAULTS: dict[str, str] = {
                                 "steps of 32 rows or fewer are right)",
     "batch_over_16_adapters_wraps": "[threshold] a batch with more than 16 distinct adapters indexes slots with 4 "
                                     "bits: rows of slot 16 and up read slot - 16 (16 or fewer are served right)",
+    "positions_over_4096_as_base": "[threshold] the token-to-adapter map holds 4096 positions a request: tokens at "
+                                   "position 4096 and later, in prefill and decode, are served without their "
+                                   "adapter (requests shorter than 4096 tokens are right)",
     "compile_drops_lora": "[compile] the compiled decode step runs without the LoRA delta (as intel/llm-scaler#634 "
                           "under torch.compile); eager and graph decode, and prefill, are right",
     # [tp] sharding faults: only a tensor-parallel engine (tensor_parallel_size > 1) has these code paths
@@ -99,6 +103,7 @@ DEVICE_ONLY_FAULTS: dict[str, str] = {"graph_stale_indices": "graphs", "overlap_
 RANK_TILE_THRESHOLD, RANK_TILE = 128, 64
 SLOT_INDEX_BITS_ADAPTERS = 16
 DECODE_INDEX_ROWS = 32
+ADAPTER_MAP_POSITIONS = 4096  # positions_over_4096_as_base: the fast profile's prompts are tens of tokens
 
 # Faults that only change results in some model dtypes: dtype -> why not in the others.
 DTYPE_ONLY_FAULTS: dict[str, tuple[tuple[str, ...], str]] = {

@@ -203,6 +203,7 @@ class ModelRunner:
         seg = self.segmented_prefill
         if not seg and self.plan.routing.masked_by_padded_row:  # packed row t read as padded row t // Lq
             tok_slots = [slots[min(t // Lq, len(seqs) - 1)] for t in range(T)]
+        tok_slots = self.plan.routing.by_position(tok_slots, pos)
         slots_t = self._t(tok_slots)
         rows_t = self._t(logit_rows)
         lora = self.lora_batch(slots_t, segments_of(tok_slots) if seg else None)
@@ -242,7 +243,8 @@ class ModelRunner:
             pos.append(p)
             smap.append(s.block_table[p // bs] * bs + p % bs)
             ctx.append(n)
-        return ids, pos, smap, ctx, self.plan.routing.decode_rows(self.row_slots(seqs))
+        routing = self.plan.routing
+        return ids, pos, smap, ctx, routing.by_position(routing.decode_rows(self.row_slots(seqs)), pos)
 
     def decode_forward(self, ids, pos, smap, tables, ctx_lens, slots) -> torch.Tensor:
         """Tensor-only decode step (what graphs capture): one query per sequence."""

@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from lora_conformance import devices
 from lora_conformance.checkpoints import scaling_rule
-from lora_conformance.engines.builtin.faults import (DECODE_INDEX_ROWS, DROPPABLE_LINEAR_MODULES, RANK_TILE,
-                                                    RANK_TILE_THRESHOLD, SLOT_INDEX_BITS_ADAPTERS, Faults)
+from lora_conformance.engines.builtin.faults import (ADAPTER_MAP_POSITIONS, DECODE_INDEX_ROWS, DROPPABLE_LINEAR_MODULES,
+                                                    RANK_TILE, RANK_TILE_THRESHOLD, SLOT_INDEX_BITS_ADAPTERS, Faults)
 from lora_conformance.engines.builtin.engine.sharding import ShardRules
 from lora_conformance.engines.builtin.layers.int8_linear import QuantRules
 from lora_conformance.engines.builtin.layers.lora import ExpertLora
@@ -38,6 +38,7 @@ class Routing:
     wrap_above: int = 0  # a batch of more distinct adapters than this reads slot mod this (0: never)
     decode_index_rows: int = 0  # a decode step of more rows than this: row r reads row r mod this's slot (0: never)
     modules_of_first_adapter: bool = False  # a batch's LoRA layers are those its first adapter row's adapter targets
+    position_limit: int = 0  # tokens at this position of their request or later read no slot (0: never)
 
     def route(self, slots: list[int]) -> list[int]:
         """Each row's adapter slot as the LoRA layers read it (-1: base), from the rows' own slots."""
@@ -55,6 +56,11 @@ class Routing:
         """A decode step's routed slots (``route``'s), as the decode step's index buffer holds them."""
         n = self.decode_index_rows
         return [slots[i % n] for i in range(len(slots))] if n and len(slots) > n else slots
+
+    def by_position(self, slots: list[int], positions) -> list[int]:
+        """Each token's routed slot given its position in its request (``position_limit``)."""
+        n = self.position_limit
+        return [x if p < n else -1 for x, p in zip(slots, positions)] if n else slots
 
     def embed_route(self, slots: list[int]) -> list[int]:
         rows = self.route(slots)
@@ -153,6 +159,7 @@ class EnginePlan:
                             lm_head_first_slot=f.on("lm_head_lora_from_first_slot"),
                             wrap_above=SLOT_INDEX_BITS_ADAPTERS if f.on("batch_over_16_adapters_wraps") else 0,
                             decode_index_rows=DECODE_INDEX_ROWS if f.on("decode_rows_over_32_wrap") else 0,
+                            position_limit=ADAPTER_MAP_POSITIONS if f.on("positions_over_4096_as_base") else 0,
                             modules_of_first_adapter=f.on("batch_modules_of_first_adapter")),
             adapters=AdapterRules(Scaling(patterns=not f.on("patterns_ignored"), rslora=not f.on("rslora_ignored"),
                                           over_rank=not f.on("scaling_alpha_not_over_r"),
