@@ -80,6 +80,20 @@ def _fail(message: str, evidence: dict, actual: GenerationResult, reference: Gen
     return ConformanceAssertionError(f"{message}\n{table.text}", evidence)
 
 
+def _scored(scored: Optional[TopK]) -> dict:
+    """The evidence's ``scored`` (the reference's teacher-forced logprobs at a divergence), where asked."""
+    return {"scored": {str(k): v for k, v in scored.items()}} if scored else {}
+
+
+def _measured(agreement: "Agreement", tol: Tolerance, diff: float, note: str, message: str, evidence: dict,
+              where: tuple) -> None:
+    """A measured difference at a divergence: noted, and a failure (``message``, ``evidence`` with the
+    diff) where it exceeds decode_atol; ``where`` is ``_fail``'s (actual, reference, decode, step)."""
+    agreement.notes.append(note)
+    if diff > tol.decode_atol:
+        raise _fail(f"{message} > decode_atol {tol.decode_atol:g} ({tol.dtype})", {**evidence, "diff": diff}, *where)
+
+
 def missing_decode_logprobs(result: GenerationResult) -> Optional[str]:
     """Why ``result`` lacks the decode logprobs a comparison needs (one top-k per generated
     token, none empty), or None. A check must never pass without the evidence it compares."""
@@ -144,16 +158,12 @@ def assert_logprobs_close(
             # top-k had left the engine's token out.
             d = abs(a_lp[a_tok] - scored[a_tok])
             agreement.max_decode_diff = max(agreement.max_decode_diff, d)
-            agreement.notes.append(f"step {step}: engine token {a_tok} outside the reference's top-k; the reference "
-                                   f"scored it {scored[a_tok]:.4g} (its own token {scored[r_tok]:.4g})")
-            if d > tol.decode_atol:
-                raise _fail(
-                    f"{prefix}step {step}: tokens diverge ({a_tok} vs reference {r_tok}); the engine token, outside "
-                    f"the reference top-k, scored by the reference: logprob differs by {d:.4g} > decode_atol "
-                    f"{tol.decode_atol:g} ({tol.dtype})",
-                    {**base_ev, "summary": f"decode diff {d:.4g} > {tol.decode_atol:g} at step {step} (scored)",
-                     "step": step, "diff": d, "scored": {str(k): v for k, v in scored.items()}},
-                    actual, reference, decode, step)
+            _measured(agreement, tol, d, f"step {step}: engine token {a_tok} outside the reference's top-k; the "
+                      f"reference scored it {scored[a_tok]:.4g} (its own token {scored[r_tok]:.4g})",
+                      f"{prefix}step {step}: tokens diverge ({a_tok} vs reference {r_tok}); the engine token, outside "
+                      f"the reference top-k, scored by the reference: logprob differs by {d:.4g}",
+                      {**base_ev, "summary": f"decode diff {d:.4g} > {tol.decode_atol:g} at step {step} (scored)",
+                       "step": step, **_scored(scored)}, (actual, reference, decode, step))
             r_lp = {**r_lp, r_tok: scored[r_tok], a_tok: scored[a_tok]}
         if a_tok not in r_lp:
             raise _fail(
@@ -167,17 +177,13 @@ def assert_logprobs_close(
             # of the reference's.
             floor = min(a_lp.values())
             short = r_lp[r_tok] - floor
-            agreement.notes.append(f"step {step}: reference token {r_tok} outside the engine's top-k; the engine "
-                                   f"gives it at most {floor:.4g}, the reference {r_lp[r_tok]:.4g}")
-            if short > tol.decode_atol:
-                raise _fail(
-                    f"{prefix}step {step}: tokens diverge ({a_tok} vs reference {r_tok}); the reference token, outside "
-                    f"the engine top-k, is at most {floor:.4g} there, {short:.4g} below the reference's "
-                    f"{r_lp[r_tok]:.4g} > decode_atol {tol.decode_atol:g} ({tol.dtype})",
-                    {**base_ev, "summary": f"reference token {short:.4g} below the engine top-k at step {step}",
-                     "step": step, "diff": short, "engine_floor": floor,
-                     **({"scored": {str(k): v for k, v in scored.items()}} if scored else {})},
-                    actual, reference, decode, step)
+            _measured(agreement, tol, short, f"step {step}: reference token {r_tok} outside the engine's top-k; the "
+                      f"engine gives it at most {floor:.4g}, the reference {r_lp[r_tok]:.4g}",
+                      f"{prefix}step {step}: tokens diverge ({a_tok} vs reference {r_tok}); the reference token, "
+                      f"outside the engine top-k, is at most {floor:.4g} there, {short:.4g} below the reference's "
+                      f"{r_lp[r_tok]:.4g}",
+                      {**base_ev, "summary": f"reference token {short:.4g} below the engine top-k at step {step}",
+                       "step": step, "engine_floor": floor, **_scored(scored)}, (actual, reference, decode, step))
         gap = r_lp[r_tok] - r_lp[a_tok]
         if gap > tol.tie_margin:
             how = " (the engine token scored by the reference: outside its top-k)" if scored else ""
@@ -185,8 +191,7 @@ def assert_logprobs_close(
                 f"{prefix}step {step}: tokens diverge ({a_tok} vs reference {r_tok}) where the reference "
                 f"was decided (gap {gap:.4g} > tie_margin {tol.tie_margin:g}, {tol.dtype}){how}",
                 {**base_ev, "summary": f"decisive divergence at step {step} (gap {gap:.4g})", "step": step,
-                 "gap": gap, **({"scored": {str(k): v for k, v in scored.items()}} if scored else {})},
-                actual, reference, decode, step)
+                 "gap": gap, **_scored(scored)}, actual, reference, decode, step)
         agreement.tie_at = step
         agreement.notes.append(f"tie at step {step}: reference gap {gap:.4g} <= {tol.tie_margin:g}")
         break
