@@ -139,15 +139,19 @@ def load(path: Path) -> dict[str, float]:
 
 
 def recorded_work(durations: Path, rootdir: Path, paths: Iterable[Path]) -> Optional[float]:
-    """Seconds of tests under ``paths`` (all, where none is given) that the last run with these
-    settings recorded (None: none). The durations file also holds other runs' tests."""
+    """Seconds of tests under ``paths`` (all, where none is given) that the runs with these settings
+    recorded (None: none, or a record that leaves out a test file under ``paths``: after a narrow run,
+    ``-k`` or one file, the rest of a whole certification is unknown, not free). The durations file
+    also holds other runs' tests."""
     roots = [Path(p).resolve() for p in paths]
-    total = 0.0
+    total, seen = 0.0, set()
     for nodeid, seconds in load(durations).items():
         test_file = (Path(rootdir) / nodeid.split("::", 1)[0]).resolve()
         if not roots or any(test_file == r or r in test_file.parents for r in roots):
             total += seconds
-    return total or None
+            seen.add(test_file)
+    files = {f.resolve() for r in roots for f in ([r] if r.is_file() else r.rglob("test_*.py"))}
+    return None if files - seen else total or None
 
 
 def order(items: list, durations: Mapping[str, float], long_seconds: float = LONG_SECONDS,

@@ -233,6 +233,24 @@ def test_auto_reads_the_recorded_durations_of_the_run_s_own_tests(tmp_path):
     assert run_order.recorded_work(durations, tmp_path, [tmp_path / "suites"]) is None
 
 
+def test_auto_does_not_read_a_record_that_leaves_out_a_file_of_the_run(tmp_path):
+    """After a narrow run (one file, or -k) the record holds a few seconds: a whole certification's
+    other files are unknown, not free, so the record does not limit its workers."""
+    from lora_conformance import run_order
+
+    durations = run_order.durations_path(tmp_path, "builtin", "cpu", "float32")
+    durations.parent.mkdir(parents=True)
+    suites = tmp_path / "suites"
+    suites.mkdir()
+    for name in ("test_accuracy.py", "test_mixed_batch.py"):
+        (suites / name).write_text("")
+    durations.write_text('{"suites/test_accuracy.py::t1": 0.4}')
+    assert run_order.recorded_work(durations, tmp_path, [suites]) is None
+    assert run_order.recorded_work(durations, tmp_path, [suites / "test_accuracy.py"]) == 0.4
+    durations.write_text('{"suites/test_accuracy.py::t1": 0.4, "suites/test_mixed_batch.py::t2": 1.0}')
+    assert run_order.recorded_work(durations, tmp_path, [suites]) == 1.4
+
+
 @pytest.mark.parametrize("env, cpus, expected", [
     ({}, [0, 1], [0, 1]),                                                          # no xdist: every CPU
     ({"PYTEST_XDIST_WORKER": "gw0", "PYTEST_XDIST_WORKER_COUNT": "2"}, [0, 1], [0]),
