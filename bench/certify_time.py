@@ -18,7 +18,8 @@ row of the same cache state, the cpu seconds of the whole process tree, the 1-mi
 before and after and the cpu time the hypervisor gave to others meanwhile (steal: on a shared
 machine wall times mean little without them), the engines the run started (count / seconds summed
 over workers, from the report), the reference outputs it computed and found cached with the seconds
-computing took (the report's ``reference.work``: a warm row computes none), and certify's exit code.
+computing took (the report's ``reference.work``: a warm row computes none), on an accelerator the GiB
+the largest worker held there and the sum over the workers (``device_memory``), and certify's exit code.
 
 ``--repeat R`` times every worker count R times, interleaved (1, 2, 1, 2, ...), so that a slow
 spell of the machine hits every count alike; a closing table gives each count's median and range
@@ -92,6 +93,7 @@ def certify(a, workers: int, cache: Path, report: Path, threads: str | None, eng
     steal = steal_seconds() - before_steal
     tail = [ln for ln in out.stdout.splitlines() if " passed" in ln or " failed" in ln or "badge:" in ln]
     return {"starts": engine_starts(report / "report.json"), "references": reference_work(report / "report.json"),
+            "device_gib": device_memory(report / "report.json"),
             "engine": engine, "workers": workers, "threads": threads or "share", "wall_s": round(wall, 2),
             "cpu_s": round(children_cpu() - before_cpu, 2), "load_before": round(before_load, 2),
             "load_after": round(load1(), 2), "steal_s": round(steal, 2), "exit": out.returncode, "summary": tail[-2:] if tail else
@@ -118,6 +120,16 @@ def reference_work(report_json: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         return "-"
     return f"{work.get('computed', 0):.0f} / {work.get('cache_hits', 0):.0f} / {work.get('compute_s', 0):.0f}"
+
+
+def device_memory(report_json: Path) -> str:
+    """"L / S": GiB the largest worker held on the accelerator at once and the sum over the workers
+    (the report's ``environment.device_memory``, torch's allocator), "-" on cpu or where none."""
+    try:
+        memory = json.loads(report_json.read_text())["environment"]["device_memory"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "-"
+    return f"{memory.get('largest_peak_reserved', 0) / 2**30:.1f} / {memory.get('summed_peak_reserved', 0) / 2**30:.1f}"
 
 
 def main() -> int:
@@ -211,14 +223,16 @@ def summary(rows: list[dict]) -> str:
 
 def header() -> str:
     return (f"{'engine':8} {'cache':6} {'workers':>7} {'threads':>8} {'wall s':>8} {'speed-up':>8} {'cpu s':>8} "
-            f"{'load 1m before/after':>21} {'steal s':>7} {'starts / s':>11} {'ref computed/cached/s':>21}  exit  summary")
+            f"{'load 1m before/after':>21} {'steal s':>7} {'starts / s':>11} {'ref computed/cached/s':>21} "
+            f"{'device GiB max/sum':>18}  exit  summary")
 
 
 def fmt(r: dict) -> str:
     speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
     load = f"{r['load_before']:.1f} / {r['load_after']:.1f}"
     return (f"{r.get('engine', ''):8} {r['cache']:6} {r['workers']:>7} {r['threads']:>8} {r['wall_s']:>8.1f} {speed:>8} {r['cpu_s']:>8.1f} "
-            f"{load:>21} {r.get('steal_s', 0):>7.1f} {r.get('starts', '-'):>11} {r.get('references', '-'):>21}  {r['exit']:>4}  "
+            f"{load:>21} {r.get('steal_s', 0):>7.1f} {r.get('starts', '-'):>11} {r.get('references', '-'):>21} "
+            f"{r.get('device_gib', '-'):>18}  {r['exit']:>4}  "
             f"{' | '.join(r['summary'])}")
 
 
