@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -92,42 +93,56 @@ def certify(a, workers: int, cache: Path, report: Path, threads: str | None, eng
     wall = time.perf_counter() - start
     steal = steal_seconds() - before_steal
     tail = [ln for ln in out.stdout.splitlines() if " passed" in ln or " failed" in ln or "badge:" in ln]
-    return {"starts": engine_starts(report / "report.json"), "references": reference_work(report / "report.json"),
-            "device_gib": device_memory(report / "report.json"),
+    doc = read_report(report / "report.json")
+    return {"starts": engine_starts(doc), "references": reference_work(doc), "device_gib": device_memory(doc),
             "engine": engine, "workers": workers, "threads": threads or "share", "wall_s": round(wall, 2),
             "cpu_s": round(children_cpu() - before_cpu, 2), "load_before": round(before_load, 2),
             "load_after": round(load1(), 2), "steal_s": round(steal, 2), "exit": out.returncode, "summary": tail[-2:] if tail else
             [(out.stdout + out.stderr).strip().splitlines()[-1:] or ["(no output)"]][0]}
 
 
-def engine_starts(report_json: Path) -> str:
+def read_report(report_json: Path) -> dict:
+    """The run's report.json ({} where it is missing or unreadable): read once for a row's columns."""
+    try:
+        doc = json.loads(report_json.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def engine_starts(doc: dict) -> str:
     """"N / S s": the engines the run started and their seconds summed over workers (the report's
     records), "-" where the report has none."""
-    try:
-        records = json.loads(report_json.read_text())["records"]
-    except (OSError, ValueError, KeyError):
+    records = doc.get("records")
+    if not isinstance(records, list):
         return "-"
     starts = [s for r in records for s in r.get("engine_starts") or ()]
     return f"{len(starts)} / {sum(float(s.get('seconds') or 0) for s in starts):.0f}"
 
 
-def reference_work(report_json: Path) -> str:
+def _environment(doc: dict, *keys: str) -> Optional[dict]:
+    """``doc["environment"][keys...]`` where each level is an object, else None."""
+    value = doc.get("environment")
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def reference_work(doc: dict) -> str:
     """"computed / cached / s": the reference outputs the run computed and found cached, and the seconds
     computing took, summed over workers (the report's ``environment.reference.work``), "-" where none:
     a warm row computes 0."""
-    try:
-        work = json.loads(report_json.read_text())["environment"]["reference"]["work"]
-    except (OSError, ValueError, KeyError, TypeError):
+    work = _environment(doc, "reference", "work")
+    if work is None:
         return "-"
     return f"{work.get('computed', 0):.0f} / {work.get('cache_hits', 0):.0f} / {work.get('compute_s', 0):.0f}"
 
 
-def device_memory(report_json: Path) -> str:
+def device_memory(doc: dict) -> str:
     """"L / S": GiB the largest worker held on the accelerator at once and the sum over the workers
     (the report's ``environment.device_memory``, torch's allocator), "-" on cpu or where none."""
-    try:
-        memory = json.loads(report_json.read_text())["environment"]["device_memory"]
-    except (OSError, ValueError, KeyError, TypeError):
+    memory = _environment(doc, "device_memory")
+    if memory is None:
         return "-"
     return f"{memory.get('largest_peak_reserved', 0) / 2**30:.1f} / {memory.get('summed_peak_reserved', 0) / 2**30:.1f}"
 
