@@ -92,8 +92,9 @@ class BuiltinEngine(Engine):
         by_path: dict[str, HostAdapter] = {}  # directory -> its first read (only under a fault)
 
         def read(n, p, pinned):
-            if plan.cache_by_path and str(Path(p).resolve()) in by_path:  # the fault adapter_cache_keyed_by_path
-                return dataclasses.replace(by_path[str(Path(p).resolve())], name=n)
+            where = str(Path(p).resolve()) if plan.cache_by_path else ""
+            if where in by_path:  # the fault adapter_cache_keyed_by_path
+                return dataclasses.replace(by_path[where], name=n)
             keep = None
             if not plan.reload_reads_scaling:  # the fault reload_keeps_first_scaling
                 from lora_conformance.checkpoints import read_adapter_config
@@ -102,8 +103,8 @@ class BuiltinEngine(Engine):
                 keep = first_scaling.setdefault(n, {k: cfg[k] for k in SCALING_FIELDS if k in cfg})
             adapter = load_adapter_dir(n, p, self._modules, self.cfg.max_rank, plan.adapters, self.torch_dtype, pin,
                                        self.model_dir, keep)
-            if plan.cache_by_path:
-                by_path[str(Path(p).resolve())] = adapter
+            if where:
+                by_path[where] = adapter
             return adapter
 
         self.pool = AdapterPool(self.cfg.max_loras_per_batch, self.cfg.max_loaded_loras, self.cfg.eviction, read,
