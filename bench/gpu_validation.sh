@@ -9,23 +9,34 @@
 #   The full profile's bar (certified in under 10 minutes warm), over calls on one machine, each
 #   within the machine's warm time of the last (the cache lives in /tmp, which survives that; an
 #   ignored path of the checkout does not):
-#   part "full-cold": the profile's bases, then the cold certification until LIMIT seconds (default
-#                  520) have passed since the call began; call it again while the report says
-#                  "partial" (the second call finds what the first computed);
+#   part "full-cold": the profile's bases, then the cold certification until the deadline; call it
+#                  again while the report says "partial": the next call deselects the cases the
+#                  earlier calls' reports finished (bench/finished_cases.py; their references are
+#                  cached, their engine work is not) and runs the rest;
 #   part "full-warm": bench/certify_time.py on that filled cache: the warm wall time, with "computed /
 #                  cached" beside it (a warm row computes none);
 #   part "compile": the built-in engine's compile mode, fast profile, alone (beside other jobs its
-#                  cases took 5x longer and a 400 s limit cut the run).
+#                  cases took 5x longer and a 400 s limit cut the run);
+#   part "detect-new": detection power on the GPU of the faults tests/test_detection_power.py lists
+#                  as not yet shown there (NOT_YET_SHOWN_ON_GPU), float32, bfloat16 and float16.
+# Several parts run one after the other in one call (bash bench/gpu_validation.sh full-cold compile),
+# each stopped at DEADLINE seconds after the call began (default 580: a call's limit is 600); a part
+# with less than its minimum left is skipped and says so.
 # Each certification writes its report under $OUT and says what its processes held on the device.
 # The carried .whl must hold platformdirs (the image lacks it; README of the device tool, wheels).
-# Usage: bash bench/gpu_validation.sh bench|suites|detect|time|full-cold|full-warm|compile
+# Usage: bash bench/gpu_validation.sh PART [PART ...]
+#   PART: bench, suites, detect, time, full-cold, full-warm, compile or detect-new
 # The last step of suites/detect runs the overlap fault on purpose, only to print the race report.
 set -uo pipefail
-part=${1:?bench, suites, detect, time, full-cold, full-warm or compile}
-case "$part" in
-  bench|suites|detect|time|full-cold|full-warm|compile) ;;
-  *) echo "gpu_validation.sh: no part '$part' (bench, suites, detect, time, full-cold, full-warm or compile)" >&2; exit 2 ;;
-esac
+parts="bench suites detect time full-cold full-warm compile detect-new"
+[ $# -gt 0 ] || { echo "gpu_validation.sh: name a part ($parts)" >&2; exit 2; }
+for part in "$@"; do
+  case " $parts " in
+    *" $part "*) ;;
+    *) echo "gpu_validation.sh: no part '$part' ($parts)" >&2; exit 2 ;;
+  esac
+done
+deadline=${DEADLINE:-580}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -38,6 +49,12 @@ race_report() {
   (python3 -m pytest suites/test_runtime_modes.py --device=cuda --lora-cache "$1" -p no:cacheprovider -q \
     --engine-arg fault=overlap_no_wait -k stream_ordered 2>&1 || true) | grep -m4 -A2 "unsynchronised" | tee -a "$OUT/detection_gpu.log"
 }
+# Seconds left before the deadline (at least 1: timeout 0 would mean none).
+left() { local n=$((deadline - SECONDS)); [ "$n" -gt 1 ] && echo "$n" || echo 1; }
+# The least a part needs to be worth starting (seconds).
+minimum() { case "$1" in full-cold) echo 240 ;; full-warm) echo 300 ;; compile) echo 180 ;; detect-new) echo 120 ;; *) echo 1 ;; esac; }
+run_part() {
+part=$1
 case "$part" in
   bench)
     export OMP_NUM_THREADS=2
@@ -66,28 +83,50 @@ case "$part" in
     race_report "$cache"
     ;;
   full-cold)
-    limit=${LIMIT:-520}
-    python3 bench/build_bases.py full /tmp/lc-full 2>&1 | grep "^base" | tee "$OUT/full_cold.log"
-    left=$((limit - SECONDS))
-    echo "bases ready at ${SECONDS} s; certifying for at most ${left} s" | tee -a "$OUT/full_cold.log"
-    timeout "$left" python3 -m lora_conformance.cli certify --device cuda --profile full --lora-cache /tmp/lc-full \
-      --report "$OUT/report-full-cold" -- -p no:cacheprovider -q -rfE >> "$OUT/full_cold.log" 2>&1
-    echo "certify rc=$? at ${SECONDS} s" | tee -a "$OUT/full_cold.log"
-    grep -E "^(workers|LoRA conformance|reference|device memory|partial)" "$OUT/full_cold.log"
+    log="$OUT/full_cold.log"
+    python3 bench/build_bases.py full /tmp/lc-full 2>&1 | grep "^base" | tee -a "$log"
+    mkdir -p /tmp/lc-full/runs
+    mapfile -t desel < <(python3 bench/finished_cases.py /tmp/lc-full/runs/*/report.json 2>>"$log")
+    run=/tmp/lc-full/runs/cold-$(date +%s)
+    echo "bases ready at ${SECONDS} s; $(tail -1 "$log"); certifying until ${deadline} s" | tee -a "$log"
+    timeout "$(left)" python3 -m lora_conformance.cli certify --device cuda --profile full --lora-cache /tmp/lc-full \
+      --report "$run" -- -p no:cacheprovider -q -rfE "${desel[@]}" >> "$log" 2>&1
+    echo "certify rc=$? at ${SECONDS} s" | tee -a "$log"
+    grep -E "^(workers|LoRA conformance|reference|device memory|partial)" "$log"
+    tar czf "$OUT/full-cold-reports.tgz" -C /tmp/lc-full runs
     ;;
   full-warm)
-    python3 bench/certify_time.py --device cuda --workers 2 --skip-cold --warm-cache /tmp/lc-full \
-      --json "$OUT/full_warm.json" -- --profile=full 2>&1 | tee "$OUT/full_warm.log"
+    TMPDIR=/tmp/lc-full/warm timeout "$(left)" python3 bench/certify_time.py --device cuda --workers 2 --skip-cold \
+      --warm-cache /tmp/lc-full --json "$OUT/full_warm.json" -- --profile=full 2>&1 | tee "$OUT/full_warm.log"
+    tar czf "$OUT/full-warm-report.tgz" -C /tmp/lc-full warm
     ;;
   compile)
     start=$SECONDS
-    python3 -m lora_conformance.cli certify --device cuda -n 8 --engine-arg exec_mode=compile --lora-cache /tmp/lc-modes \
-      --report "$OUT/report-compile" -- -p no:cacheprovider -q -rfE > "$OUT/compile.log" 2>&1
+    timeout "$(left)" python3 -m lora_conformance.cli certify --device cuda -n 8 --engine-arg exec_mode=compile \
+      --lora-cache /tmp/lc-modes --report "$OUT/report-compile" -- -p no:cacheprovider -q -rfE > "$OUT/compile.log" 2>&1
     echo "certify rc=$? in $((SECONDS - start)) s" | tee -a "$OUT/compile.log"
     grep -E "^(LoRA conformance|reference|device memory|=+ .* in )" "$OUT/compile.log"
+    ;;
+  detect-new)
+    faults=$(cd tests && python3 -c "from test_detection_power import NOT_YET_SHOWN_ON_GPU as s; print(' or '.join(sorted(s)))")
+    LORA_DETECTION_DTYPES=float32,bfloat16,float16 timeout "$(left)" python3 -m pytest tests/test_detection_power.py \
+      --device=cuda --lora-cache /tmp/lc-detect -p no:cacheprovider -q -rfEs -n 4 -k "$faults" \
+      > "$OUT/detect_new.log" 2>&1
+    echo "detection rc=$? at ${SECONDS} s" | tee -a "$OUT/detect_new.log"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/detect_new.log" | tail -40
     ;;
   time)
     python3 bench/certify_time.py --device cuda --engine-arg graphs=1 --workers 1,8,16 --cold-workers 8,16 \
       --json "$OUT/certify_time.json" 2>&1 | tee "$OUT/certify_time.log"
     ;;
 esac
+}
+for part in "$@"; do
+  need=$(minimum "$part")
+  if [ $((deadline - SECONDS)) -lt "$need" ]; then
+    echo "part $part skipped: $((deadline - SECONDS)) s left before the deadline, it needs $need" | tee -a "$OUT/skipped.log"
+    continue
+  fi
+  echo "== part $part at ${SECONDS} s"
+  run_part "$part"
+done
