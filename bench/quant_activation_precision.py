@@ -7,7 +7,8 @@ contexts, the adapter effect (adapter minus base logprobs, on the top-20 tokens 
 
 * R: the reference, HF + PEFT on the dequantised base (what the suites compare with),
 * Rq: the same model with ggml's activation quantisation emulated in front of every quantised base
-  linear (not in front of the LoRA factors), and
+  linear (not in front of the LoRA factors; engines/builtin/layers/gguf_base.py's quantisers, which the
+  built-in and PEFT engines use with ``activations=int8``), and
 * L: llama.cpp (the engine plugin, float32 weights elsewhere, extra_bufts off),
 
 and prints the residual rms of each pair. If L sits near Rq and both sit as far from R as
@@ -27,32 +28,14 @@ import numpy as np
 import torch
 
 
-def q8_0_activations(x: torch.Tensor) -> torch.Tensor:
-    """ggml's quantize_row_q8_0 then dequantised: blocks of 32, d = amax / 127 in float16."""
-    b = x.float().reshape(-1, 32)
-    d = b.abs().amax(dim=1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    q = torch.sign(b * inv) * torch.floor((b * inv).abs() + 0.5)
-    return (q * d.half().float()).reshape(x.shape).to(x.dtype)
-
-
-def q8_k_activations(x: torch.Tensor) -> torch.Tensor:
-    """ggml's quantize_row_q8_K: blocks of 256, iscale = -127 / (the signed value of largest |x|),
-    q = nearest_int(iscale * x) clamped to 127, d = 1 / iscale (float32)."""
-    b = x.float().reshape(-1, 256)
-    idx = b.abs().argmax(dim=1, keepdim=True)
-    mx = torch.gather(b, 1, idx)
-    iscale = torch.where(mx == 0, torch.zeros_like(mx), -127 / mx)
-    q = torch.clamp(torch.round(iscale * b), max=127)
-    d = torch.where(iscale == 0, torch.zeros_like(iscale), 1 / iscale)
-    return (q * d).reshape(x.shape).to(x.dtype)
-
-
 @contextlib.contextmanager
 def quantised_activations(model, scheme: str):
     """Every quantised base linear (decoder layers' *_proj, PEFT's base_layer where wrapped) reads
     its input through ggml's activation quantisation; LoRA factors read it as it is."""
-    fn = q8_0_activations if scheme == "q8_0" else q8_k_activations
+    from lora_conformance.engines.builtin.layers.gguf_base import quantizer
+    from lora_conformance.models.quant import GGUF_ACTIVATIONS
+
+    fn = quantizer(GGUF_ACTIVATIONS[scheme])  # ggml's Q8_0 / Q8_K blocks, as the engines emulate them
     hooks = []
     for name, mod in model.named_modules():
         if not isinstance(mod, torch.nn.Linear) or ".layers." not in name or "lora_" in name:

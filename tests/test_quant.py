@@ -180,11 +180,11 @@ def test_engines_refuse_schemes_they_do_not_hold(float_base, tmp_path):
     from lora_conformance.engines.builtin.builtin_engine import BuiltinEngine
     from lora_conformance.engines.peft_engine import PeftEngine
 
-    q4 = quant.snapped_checkpoint(float_base, "q4_k", tmp_path)
-    with pytest.raises(UnsupportedFeatureError, match=r"cannot hold a q4_k quantised base.*int8: its own"):
-        BuiltinEngine.check_base_quant(q4)
-    with pytest.raises(UnsupportedFeatureError, match=r"none \(float bases only\)"):
-        PeftEngine.check_base_quant(q4)
+    ov4 = quant.snapped_checkpoint(float_base, "ov_int4", tmp_path)
+    with pytest.raises(UnsupportedFeatureError, match=r"cannot hold a ov_int4 quantised base.*int8: its own"):
+        BuiltinEngine.check_base_quant(ov4)
+    with pytest.raises(UnsupportedFeatureError, match=r"q8_0: with activations=int8 only"):
+        PeftEngine.check_base_quant(ov4)
     assert BuiltinEngine.check_base_quant(quant.snapped_checkpoint(float_base, "int8", tmp_path)) == "int8"
     assert PeftEngine.check_base_quant(float_base) == "none"
 

@@ -215,6 +215,15 @@ class Engine(ABC):
         return None
 
     @classmethod
+    def declared_activations(cls, cfg: Any, model_dir: Optional[Path], device: str) -> Optional[str]:
+        """Where this engine's quantised-base matmuls read activations quantised to fewer bits than
+        the run's dtype (llama.cpp's CPU kernels: 8-bit blocks in front of GGUF weights), the
+        activation scheme (models/quant.py ``ACTIVATION_SCHEMES``); None: the
+        activations stay in the run's dtype. It selects the tolerance row for 8-bit activations
+        (judge/tolerances.py ``ACTIVATIONS``), and the report says so."""
+        return None
+
+    @classmethod
     def not_declared_reasons(cls, cfg: Any, model_dir: Optional[Path], device: str) -> Mapping[Capability, str]:
         """Why an engine started with ``cfg`` does not declare a capability, with the evidence (the
         engine's source, its documentation, or our test of it), for those the plugin knows; the

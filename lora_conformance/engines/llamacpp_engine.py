@@ -181,6 +181,15 @@ class LlamaCppEngine(Engine):
         return {c: why for c, why in NOT_DECLARED.items()}
 
     @classmethod
+    def declared_activations(cls, cfg: LlamaCppArgs, model_dir: Optional[Path], device: str) -> Optional[str]:
+        """ggml's quantised dot products read the activation row quantised to the weight type's
+        vec_dot_type (ggml-cpu's type traits: Q8_0 in front of Q8_0 weights, Q8_K in front of Q4_K),
+        offline and served alike; there is no knob to keep them float."""
+        from lora_conformance.models.quant import gguf_activations
+
+        return gguf_activations(model_dir)
+
+    @classmethod
     def declared_capabilities(cls, cfg: LlamaCppArgs, model_dir: Optional[Path], device: str):
         """None for a model the plugin refuses (MoE, encoders, other architectures): its start says why."""
         if cls._served(cfg):

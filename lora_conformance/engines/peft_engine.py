@@ -75,9 +75,19 @@ class PeftArgs:
     """No standard args: PEFT has no slots, cache or eviction to configure."""
 
     attn_implementation: Optional[str] = arg(None, "transformers' attn_implementation (default: its own choice)")
+    activations: str = arg("float", "int8: on a GGUF base (q8_0, q4_k), each quantised linear reads its input through "
+                                    "the 8-bit activation blocks llama.cpp's CPU kernels use (the LoRA reads it as it "
+                                    "is): a negative control of the tolerance row for 8-bit activations",
+                           choices=("float", "int8"))
 
 
 class PeftEngine(Engine):
+    # GGUF bases only as the 8-bit-activation control (activations=int8): with float activations PEFT on
+    # the snapped weights would be the reference itself, a float base under a quantised name.
+    base_quantizations = {"q8_0": "with activations=int8 only: the snapped weights (what the blocks decode to), "
+                                  "8-bit activation blocks in front of each quantised linear",
+                          "q4_k": "with activations=int8 only: the snapped weights (what the blocks decode to), "
+                                  "8-bit activation blocks in front of each quantised linear"}
     name = "peft"
     Args = PeftArgs
     requires = ("torch", "transformers", "peft")
@@ -85,6 +95,10 @@ class PeftEngine(Engine):
     def __init__(self, model_dir: Path, device: str, dtype: str, args: Mapping[str, str]):
         super().__init__(model_dir, device, dtype, args)
         self.cfg = self.parse_args(self.args)
+        if (self.base_quant != "none") != (self.cfg.activations == "int8"):
+            raise UnsupportedFeatureError(
+                f"peft engine: activations={self.cfg.activations} on a {self.base_quant} base; it holds a GGUF base "
+                "(q8_0, q4_k) only with activations=int8, and activations=int8 only on one")
         import torch
 
         self._torch = torch
@@ -140,7 +154,33 @@ class PeftEngine(Engine):
             base = loader.from_pretrained(str(self.model_dir), **kwargs)
         except (OSError, ValueError) as exc:
             raise EngineFailure(f"peft engine: cannot load {self.model_dir}: {exc}") from exc
+        if self.cfg.activations == "int8":
+            self._quantise_activations(base)
         return base.to(self.device).eval()
+
+    @classmethod
+    def declared_activations(cls, cfg: PeftArgs, model_dir: Optional[Path], device: str) -> Optional[str]:
+        from lora_conformance.models.quant import gguf_activations
+
+        return gguf_activations(model_dir) if cfg.activations == "int8" else None
+
+    def _quantise_activations(self, base) -> None:
+        """A forward pre-hook on each linear whose weight the checkpoint quantised: its input through
+        the activation quantiser (layers/gguf_base.py). PEFT keeps the module as its LoRA layer's
+        ``base_layer``, so the LoRA factors read the input unquantised."""
+        from lora_conformance.engines.builtin.layers.gguf_base import quantizer
+        from lora_conformance.models.quant import GGUF_ACTIVATIONS, read_manifest
+
+        fn = quantizer(GGUF_ACTIVATIONS[self.base_quant])
+        quantised = set((read_manifest(self.model_dir) or {"tensors": {}})["tensors"])
+        hooked = 0
+        for name, mod in base.named_modules():
+            if isinstance(mod, self._torch.nn.Linear) and f"{name}.weight" in quantised:
+                mod.register_forward_pre_hook(lambda m, args: (fn(args[0]),) + tuple(args[1:]))
+                hooked += 1
+        if not hooked:
+            raise EngineFailure(f"peft engine: activations=int8, but no linear of {self.model_dir} is named as a "
+                                "quantised tensor in its manifest")
 
     # ---- adapters -------------------------------------------------------------------
 

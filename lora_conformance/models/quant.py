@@ -56,6 +56,26 @@ SCHEMES: dict[str, str] = {
     "ov_int8": "OpenVINO / NNCF INT8_ASYM (per output channel, u8 zero point, float16 scale)",
     "ov_int4": "OpenVINO / NNCF INT4_ASYM (groups of 128, u4 zero point, float16 scale)",
 }
+# Activation schemes: where an engine's kernels quantise the activations in front of a quantised base's
+# matmuls (Engine.declared_activations), what they quantise to. llama.cpp's CPU kernels read each
+# activation row as the weight type's vec_dot_type: Q8_0 in front of Q8_0 weights, Q8_K in front of Q4_K.
+ACTIVATION_SCHEMES: dict[str, str] = {
+    "q8_0": "8-bit activation blocks of 32 with a float16 scale (ggml's Q8_0, in front of Q8_0 weights)",
+    "q8_k": "8-bit activation blocks of 256 with a float32 scale (ggml's Q8_K, in front of Q4_K weights)",
+}
+GGUF_ACTIVATIONS: dict[str, str] = {"q8_0": "q8_0", "q4_k": "q8_k"}  # base scheme -> its activation scheme
+
+
+def gguf_activations(model_dir: Union[str, Path, None]) -> "str | None":
+    """The activation scheme llama.cpp's CPU kernels read in front of this checkpoint's GGUF-quantised
+    tensors (None: not a GGUF base, or one whose manifest quantised no tensor, as an encoder's)."""
+    if model_dir is None:
+        return None
+    m = read_manifest(model_dir)
+    if m is None or not m["tensors"]:
+        return None
+    return GGUF_ACTIVATIONS.get(m["scheme"])
+
 # Bump when a quantiser changes: it is part of the snapped checkpoint's key and of reference keys.
 QUANT_VERSION = 1
 QUANTIZED_FILE = "quantized/base.safetensors"

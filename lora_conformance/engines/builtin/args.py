@@ -16,6 +16,9 @@ KERNEL_MODES = ("auto", "torch", "triton")  # fused decode kernels (layers/kerne
 # How decode steps execute (engine/graph_runner.py): eager; torch.compile of the decode step; captured
 # device graphs. compile and graphs pad a step's batch to BATCH_BUCKETS; prefill is eager in every mode.
 EXEC_MODES = ("eager", "compile", "graphs")
+# What the quantised matmuls of a GGUF base read (layers/gguf_base.py): float; int8 (ggml's quantisers);
+# int8_alt (another correct quantiser of the same blocks: a negative control of the rows for 8-bit activations).
+ACTIVATIONS = ("float", "int8", "int8_alt")
 
 
 def _fault(value: Optional[str]) -> Optional[str]:
@@ -53,6 +56,11 @@ class EngineArgs:
     kernels: str = arg("auto", "fused decode kernels: auto (triton on cuda/xpu), torch, triton", choices=KERNEL_MODES)
     variant: Variant = arg(Variant(), "a benign variation (engines/builtin/variants.py), for negative controls",
                            check=Variant.parse)
+    activations: str = arg("float", "what a GGUF base's quantised matmuls read: float; int8 (each activation row "
+                                    "quantised to 8-bit blocks first, as llama.cpp's CPU kernels do: Q8_0 in front of "
+                                    "q8_0 weights, Q8_K in front of q4_k; the LoRA reads float; layers/gguf_base.py); "
+                                    "int8_alt (the same blocks rounded otherwise: a negative control)",
+                           choices=ACTIVATIONS)
 
     @property
     def decode_mode(self) -> str:

@@ -36,7 +36,11 @@ class BuiltinEngine(Engine):
     standard_args = {"tensor_parallel": Rename("tensor_parallel_size")}
     requires = ("torch",)
     base_quantizations = {"int8": "its own int8 weight-only linear, per output channel, dequantised in the matmul "
-                                  "(layers/int8_linear.py)"}
+                                  "(layers/int8_linear.py)",
+                          "q8_0": "GGUF Q8_0 blocks decoded once at load; activations=int8 reads 8-bit activation "
+                                  "blocks in front of them as llama.cpp's CPU kernels do (layers/gguf_base.py)",
+                          "q4_k": "GGUF Q4_K blocks decoded once at load; activations=int8 reads 8-bit activation "
+                                  "blocks in front of them as llama.cpp's CPU kernels do (layers/gguf_base.py)"}
 
     @classmethod
     def parse_args(cls, raw, source="the engine's arguments"):
@@ -72,6 +76,12 @@ class BuiltinEngine(Engine):
         refused = self._mode_refusal(self.cfg, self.device)
         if refused:
             raise UnsupportedFeatureError(refused)
+        # (an encoder base is never quantised: --base-quant snaps decoders; it runs float whatever activations says)
+        if (self.cfg.activations != "float" and self.base_quant not in ("q8_0", "q4_k")
+                and load_spec(self.model_dir).kind != "encoder"):
+            raise UnsupportedFeatureError(f"engine 'builtin': activations={self.cfg.activations} quantises the activations in front of a "
+                                          f"GGUF base's quantised matmuls; this base is {self.base_quant!r} "
+                                          "(use --base-quant q8_0 or q4_k)")
         if self.base_quant != "none" and self.cfg.tensor_parallel_size > 1:
             raise UnsupportedFeatureError(f"engine 'builtin': a {self.base_quant} base with tensor_parallel_size > 1 "
                                           "(the shards are not cut from int8 codes)")
@@ -165,6 +175,13 @@ class BuiltinEngine(Engine):
         except (UnsupportedFeatureError, OSError, ValueError, KeyError):
             return None
         return cls._capabilities(cfg, kind)
+
+    @classmethod
+    def declared_activations(cls, cfg: EngineArgs, model_dir: Optional[Path], device: str) -> Optional[str]:
+        """With activations=int8 on a GGUF base: the activation blocks its quantised matmuls read."""
+        from lora_conformance.models.quant import gguf_activations
+
+        return None if cfg.activations == "float" else gguf_activations(model_dir)
 
     @staticmethod
     def _mode_refusal(cfg: EngineArgs, device: str) -> Optional[str]:

@@ -65,7 +65,7 @@ FAULTS: dict[str, str] = {
     # [quant] quantised-base faults: only an int8 base (--base-quant int8) has these code paths
     "quant_delta_before_scale": "[quant] the LoRA delta is added to the int8 accumulator before the per-channel "
                                 "dequantisation scale, so it is scaled with the base",
-    "quant_lora_skipped": "[quant] layers with an int8 base apply no LoRA",
+    "quant_lora_skipped": "[quant] layers with an int8 base, or a GGUF base read with 8-bit activations, apply no LoRA",
     "quant_scale_of_channel_0": "[quant] every output channel of an int8 layer is dequantised with channel 0's scale",
     # kernel-threshold and execution-mode faults: a path taken only above a rank, a batch width or a
     # sequence length, or only in one execution mode; caught by the full profile's shapes

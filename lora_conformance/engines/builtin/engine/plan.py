@@ -191,5 +191,7 @@ class EnginePlan:
                               packed_as_one_block=f.on("tp_packed_slice_as_one_block"),
                               row_b_on_every_rank=f.on("tp_scaling_per_shard")),
             quant=QuantRules(delta_before_scale=f.on("quant_delta_before_scale"),
-                             skip_lora=f.on("quant_lora_skipped"), one_scale=f.on("quant_scale_of_channel_0")),
+                             skip_lora=f.on("quant_lora_skipped"), one_scale=f.on("quant_scale_of_channel_0"),
+                             int8_activations=getattr(cfg, "activations", "float") != "float",
+                             activations_other_rounding=getattr(cfg, "activations", "float") == "int8_alt"),
         )

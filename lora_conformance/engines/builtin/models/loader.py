@@ -136,7 +136,12 @@ def build_model(model_dir: Path, spec: ModelSpec, max_len: int, device: str, dty
     load_weights(model, tensors, spec, dtype)
     from lora_conformance.engines.builtin.layers import int8_linear
 
-    int8_linear.attach(model, model_dir, quant or int8_linear.QuantRules(), dtype, tp)  # an int8 base: its codes
+    rules = quant or int8_linear.QuantRules()
+    int8_linear.attach(model, model_dir, rules, dtype, tp)  # an int8 base: its codes
+    from lora_conformance.engines.builtin.layers import gguf_base
+
+    # a GGUF base: its blocks decoded; with activations=int8 read through 8-bit activation blocks
+    gguf_base.attach(model, model_dir, rules.int8_activations, rules.activations_other_rounding, rules.skip_lora)
     # q/k/v and gate/up: one weight each, the modules' weights views of it; (in, out) storage on cpu
     fuse_linear_groups(model, transposed=devices.device_type(device) == "cpu")
     model.eval()
