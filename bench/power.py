@@ -28,6 +28,16 @@ applies to (the MoE expert faults on the ``moe`` family), with the detection rat
     python bench/power.py --profile full --device cuda --reference-device cuda --new-tokens 48 \
         --variations default,rescale:3,svd,preround,reverse,peft --dtypes bfloat16 --runs 60
 
+``--base-quant q8_0 --activations int8`` (or q4_k) calibrates the rows for 8-bit activations
+(judge/tolerances.py ``ACTIVATIONS``): the bases snapped, the reference HF + PEFT on the snapped
+weights, the built-in and PEFT engines reading 8-bit activation blocks in front of the quantised
+matmuls, as llama.cpp's CPU kernels do (and ``--variant activations=int8_alt``, another quantiser of
+those blocks); ``merged`` does not apply (the LoRA would be merged into the quantised base)::
+
+    python bench/power.py --base-quant q8_0 --activations int8 --families accuracy,semantics,alllinear,mixed,rank \
+        --variations default,rescale:3,fold:B,svd,permute,pad:8,preround,reverse,one_at_a_time,peft \
+        --variant activations=int8_alt --dtypes float32,float16 --runs 200
+
 ``--profile full`` runs every family on that profile's bases (models/profiles.py: the real-shape
 decoder and MoE), its ranks in the ``rank`` family, and judges by the tolerance rows of the bases'
 scale class (judge/tolerances.py ``scale_of_config``): what calibrates the ``real`` rows.
@@ -63,6 +73,9 @@ from lora_conformance.types import GenerationRequest
 
 SEEDS = (9, 19, 33, 37, 101, 202, 303, 404)
 PROFILE_RANKS = [(1, 8, 16, 64)]  # the run's profile's ranks (main sets them from --profile)
+# The activation scheme of the engines' quantised-base matmuls (main sets it from --base-quant and
+# --activations): the tolerance rows widened for it (judge/tolerances.py ACTIVATIONS).
+ACTIVATION_SCHEME: list = [None]
 # The MoE suite's expert adapters (suites/test_moe.py): down_proj B (PEFT's un-nested
 # ``experts.lora_B``) strong enough that an expert LoRA output weighted wrongly shows in bfloat16.
 MOE_B_STD = {"experts.lora_B": 0.12}
@@ -296,7 +309,7 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None,
         for n in names:
             engine.load_adapter(n, transformed(paths[n], how, dtype, tmp) if how else paths[n])
             loaded.append(n)
-        tol = tolerance_for(dtype, scale_of_model(model_dir))
+        tol = tolerance_for(dtype, scale_of_model(model_dir), ACTIVATION_SCHEME[0])
         alts = paired.default_alternatives(labels, paths)
         plan = paired.Plan(labels, prompts, paths, alts,
                                    paired.required_hypotheses(alts, modules=family == "alllinear"))
@@ -394,6 +407,11 @@ def main() -> None:
     ap.add_argument("--reference-device", default="cpu", help="where the float32 reference runs")
     ap.add_argument("--profile", default="fast", help="certification profile whose bases and ranks the runs use")
     ap.add_argument("--new-tokens", type=int, default=16, help="tokens each free-running decode generates")
+    ap.add_argument("--base-quant", default="none",
+                    help="quantise the bases (models/quant.py scheme); the reference runs on the snapped weights")
+    ap.add_argument("--activations", default="float", choices=("float", "int8"),
+                    help="int8: the built-in and PEFT engines read 8-bit activation blocks in front of a GGUF base's "
+                         "quantised matmuls (engine arg activations=int8), judged by the rows for 8-bit activations")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=None, help="model, adapter and reference cache (default: the user's)")
     ap.add_argument("--json", type=Path)
@@ -411,9 +429,21 @@ def main() -> None:
     specs = {"llama": profile.models.get("decoder", "synthetic:llama"), "moe": profile.models.get("moe", "synthetic:moe")}
     a.scale = "small"
 
+    if a.activations == "int8":
+        from lora_conformance.models.quant import GGUF_ACTIVATIONS
+
+        if a.base_quant not in GGUF_ACTIVATIONS:
+            ap.error(f"--activations int8 needs a GGUF base: --base-quant {' or '.join(GGUF_ACTIVATIONS)}")
+        ACTIVATION_SCHEME[0] = GGUF_ACTIVATIONS[a.base_quant]
+    engine_extra = {"activations": "int8"} if a.activations == "int8" else {}
+
     def model(kind):
         if kind not in models:
             models[kind] = resolve_base_model(specs[kind], a.cache / "models")
+            if a.base_quant != "none":
+                from lora_conformance.models.quant import snapped_checkpoint
+
+                models[kind] = snapped_checkpoint(models[kind], a.base_quant, a.cache / "models" / "quantized")
             a.scale = max(a.scale, scale_of_model(models[kind]), key=("small", "real").index)
             runners[kind] = ReferenceRunner(models[kind], a.reference_device, "float32", ReferenceCache(a.cache / "references"))
         return models[kind], runners[kind]
@@ -428,6 +458,7 @@ def main() -> None:
         model_dir, _ = model(kind)
         name = "peft" if var == "peft" else "builtin"
         args = dict(x.split("=", 1) for x in var.split(":", 1)[1].split(",")) if var.startswith("builtin:") else {}
+        args = {**engine_extra, **args}
         key = (name, dtype, kind, tuple(sorted(args.items())))
         if key not in engines:
             for k in [k for k in engines if k[1] != dtype]:
@@ -534,6 +565,7 @@ def _save_partial(a, results, dtype, null, alarms, power, t0, errors) -> None:
     if a.json:
         results[dtype] = {"null": null, "alarms": alarms[:200], "power": power, "seconds": time.time() - t0,
                           "scale": getattr(a, "scale", "small"), "new_tokens": a.new_tokens, "profile": a.profile,
+                          "base_quant": a.base_quant, "activations": a.activations,
                           "errors": [e for e in errors if e["dtype"] == dtype][:20]}
         a.json.write_text(json.dumps(results, indent=1, default=str))
 
@@ -587,9 +619,12 @@ def _lower_bound(hits: int, runs: int) -> float:
 
 def _print(dtype, null, power, alarms, a, errors=()):
     power = dict(power)
-    tol = tolerance_for(dtype, getattr(a, "scale", "small"))
-    print(f"\n== {dtype} on {a.device} ({tol.scale} scale rows): effect_noise {tol.effect_noise:g}, noise_max {tol.effect_noise_max:g}, "
-          f"slope_margin {tol.effect_slope_margin:g}, prompt_rms_max {tol.prompt_rms_max:g}")
+    tol = tolerance_for(dtype, getattr(a, "scale", "small"), ACTIVATION_SCHEME[0])
+    acts = f", {tol.activations} activations" if tol.activations else ""
+    print(f"\n== {dtype} on {a.device} ({tol.scale} scale rows{acts}): effect_noise {tol.effect_noise:g}, "
+          f"noise_max {tol.effect_noise_max:g}, slope_margin {tol.effect_slope_margin:g}, prompt_rms_max "
+          f"{tol.prompt_rms_max:g}, decode_atol {tol.decode_atol:g}, free_running_atol {tol.free_running_atol:g}, "
+          f"gross {tol.effect_gross_atol:g}")
     print("worst statistic / its bound (resid, slope: teacher-forced contexts; p-resid, p-slope, p-max: the paired "
           "prompt check; free-run, p-rms, p-gross: the free-running check's decode and prompt logprobs; decode_d: the "
           "decode at the default per-step bounds)")

@@ -352,6 +352,16 @@ class Harness:
             return {}
         return {getattr(c, "value", str(c)): why for c, why in reasons.items()}
 
+    def declared_activations(self, model_dir: Path) -> Optional[str]:
+        """The activation scheme the engine's quantised-base matmuls read on this model with the user's
+        args (``Engine.declared_activations``; None: the run's dtype), which widens the judge's rows
+        (judge/tolerances.py ``ACTIVATIONS``). Args that do not parse: None (the engine's start reports them)."""
+        try:
+            cls, cfg = self.parsed_engine_args(self.settings.engine_args)
+        except Exception:  # noqa: BLE001 - create_engine reports bad args, once
+            return None
+        return cls.declared_activations(cfg, model_dir, self.settings.device)
+
     def declared_capabilities(self, model_dir: Path):
         """The engine class's own answer (``Engine.declared_capabilities``) for the user's engine args,
         or None where only a started engine can tell."""

@@ -202,3 +202,61 @@ def test_threshold_faults_stay_below_the_fast_profile(suite_runner, fault, lora_
     outcomes = result.parseoutcomes()
     assert not outcomes.get("failed") and not outcomes.get("errors") and outcomes.get("passed", 0) > 0, (
         f"{outcomes}\n" + "\n".join(result.outlines[-30:]))
+
+
+# The rows for 8-bit activations (judge/tolerances.py ACTIVATIONS) are far wider than float32's: the
+# faults must still be caught with them. The built-in engine on a q8_0 base reading ggml's 8-bit activation
+# blocks (what llama.cpp's CPU kernels do), float32, judged by those rows. The default run takes the LoRA
+# semantics, routing, module and lifecycle faults of the decoder; LORA_DETECTION_ACTIVATION_FAULTS=all runs
+# every fault whose path the configuration has (not the int8 base's, the MoE experts' (quantised bases
+# snap the decoder only), tensor parallelism's (refused with a quantised base) or an accelerator's).
+ACTIVATION_ARGS = ["--base-quant", "q8_0", "--engine-arg", "activations=int8"]
+ACTIVATION_FAULTS_DEFAULT = ("delta_x1_1", "scaling_alpha_not_over_r", "rslora_ignored", "patterns_ignored",
+                             "drop_v_proj", "drop_down_proj", "adapter_index_off_by_one", "base_gets_last_adapter",
+                             "delta_twice", "stale_reload", "prefix_cache_ignores_adapter", "lora_fp16",
+                             "quant_lora_skipped")
+# quant_lora_skipped is the int8 base's and the 8-bit-activation path's (layers/gguf_base.py); the others of
+# quant_* only the int8 base has
+_ACTIVATION_NOT_APPLICABLE = {f for f in FAULTS if f.startswith(("quant_", "moe_", "tp_")) or f in DEVICE_ONLY_FAULTS
+                              } - {"quant_lora_skipped"}
+ACTIVATION_FAULTS = (sorted(set(FAULTS) - _ACTIVATION_NOT_APPLICABLE)
+                     if os.environ.get("LORA_DETECTION_ACTIVATION_FAULTS") == "all" else ACTIVATION_FAULTS_DEFAULT)
+# Measured gaps with 8-bit activations: fault -> why (xfails while missed, fails once caught).
+UNCAUGHT_WITH_ACTIVATIONS: dict[str, str] = {
+    "lora_fp16": "the LoRA delta rounded to float16 moves logprobs by about 1e-4, below what 8-bit activations move them "
+                 "(the rows' residual bound 0.12): bench/power.py --base-quant q8_0|q4_k --activations int8 --faults "
+                 "lora_fp16 detected it in 0 of 12 float32 runs; float32's own rows catch it (1e-3)",
+}
+
+
+@pytest.mark.parametrize("fault", ACTIVATION_FAULTS)
+def test_suites_catch_the_fault_with_8_bit_activations(suite_runner, fault, lora_settings):
+    if lora_settings.device_type != "cpu":
+        pytest.skip("the 8-bit-activation runs are cpu's (llama.cpp's CPU kernels are what they emulate)")
+    catchers = CATCHERS[fault]
+    extra = [a for a in EXTRA_ARGS.get(fault, []) if a not in ("--base-quant", "int8")]
+    result = suite_runner.runpytest(*files_declaring(catchers), f"--device={lora_settings.device}", "--dtype=float32",
+                                    f"--lora-cache={lora_settings.cache_dir}", "--engine=builtin", *ACTIVATION_ARGS,
+                                    "--engine-arg", f"fault={fault}", *extra, "-p", "no:cacheprovider", "-q",
+                                    plugins=[KeepFeatures(catchers)])
+    failed = red_features(result, when=("call",))
+    missed = [c for c in catchers if c not in failed]
+    errors = [case for cases in red_features(result, when=("setup", "teardown")).values() for case in cases]
+    assert not errors, f"fault {fault!r}: suite errors (not failures) in {errors}\n" + "\n".join(result.outlines[-60:])
+    if fault in UNCAUGHT_WITH_ACTIVATIONS:
+        assert missed, f"fault {fault!r} is caught with 8-bit activations now: remove it from UNCAUGHT_WITH_ACTIVATIONS"
+        pytest.xfail(f"{UNCAUGHT_WITH_ACTIVATIONS[fault]}; not caught by {missed}")
+    assert not missed, f"fault {fault!r} not caught with 8-bit activations by: {missed}\n" + "\n".join(result.outlines[-30:])
+
+
+def test_the_correct_engine_passes_the_catchers_with_8_bit_activations(suite_runner, lora_settings):
+    """The control: with no fault, the 8-bit-activation engine passes what the faults above must fail."""
+    if lora_settings.device_type != "cpu":
+        pytest.skip("the 8-bit-activation runs are cpu's")
+    catchers = sorted({c for f in ACTIVATION_FAULTS for c in CATCHERS[f]})
+    result = suite_runner.runpytest(*files_declaring(catchers), f"--device={lora_settings.device}", "--dtype=float32",
+                                    f"--lora-cache={lora_settings.cache_dir}", "--engine=builtin", *ACTIVATION_ARGS,
+                                    "-p", "no:cacheprovider", "-q", plugins=[KeepFeatures(catchers)])
+    red = red_features(result, when=("setup", "call", "teardown"))
+    assert not red, f"the correct engine with 8-bit activations failed: {sorted(red)}\n" + "\n".join(result.outlines[-40:])
+    assert result.parseoutcomes().get("passed", 0) > 0, "\n".join(result.outlines[-30:])

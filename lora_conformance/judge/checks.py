@@ -28,15 +28,18 @@ class Judge:
     """One test's judge. ``runner``: the reference runner of the test's base model;
     ``record_effects``: called with the paired analyses' evidence before they are judged."""
 
-    def __init__(self, dtype: str, runner: Any, record_effects: Callable[[list], None], scale: str = "small"):
+    def __init__(self, dtype: str, runner: Any, record_effects: Callable[[list], None], scale: str = "small",
+                 activations: Optional[str] = None):
         self.dtype = dtype
         self.runner = runner
         self.scale = scale  # the base's scale class (judge.tolerances.scale_of_config)
+        # the engine's activation scheme in its quantised-base matmuls (Engine.declared_activations; None: float)
+        self.activations = activations
         self._record_effects = record_effects
 
     @property
     def tolerance(self) -> Tolerance:
-        return tolerance_for(self.dtype, self.scale)
+        return tolerance_for(self.dtype, self.scale, self.activations)
 
     @property
     def free_running_tolerance(self) -> Tolerance:

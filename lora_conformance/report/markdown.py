@@ -75,6 +75,7 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
           if isinstance(env.get("device_memory"), Mapping) else []),
         ("base model", str(env.get("base_model"))),
         *_base_quant_rows(env.get("base_quant")),
+        *_activation_rows(env.get("activations")),
         ("torch / transformers / peft", " / ".join(str(pk.get(n)) for n in ("torch", "transformers", "peft"))),
         ("pytest plugins", _plugins_cell(env.get("pytest_plugins"))),
         ("suite version", str(env.get("suite_version"))),
@@ -116,6 +117,16 @@ def _base_quant_rows(quant: Any) -> list[tuple[str, str]]:
         return []
     return [("base quantisation", f"{quant.get('scheme')}: {quant.get('description')}"),
             ("reference made by", str(quant.get("reference")))]
+
+
+def _activation_rows(acts: Any) -> list[tuple[str, str]]:
+    """An engine whose quantised-base matmuls read quantised activations: which, and the widened rows."""
+    if not isinstance(acts, Mapping):
+        return []
+    row = (acts.get("rows") or {}) if isinstance(acts.get("rows"), Mapping) else {}
+    return [("activations", f"{acts.get('scheme')}: {acts.get('description')} ({acts.get('declared_by')}); judged "
+                            f"with the tolerance rows for {acts.get('tolerance_class')} activations "
+                            f"(judge/tolerances.py ACTIVATIONS, {', '.join(sorted(row)) or 'no dtype'} widened)")]
 
 
 def selection_rows(report: Mapping[str, Any], verdict: Verdict) -> list[tuple[str, str]]:
