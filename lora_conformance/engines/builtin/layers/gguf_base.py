@@ -94,7 +94,7 @@ def attach(model: torch.nn.Module, model_dir, int8_activations: bool = False, ot
     the activation quantiser llama.cpp's CPU kernels use for that scheme (before
     ``fuse_linear_groups``); returns how many groups (0 for any other checkpoint). ``skip_lora``: the
     fault quant_lora_skipped (those groups apply no LoRA; with int8_activations only)."""
-    from lora_conformance.engines.builtin.layers.linear import LoraLinear
+    from lora_conformance.engines.builtin.layers.int8_linear import stored_groups
     from lora_conformance.models import quant
 
     base_scheme = quant.scheme_of(model_dir)
@@ -102,16 +102,8 @@ def attach(model: torch.nn.Module, model_dir, int8_activations: bool = False, ot
         return 0
     stored = quant.load_quantized(model_dir)
     fn = quantizer(FOR_BASE[base_scheme], other)
-    names = {id(m): n for n, m in model.named_modules() if isinstance(m, LoraLinear)}
-    groups = {id(m.group): m.group for m in model.modules() if isinstance(m, LoraLinear)}
     done = 0
-    for g in groups.values():
-        keys = [names[id(p)] + ".weight" for p in g.parts]
-        found = [k in stored for k in keys]
-        if not any(found):
-            continue
-        if not all(found):
-            raise ValueError(f"{model_dir}: GGUF blocks for only some of {keys} (a fused group is all or none)")
+    for g, keys in stored_groups(model, stored, model_dir, "GGUF blocks"):
         for k, p in zip(keys, g.parts):
             w = quant.dequantize(base_scheme, stored[k], (p.out_features, p.in_features))
             p.weight.data = torch.from_numpy(w).to(device=p.weight.device, dtype=p.weight.dtype)

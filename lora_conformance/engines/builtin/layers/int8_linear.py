@@ -67,12 +67,28 @@ class Int8Base:
         return y
 
 
+def stored_groups(model: torch.nn.Module, stored, model_dir, what: str):
+    """(group, its parts' checkpoint keys) for every LoRA linear group whose parts ``stored`` holds a
+    quantised form of; a group with only some of its parts there is an error (``what`` names the form)."""
+    from lora_conformance.engines.builtin.layers.linear import LoraLinear
+
+    names = {id(m): n for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+    groups = {id(m.group): m.group for m in model.modules() if isinstance(m, LoraLinear)}
+    for g in groups.values():
+        keys = [names[id(p)] + ".weight" for p in g.parts]
+        found = [k in stored for k in keys]
+        if not any(found):
+            continue
+        if not all(found):
+            raise ValueError(f"{model_dir}: {what} for only some of {keys} (a fused group is all or none)")
+        yield g, keys
+
+
 def attach(model: torch.nn.Module, model_dir: Path, rules: QuantRules, dtype: torch.dtype, tp=None) -> int:
     """Give every LoRA linear group whose parts the checkpoint stores as int8 its ``Int8Base``
     (before ``fuse_linear_groups``); returns how many groups. A checkpoint of another scheme is
     the engine's refusal (``Engine.check_base_quant``), never reached here."""
     from lora_conformance.engines.base import UnsupportedFeatureError
-    from lora_conformance.engines.builtin.layers.linear import LoraLinear
     from lora_conformance.models.quant import load_quantized, scheme_of
 
     if scheme_of(model_dir) != "int8":
@@ -81,16 +97,8 @@ def attach(model: torch.nn.Module, model_dir: Path, rules: QuantRules, dtype: to
         raise UnsupportedFeatureError("engine 'builtin': an int8 base with tensor_parallel_size > 1 "
                                       "(shards are not cut from int8 codes)")
     stored = load_quantized(model_dir)
-    names = {id(m): n for n, m in model.named_modules() if isinstance(m, LoraLinear)}
-    groups = {id(m.group): m.group for m in model.modules() if isinstance(m, LoraLinear)}
     done = 0
-    for g in groups.values():
-        keys = [names[id(p)] + ".weight" for p in g.parts]
-        found = [k in stored for k in keys]
-        if not any(found):
-            continue
-        if not all(found):
-            raise ValueError(f"{model_dir}: int8 codes for only some of {keys} (a fused group is all or none)")
+    for g, keys in stored_groups(model, stored, model_dir, "int8 codes"):
         device = g.parts[0].weight.device
         q = torch.cat([torch.from_numpy(stored[k]["qweight"]) for k in keys]).to(device)
         s = torch.cat([torch.from_numpy(stored[k]["scale"]) for k in keys]).to(device)
