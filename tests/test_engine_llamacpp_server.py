@@ -163,3 +163,16 @@ def test_finding_init_without_apply_leaves_the_global_scales_at_one(engine, ckpt
     empty = engine._server.request("POST", "/completion", body)["tokens"]
     _, base, _ = greedy_oracle(ckpt["base"], None, PROMPTS[0], 4)
     assert explicit == base and empty != base
+
+
+def test_extra_bufts_off_is_llama_servers_no_repack(ckpt):
+    """The offline mode's use_extra_bufts=false (llama.cpp's AMX buffers segfault on some hosts) reaches
+    llama-server as --no-repack, and the report's settings say it differs from the default."""
+    e = _start(ckpt, extra_bufts=0)
+    try:
+        assert "--no-repack" in e._argv([])
+        assert "--no-repack" in e.settings()["differs_from_engine_default"]
+        req = GenerationRequest(PROMPTS[1], max_new_tokens=3, top_k=3)
+        _check(e.generate([req])[0], ckpt, req, 3)
+    finally:
+        e.close()

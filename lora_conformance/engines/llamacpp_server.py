@@ -154,6 +154,8 @@ class LlamaServerArgs:
                                     minimum=0)
     gguf_cache: Optional[str] = arg(None, "where converted GGUF files are kept (default: beside the model's cache)")
     max_rank: int = arg(256, "the largest adapter rank accepted (llama.cpp has no limit of its own)", minimum=1)
+    extra_bufts: bool = arg(True, "llama.cpp's extra buffer types (repacked, AMX) for quantised weights; off: "
+                                  "llama-server --no-repack (the offline mode's use_extra_bufts)")
     flash_attn: Optional[str] = arg(None, "llama.cpp's flash attention: auto, on or off (default: off in float32, "
                                           "llama.cpp's auto otherwise)", choices=("auto", "on", "off"))
     startup_timeout: float = arg(120.0, "seconds the server may take to answer /health", minimum=1)
@@ -359,6 +361,8 @@ class LlamaServerEngine(Engine):
             argv += ["--cache-ram", str(a.cache_ram)]
         if a.kv_unified is not None:
             argv.append("--kv-unified" if a.kv_unified else "--no-kv-unified")
+        if not a.extra_bufts:  # llama-server's name for use_extra_bufts=false (common/arg.cpp: no_extra_bufts)
+            argv.append("--no-repack")
         if a.chunked_prefill_size:
             argv += ["--batch-size", str(a.chunked_prefill_size), "--ubatch-size", str(a.chunked_prefill_size)]
         if self.kind == "encoder":
@@ -581,6 +585,10 @@ class LlamaServerEngine(Engine):
             differs["--cache-ram"] = {"ours": a.cache_ram, "engine_default": SERVER_CACHE_RAM,
                                       "why": "the host prompt cache restores one adapter's KV for another's request "
                                              "(FINDINGS['cache_ram']); the slots' own prompt cache stays on"}
+        if not a.extra_bufts:
+            differs["--no-repack"] = {"ours": "on (engine arg extra_bufts=0)", "engine_default": "off (repacked and AMX "
+                                      "buffers for quantised weights)", "why": "asked for: llama.cpp's AMX buffers "
+                                      "segfault in llama_decode on some hosts (ggml-org/llama.cpp#20824)"}
         if self.flash != "auto":
             differs["flash_attn"] = {"ours": self.flash, "engine_default": "auto",
                                      "why": "llama.cpp's CPU flash attention computes in half precision"}
