@@ -176,3 +176,13 @@ def test_extra_bufts_off_is_llama_servers_no_repack(ckpt):
         _check(e.generate([req])[0], ckpt, req, 3)
     finally:
         e.close()
+
+
+def test_the_served_mode_holds_gguf_bases_and_declares_their_activations(ckpt):
+    from lora_conformance.engines.llamacpp_server import LlamaServerEngine
+    from lora_conformance.models import quant
+
+    snapped = quant.snapped_checkpoint(ckpt["base"], "q8_0", ckpt["root"] / "q8")  # (q4_k needs rows of 256)
+    assert LlamaServerEngine.check_base_quant(snapped) == "q8_0"
+    assert LlamaServerEngine.declared_activations(LlamaServerArgs(), snapped, "cpu") == "q8_0"
+    assert LlamaServerEngine.declared_activations(LlamaServerArgs(), ckpt["base"], "cpu") is None

@@ -299,6 +299,17 @@ class LlamaServerEngine(Engine):
     extra = "llamacpp"
     slow_start = True
     standard_args = STANDARD_ARGS
+    base_quantizations = {"q8_0": "GGUF Q8_0 blocks written by our converter (llamacpp_convert.QuantizedBase), "
+                                  "served by llama-server",
+                          "q4_k": "GGUF Q4_K blocks written by our converter (llamacpp_convert.QuantizedBase), "
+                                  "served by llama-server"}
+
+    @classmethod
+    def declared_activations(cls, cfg, model_dir, device) -> Optional[str]:
+        """As the offline mode's: ggml's CPU dot products read Q8_0 / Q8_K activation blocks."""
+        from lora_conformance.models.quant import gguf_activations
+
+        return gguf_activations(model_dir)
 
     @classmethod
     def declared_capabilities(cls, cfg, model_dir, device):
