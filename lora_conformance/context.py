@@ -59,10 +59,10 @@ def _adapter_names(labels: Sequence[Optional[str]]) -> list[str]:
     return [n for n in dict.fromkeys(labels) if n]
 
 
-def activations_of(harness: Harness, model_dir: Path) -> Optional[str]:
+def activations_of(harness: Harness, model_dir: Path, dtype: Optional[str] = None) -> Optional[str]:
     """The activation scheme of the engine's quantised-base matmuls on this model (``Engine.declared_activations``;
     None: the run's dtype). The first one a run meets goes into its report's environment, with the rows it widens."""
-    scheme = harness.declared_activations(model_dir)
+    scheme = harness.declared_activations(model_dir, dtype)
     if scheme and "activations" not in harness.environment:
         from lora_conformance.judge.tolerances import ACTIVATIONS, activation_class
         from lora_conformance.models.quant import ACTIVATION_SCHEMES
@@ -94,7 +94,7 @@ class TestContext:
         # the base), so a comparison can ask the reference about them (``_reference_scorer``).
         self._made: list[tuple[GenerationResult, Optional[Path]]] = []
         self.judge = Judge(self.dtype, harness.workspace.reference(self.model_dir), self._record_effects,
-                           scale_of_model(self.model_dir), activations_of(harness, self.model_dir))
+                           scale_of_model(self.model_dir), activations_of(harness, self.model_dir, self.dtype))
 
     # ---- engines -----------------------------------------------------------------------
 
@@ -485,6 +485,6 @@ def run_audit(harness: Harness, seed: int) -> dict:
 
     def judge_for(case):
         return Judge(case.dtype, harness.workspace.reference(case.model_dir), lambda evidence: None,
-                     scale_of_model(case.model_dir), activations_of(harness, case.model_dir))
+                     scale_of_model(case.model_dir), activations_of(harness, case.model_dir, case.dtype))
 
     return audit.run(list(harness.audit_cases.values()), seed, start, judge_for).as_dict()

@@ -352,7 +352,7 @@ class Harness:
             return {}
         return {getattr(c, "value", str(c)): why for c, why in reasons.items()}
 
-    def declared_activations(self, model_dir: Path) -> Optional[str]:
+    def declared_activations(self, model_dir: Path, dtype: Optional[str] = None) -> Optional[str]:
         """The activation scheme the engine's quantised-base matmuls read on this model with the user's
         args (``Engine.declared_activations``; None: the run's dtype), which widens the judge's rows
         (judge/tolerances.py ``ACTIVATIONS``). Args that do not parse: None (the engine's start reports them)."""
@@ -360,7 +360,7 @@ class Harness:
             cls, cfg = self.parsed_engine_args(self.settings.engine_args)
         except Exception:  # noqa: BLE001 - create_engine reports bad args, once
             return None
-        return cls.declared_activations(cfg, model_dir, self.settings.device)
+        return cls.declared_activations(cfg, model_dir, self.settings.device, dtype)
 
     def declared_capabilities(self, model_dir: Path):
         """The engine class's own answer (``Engine.declared_capabilities``) for the user's engine args,

@@ -168,3 +168,19 @@ def test_the_report_says_which_activations_and_rows():
     row = dict(environment_rows(env))["activations"]
     assert row.startswith("q8_0: 8-bit activation blocks of 32") and "rows for int8 activations" in row
     assert "float32" in row and "llamacpp" in row
+
+
+def test_openvino_declares_its_dynamic_quantisation_only_where_the_plugin_applies_it(bases, tmp_path):
+    """The CPU plugin quantises activations (symmetric groups of 32, float32 scale: bit-exact with the
+    int8_alt Q8_0 quantiser, bench/openvino_dynamic_quant.py) only for compressed weights and float32
+    sources; our default turns it off for a quantised base in float32."""
+    from lora_conformance.engines.openvino_engine import OpenVINOEngine
+
+    float_base = bases[0]
+    ov8 = quant.snapped_checkpoint(float_base, "ov_int8", tmp_path / "q")
+    on, default = OpenVINOEngine.parse_args({"dynamic_quantization": "on"}), OpenVINOEngine.parse_args({})
+    assert OpenVINOEngine.declared_activations(on, ov8, "cpu", "float32") == "ov_dq32"
+    assert OpenVINOEngine.declared_activations(on, ov8, "cpu", "bfloat16") is None
+    assert OpenVINOEngine.declared_activations(default, ov8, "cpu", "float32") is None
+    assert OpenVINOEngine.declared_activations(on, float_base, "cpu", "float32") is None
+    assert tolerance_for("float32", activations="ov_dq32") == tolerance_for("float32", activations="q8_0")

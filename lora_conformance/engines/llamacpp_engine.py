@@ -181,7 +181,8 @@ class LlamaCppEngine(Engine):
         return {c: why for c, why in NOT_DECLARED.items()}
 
     @classmethod
-    def declared_activations(cls, cfg: LlamaCppArgs, model_dir: Optional[Path], device: str) -> Optional[str]:
+    def declared_activations(cls, cfg: LlamaCppArgs, model_dir: Optional[Path], device: str,
+                             dtype: Optional[str] = None) -> Optional[str]:
         """ggml's quantised dot products read the activation row quantised to the weight type's
         vec_dot_type (ggml-cpu's type traits: Q8_0 in front of Q8_0 weights, Q8_K in front of Q4_K),
         offline and served alike; there is no knob to keep them float."""

@@ -305,7 +305,7 @@ class LlamaServerEngine(Engine):
                                   "served by llama-server"}
 
     @classmethod
-    def declared_activations(cls, cfg, model_dir, device) -> Optional[str]:
+    def declared_activations(cls, cfg, model_dir, device, dtype=None) -> Optional[str]:
         """As the offline mode's: ggml's CPU dot products read Q8_0 / Q8_K activation blocks."""
         from lora_conformance.models.quant import gguf_activations
 

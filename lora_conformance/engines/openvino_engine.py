@@ -239,6 +239,23 @@ class OpenVINOEngine(Engine):
     }
 
     @classmethod
+    def declared_activations(cls, cfg: OpenVINOArgs, model_dir: Optional[Path], device: str,
+                             dtype: Optional[str] = None) -> Optional[str]:
+        """With dynamic_quantization=on in float32 on a compressed base (ov_int8, ov_int4): the CPU plugin
+        quantises the activations of each compressed-weight FullyConnected to 8-bit groups of 32
+        (symmetric, float32 scale; only for f32 sources: its executors refuse the rest), which
+        bench/openvino_dynamic_quant.py shows bit-exact. The LoRA's matmuls (float weights) read them as
+        they are. Our default turns it off for a quantised base in float32 (then None)."""
+        from lora_conformance.models.quant import read_manifest
+
+        if cfg.dynamic_quantization != "on" or dtype != "float32" or model_dir is None:
+            return None
+        manifest = read_manifest(model_dir)
+        if manifest is None or manifest["scheme"] not in ("ov_int8", "ov_int4") or not manifest["tensors"]:
+            return None
+        return "ov_dq32"
+
+    @classmethod
     def declared_capabilities(cls, cfg: OpenVINOArgs, model_dir: Optional[Path], device: str):
         """None for a model the converter refuses (MoE, encoders, ...): the engine's start says why."""
         from lora_conformance.engines.openvino_convert import check_convertible

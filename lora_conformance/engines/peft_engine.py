@@ -159,7 +159,8 @@ class PeftEngine(Engine):
         return base.to(self.device).eval()
 
     @classmethod
-    def declared_activations(cls, cfg: PeftArgs, model_dir: Optional[Path], device: str) -> Optional[str]:
+    def declared_activations(cls, cfg: PeftArgs, model_dir: Optional[Path], device: str,
+                             dtype: Optional[str] = None) -> Optional[str]:
         from lora_conformance.models.quant import gguf_activations
 
         return gguf_activations(model_dir) if cfg.activations == "int8" else None

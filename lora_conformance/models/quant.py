@@ -62,6 +62,8 @@ SCHEMES: dict[str, str] = {
 ACTIVATION_SCHEMES: dict[str, str] = {
     "q8_0": "8-bit activation blocks of 32 with a float16 scale (ggml's Q8_0, in front of Q8_0 weights)",
     "q8_k": "8-bit activation blocks of 256 with a float32 scale (ggml's Q8_K, in front of Q4_K weights)",
+    "ov_dq32": "8-bit activation groups of 32 with a float32 scale max|x|/127 (OpenVINO CPU's dynamic quantisation "
+               "in front of compressed weights, DYNAMIC_QUANTIZATION_GROUP_SIZE=32)",
 }
 GGUF_ACTIVATIONS: dict[str, str] = {"q8_0": "q8_0", "q4_k": "q8_k"}  # base scheme -> its activation scheme
 

@@ -177,7 +177,8 @@ class BuiltinEngine(Engine):
         return cls._capabilities(cfg, kind)
 
     @classmethod
-    def declared_activations(cls, cfg: EngineArgs, model_dir: Optional[Path], device: str) -> Optional[str]:
+    def declared_activations(cls, cfg: EngineArgs, model_dir: Optional[Path], device: str,
+                             dtype: Optional[str] = None) -> Optional[str]:
         """With activations=int8 on a GGUF base: the activation blocks its quantised matmuls read."""
         from lora_conformance.models.quant import gguf_activations
 
