@@ -283,6 +283,11 @@ class TestContext:
     def tolerance(self):
         return self.judge.tolerance
 
+    @property
+    def same_engine_tolerance(self):
+        """The bound for an engine compared with itself (``Judge.same_engine_tolerance``)."""
+        return self.judge.same_engine_tolerance
+
     def assert_adapter_visible(self, references: Sequence[GenerationResult], requests: Sequence[GenerationRequest],
                                label: str = "", factor: float = 2.0,
                                others: Optional[Sequence[GenerationResult]] = None, tolerance=None) -> None:

@@ -42,7 +42,7 @@ def test_overlap_loading_equals_synchronous(lora, device, dtype):
     overlap = _serve(lora, lora.engine_with(overlap_loading=1, max_loras_per_batch=2, max_rank=256), specs, batches)
     for b, (o_batch, s_batch) in enumerate(zip(overlap, sync)):
         for i, (o, s) in enumerate(zip(o_batch, s_batch)):
-            assert_logprobs_close(o, s, lora.tolerance, label=f"batch {b} row {i}: overlap vs sync", decode=lora.decode)
+            assert_logprobs_close(o, s, lora.same_engine_tolerance, label=f"batch {b} row {i}: overlap vs sync", decode=lora.decode)
     reqs = lora.requests(batches[0])
     lora.assert_matches_reference(overlap[0], lora.reference(reqs, specs), reqs, label="overlap loading")
 
@@ -90,7 +90,7 @@ def test_graphs_equal_eager(lora, device, dtype):
     graphs = _serve(lora, lora.engine_with(graphs=1), specs, batches)
     for b, (g_batch, e_batch) in enumerate(zip(graphs, eager)):
         for i, (g, e) in enumerate(zip(g_batch, e_batch)):
-            assert_logprobs_close(g, e, lora.tolerance, label=f"batch {b} row {i}: graphs vs eager", decode=lora.decode)
+            assert_logprobs_close(g, e, lora.same_engine_tolerance, label=f"batch {b} row {i}: graphs vs eager", decode=lora.decode)
     for b, labels in enumerate(batches):
         reqs = lora.requests(labels)
         lora.assert_matches_reference(graphs[b], lora.reference(reqs, specs), reqs, label=f"graphs batch {b}")

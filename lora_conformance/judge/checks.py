@@ -42,6 +42,14 @@ class Judge:
         return tolerance_for(self.dtype, self.scale, self.activations)
 
     @property
+    def same_engine_tolerance(self) -> Tolerance:
+        """For an engine compared with itself (two runs, batch compositions, a cache hit against its
+        miss, one mode against another): the dtype's row at the base's scale, not widened for the
+        engine's declared activations, whose quantisation both sides read alike (it is per row, so it
+        does not depend on what else a batch holds). Equal to ``tolerance`` where nothing is declared."""
+        return tolerance_for(self.dtype, self.scale)
+
+    @property
     def free_running_tolerance(self) -> Tolerance:
         """The dtype's tolerance with its decode and tie bounds at ``free_running_atol``: the bound
         calibrated by null runs of correct engines (PEFT among them) on strong all-linear adapters,
