@@ -59,7 +59,7 @@ from lora_conformance.judge import paired
 from lora_conformance.adapters import AdapterSpec, synthesize_cached
 from lora_conformance import checkpoints
 from lora_conformance.judge import tolerance_for
-from lora_conformance.judge.tolerances import scale_of_model
+from lora_conformance.judge.tolerances import same_engine_tolerance_for, scale_of_model
 from lora_conformance.judge.logprobs import assert_logprobs_close, assert_prompt_logprobs_close
 from lora_conformance.judge.errors import ConformanceAssertionError
 from lora_conformance.judge.rouge import assert_rouge_l
@@ -111,7 +111,9 @@ VARIATIONS = ("default",) + REWRITES + ("merged", "reverse", "one_at_a_time", "p
 # routing: the nearest-reference routing assertion of mixed_batch::nearest_reference_routing (one prompt,
 # every row a different adapter or none), run on the mixed family. free_running and decode_default include
 # the ROUGE-L floor where the decode did not end at a tie, as lora.assert_matches_reference judges them.
-CHECKS = ("effects", "prompt", "free_running", "decode_default", "routing")
+# same_engine: up to 4 rows of a run generated alone against the same rows in the run's batch, at the
+# same-engine bounds (judge/tolerances.py same_engine_tolerance_for), as the suites compare an engine with itself.
+CHECKS = ("effects", "prompt", "free_running", "decode_default", "routing", "same_engine")
 # The expert-level faults of the built-in engine's catalogue, run on the moe family.
 MOE_FAULTS = ("moe_lora_unweighted", "moe_lora_weight_of_next_expert", "moe_lora_first_expert_only",
               "moe_expert_mismatch", "moe_down_proj_dropped")
@@ -359,6 +361,14 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None,
                     assert_rouge_l(o.text, r.text, tol.rouge_l_min, label=str(q.adapter))
             except ConformanceAssertionError as exc:
                 failures["decode_default"].append(f"decode at default bounds: {str(exc).splitlines()[0]}")
+        same = same_engine_tolerance_for(dtype, scale_of_model(model_dir), ACTIVATION_SCHEME[0])
+        for o, q in zip(outs[:4], reqs[:4]):
+            try:
+                ag = assert_logprobs_close(engine.generate([q])[0], o, same, label=f"{q.adapter} alone vs in the batch",
+                                           check_prompt=False)
+                stats["same_engine"] = max(stats.get("same_engine", 0.0), ag.max_decode_diff / same.decode_atol)
+            except ConformanceAssertionError as exc:
+                failures["same_engine"].append(f"same engine: {str(exc).splitlines()[0]}")
         if shape == "mixed":
             routing_check(rng, names, paths, prompts, engine, runner, failures, defects, new_tokens)
         return failures, stats, defects
@@ -629,7 +639,7 @@ def _print(dtype, null, power, alarms, a, errors=()):
           "prompt check; free-run, p-rms, p-gross: the free-running check's decode and prompt logprobs; decode_d: the "
           "decode at the default per-step bounds)")
     keys = ("residual", "slope", "prompt_residual", "prompt_slope", "prompt_max", "free_running", "prompt_rms",
-            "prompt_gross", "decode_default")
+            "prompt_gross", "decode_default", "same_engine")
     print(f"{'family':10} {'runs':>5} {'alarms':>6} " + " ".join(f"{c[:8]:>8}" for c in CHECKS) +
           f" {'defects':>7} " + " ".join(f"{k.replace('prompt_', 'p-')[:8]:>8}" for k in keys) + f" {'gamma':>6}")
     for fam, r in null.items():

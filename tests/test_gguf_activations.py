@@ -184,3 +184,16 @@ def test_openvino_declares_its_dynamic_quantisation_only_where_the_plugin_applie
     assert OpenVINOEngine.declared_activations(default, ov8, "cpu", "float32") is None
     assert OpenVINOEngine.declared_activations(on, float_base, "cpu", "float32") is None
     assert tolerance_for("float32", activations="ov_dq32") == tolerance_for("float32", activations="q8_0")
+
+
+def test_same_engine_comparisons_widen_only_the_per_step_decode_and_less():
+    from lora_conformance.judge.tolerances import SAME_ENGINE, same_engine_tolerance_for
+
+    for dtype, base in TOLERANCES.items():
+        same = same_engine_tolerance_for(dtype, activations="q8_k")
+        wide = tolerance_for(dtype, activations="q8_k")
+        assert same_engine_tolerance_for(dtype) == base
+        for field in ("effect_noise_max", "prompt_rms_max", "free_running_atol", "effect_gross_atol"):
+            assert getattr(same, field) == getattr(base, field), (dtype, field)
+        assert base.decode_atol <= same.decode_atol <= wide.decode_atol, dtype
+        assert same.decode_atol == max(base.decode_atol, SAME_ENGINE["int8"].get(dtype, {}).get("decode_atol", 0))

@@ -17,7 +17,7 @@ from lora_conformance.judge.effects import assert_effects_conform
 from lora_conformance.judge.errors import ConformanceAssertionError
 from lora_conformance.judge.logprobs import assert_logprobs_close, assert_prompt_logprobs_close
 from lora_conformance.judge.rouge import assert_rouge_l
-from lora_conformance.judge.tolerances import Tolerance, tolerance_for
+from lora_conformance.judge.tolerances import Tolerance, same_engine_tolerance_for, tolerance_for
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
 # score(i, step, ids): the reference's logprobs of ``ids`` at decode step ``step`` of the i-th reference, or None
@@ -44,10 +44,10 @@ class Judge:
     @property
     def same_engine_tolerance(self) -> Tolerance:
         """For an engine compared with itself (two runs, batch compositions, a cache hit against its
-        miss, one mode against another): the dtype's row at the base's scale, not widened for the
-        engine's declared activations, whose quantisation both sides read alike (it is per row, so it
-        does not depend on what else a batch holds). Equal to ``tolerance`` where nothing is declared."""
-        return tolerance_for(self.dtype, self.scale)
+        miss, one mode against another): both sides read the same quantised activations, so the
+        dtype's row, its per-step decode widened only for quantiser boundary crossings
+        (judge/tolerances.py ``SAME_ENGINE``). Equal to ``tolerance`` where nothing is declared."""
+        return same_engine_tolerance_for(self.dtype, self.scale, self.activations)
 
     @property
     def free_running_tolerance(self) -> Tolerance:

@@ -217,6 +217,37 @@ ACTIVATIONS: dict[str, dict[str, dict[str, float]]] = {
 }
 
 
+# An engine compared with itself (two runs, a request in a batch against alone, a cache hit against its miss,
+# one mode against another) reads the same 8-bit quantisation on both sides, except where float rounding that
+# differs between the two (another batch size, another kernel) moves a value across one of the quantiser's
+# rounding boundaries: one block then dequantises a step apart. The built-in engine's emulation gave 0.0096
+# (a batch of 8 against alone, q4_k) in its certification, where float32's own row allows 2e-3. Those
+# comparisons keep the dtype's row with only the per-step decode widened to SAME_ENGINE, far below what the
+# reference comparisons allow (1.3). Calibrated by bench/power.py's same_engine check (up to 4 rows of each
+# null run generated alone against the same rows in its batch; --seed 21, 120 float32 runs per scheme, the
+# variations of the rows above): worst 0.065 (q8_0, a default-strength adapter, step 5); further runs
+# (--seed 31, 160 per scheme) met 0.179 once (q4_k, semantics, step 0): the tail is heavy (one boundary
+# crossing at a sensitive step). Over all 560 float32 runs (2,240 rows) the worst is 0.179 -> 0.27, with no
+# fresh validation at that bound yet; float16 (--seed 21, 120 runs per scheme): worst 0.113 (PEFT) against
+# float16's 0.08 -> 0.17, then fresh runs (--seed 41, 240): 0 alarms at 0.17. bfloat16's own 0.75 was not measured against. OpenVINO's prefix-cache finding
+# (the base row served the adapter row's cached KV, 0.08 in float32) is below this bound: under 8-bit
+# activations a same-engine check cannot show a single-step deviation that small (docs/quantized-bases.md).
+SAME_ENGINE: dict[str, dict[str, dict[str, float]]] = {
+    "int8": {"float32": dict(decode_atol=0.27, tie_margin=0.27), "float16": dict(decode_atol=0.17, tie_margin=0.17)},
+}
+
+
+def same_engine_tolerance_for(dtype: str, scale: str = "small", activations: Optional[str] = None) -> Tolerance:
+    """For an engine compared with itself: the dtype's row at the scale, its per-step decode widened
+    only for quantiser boundary crossings (``SAME_ENGINE``) where the engine declares ``activations``."""
+    from dataclasses import replace
+
+    tol = tolerance_for(dtype, scale)
+    cls = activation_class(activations)
+    wider = {f: max(getattr(tol, f), v) for f, v in SAME_ENGINE.get(cls, {}).get(tol.dtype, {}).items()}
+    return replace(tol, activations=cls, **wider) if cls else tol
+
+
 def activation_class(scheme: Optional[str]) -> str:
     """The tolerance class of an activation scheme ("" for none)."""
     if not scheme:
