@@ -65,6 +65,7 @@ class Harness:
         self._engine_failures: dict[tuple, BaseException] = {}
         self._engine_extra: dict[tuple, dict] = {}  # shared engine key -> the test's args it was started with
         self._declared: dict[Path, Any] = {}  # model dir -> the engine class's declared capabilities
+        self._activations: dict[tuple, Optional[str]] = {}  # (model dir, dtype) -> declared activations
         # Engine starts not yet attached to a test (the plugin's makereport takes them, take_starts),
         # and why each shared engine that was started before is gone (its next start says so).
         self._starts: list[dict] = []
@@ -355,12 +356,17 @@ class Harness:
     def declared_activations(self, model_dir: Path, dtype: Optional[str] = None) -> Optional[str]:
         """The activation scheme the engine's quantised-base matmuls read on this model with the user's
         args (``Engine.declared_activations``; None: the run's dtype), which widens the judge's rows
-        (judge/tolerances.py ``ACTIVATIONS``). Args that do not parse: None (the engine's start reports them)."""
-        try:
-            cls, cfg = self.parsed_engine_args(self.settings.engine_args)
-        except Exception:  # noqa: BLE001 - create_engine reports bad args, once
-            return None
-        return cls.declared_activations(cfg, model_dir, self.settings.device, dtype)
+        (judge/tolerances.py ``ACTIVATIONS``). Args that do not parse: None (the engine's start reports them).
+        Asked once per model and dtype (every test's judge asks; the answer reads the model's manifest)."""
+        key = (model_dir, dtype)
+        if key not in self._activations:
+            try:
+                cls, cfg = self.parsed_engine_args(self.settings.engine_args)
+            except Exception:  # noqa: BLE001 - create_engine reports bad args, once
+                self._activations[key] = None
+            else:
+                self._activations[key] = cls.declared_activations(cfg, model_dir, self.settings.device, dtype)
+        return self._activations[key]
 
     def declared_capabilities(self, model_dir: Path):
         """The engine class's own answer (``Engine.declared_capabilities``) for the user's engine args,

@@ -219,9 +219,9 @@ class Engine(ABC):
                              dtype: Optional[str] = None) -> Optional[str]:
         """Where this engine's quantised-base matmuls read activations quantised to fewer bits than
         the run's dtype (llama.cpp's CPU kernels: 8-bit blocks in front of GGUF weights), the
-        activation scheme (models/quant.py ``ACTIVATION_SCHEMES``); None: the
-        activations stay in the run's dtype (``dtype``: the run's, None where unknown). It selects the tolerance row for 8-bit activations
-        (judge/tolerances.py ``ACTIVATIONS``), and the report says so."""
+        activation scheme (models/quant.py ``ACTIVATION_SCHEMES``); None: the activations stay in the
+        run's dtype (``dtype``: the run's, None where unknown). It selects the tolerance rows for 8-bit
+        activations (judge/tolerances.py ``ACTIVATIONS``), and the report says so."""
         return None
 
     @classmethod

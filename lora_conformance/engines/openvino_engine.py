@@ -246,14 +246,10 @@ class OpenVINOEngine(Engine):
         (symmetric, float32 scale; only for f32 sources: its executors refuse the rest), which
         bench/openvino_dynamic_quant.py shows bit-exact. The LoRA's matmuls (float weights) read them as
         they are. Our default turns it off for a quantised base in float32 (then None)."""
-        from lora_conformance.models.quant import read_manifest
+        from lora_conformance.models.quant import quantised_scheme
 
-        if cfg.dynamic_quantization != "on" or dtype != "float32" or model_dir is None:
-            return None
-        manifest = read_manifest(model_dir)
-        if manifest is None or manifest["scheme"] not in ("ov_int8", "ov_int4") or not manifest["tensors"]:
-            return None
-        return "ov_dq32"
+        on = cfg.dynamic_quantization == "on" and dtype == "float32"
+        return "ov_dq32" if on and quantised_scheme(model_dir) in cls.base_quantizations else None
 
     @classmethod
     def declared_capabilities(cls, cfg: OpenVINOArgs, model_dir: Optional[Path], device: str):

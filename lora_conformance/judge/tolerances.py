@@ -206,8 +206,8 @@ REAL: dict[str, dict[str, float]] = {
 # families reached 1.26 (semantics, q4_k) against bfloat16's 0.75 -> decode_atol = tie_margin 1.9 (1.5x);
 # at it, fresh runs (seed 11): 0 of 200. Embeddings (embedding_effect_rel_max) were not part of the runs,
 # so they keep the dtype's bound. Power at these rows: docs/quantized-bases.md.
-# ov_dq32 is bit-exact with the int8_alt quantiser of Q8_0 blocks (symmetric, groups of 32, float32 scale), one of the
-# calibrated implementations (bench/openvino_dynamic_quant.py shows it)
+# ov_dq32 is bit-exact with the int8_alt quantiser of Q8_0 blocks (symmetric, groups of 32, float32 scale),
+# one of the calibrated implementations (bench/openvino_dynamic_quant.py shows it).
 ACTIVATION_CLASSES: dict[str, str] = {"q8_0": "int8", "q8_k": "int8", "ov_dq32": "int8"}
 _INT8_ACTIVATIONS = dict(effect_noise=0.03, effect_noise_max=0.12, effect_gross_atol=0.7, prompt_rms_max=0.12,
                          decode_atol=1.3, tie_margin=1.3, free_running_atol=2.3, rouge_l_min=0.9)
@@ -228,8 +228,10 @@ ACTIVATIONS: dict[str, dict[str, dict[str, float]]] = {
 # variations of the rows above): worst 0.065 (q8_0, a default-strength adapter, step 5); further runs
 # (--seed 31, 160 per scheme) met 0.179 once (q4_k, semantics, step 0): the tail is heavy (one boundary
 # crossing at a sensitive step). Over all 560 float32 runs (2,240 rows) the worst is 0.179 -> 0.27; fresh
-# runs at it (--seed 51, 200 per scheme): 0 of 400 alarms (95% upper bound on the per-run rate 0.75%); float16 (--seed 21, 120 runs per scheme): worst 0.113 (PEFT) against
-# float16's 0.08 -> 0.17, then fresh runs (--seed 41, 240): 0 alarms at 0.17. bfloat16's own 0.75 was not measured against. OpenVINO's prefix-cache finding
+# runs at it (--seed 51, 200 per scheme): 0 of 400 alarms (95% upper bound on the per-run rate 0.75%).
+# float16 (--seed 21, 120 runs per scheme): worst 0.113 (PEFT) against float16's 0.08 -> 0.17, then fresh
+# runs (--seed 41, 240): 0 alarms at 0.17. bfloat16's own 0.75 was not measured against. OpenVINO's
+# prefix-cache finding
 # (the base row served the adapter row's cached KV, 0.08 in float32) is below this bound: under 8-bit
 # activations a same-engine check cannot show a single-step deviation that small (docs/quantized-bases.md).
 SAME_ENGINE: dict[str, dict[str, dict[str, float]]] = {

@@ -68,15 +68,17 @@ ACTIVATION_SCHEMES: dict[str, str] = {
 GGUF_ACTIVATIONS: dict[str, str] = {"q8_0": "q8_0", "q4_k": "q8_k"}  # base scheme -> its activation scheme
 
 
+def quantised_scheme(model_dir: Union[str, Path, None]) -> str:
+    """The scheme of a checkpoint whose manifest quantised at least one tensor; 'none' for a float
+    checkpoint or one whose manifest quantised nothing (an encoder's: --base-quant snaps decoders)."""
+    m = None if model_dir is None else read_manifest(model_dir)
+    return m["scheme"] if m is not None and m["tensors"] else "none"
+
+
 def gguf_activations(model_dir: Union[str, Path, None]) -> "str | None":
     """The activation scheme llama.cpp's CPU kernels read in front of this checkpoint's GGUF-quantised
-    tensors (None: not a GGUF base, or one whose manifest quantised no tensor, as an encoder's)."""
-    if model_dir is None:
-        return None
-    m = read_manifest(model_dir)
-    if m is None or not m["tensors"]:
-        return None
-    return GGUF_ACTIVATIONS.get(m["scheme"])
+    tensors (None: not a GGUF base, or one that quantised no tensor)."""
+    return GGUF_ACTIVATIONS.get(quantised_scheme(model_dir))
 
 # Bump when a quantiser changes: it is part of the snapped checkpoint's key and of reference keys.
 QUANT_VERSION = 1

@@ -76,12 +76,14 @@ class BuiltinEngine(Engine):
         refused = self._mode_refusal(self.cfg, self.device)
         if refused:
             raise UnsupportedFeatureError(refused)
+        from lora_conformance.models.quant import GGUF_ACTIVATIONS
+
         # (an encoder base is never quantised: --base-quant snaps decoders; it runs float whatever activations says)
-        if (self.cfg.activations != "float" and self.base_quant not in ("q8_0", "q4_k")
+        if (self.cfg.activations != "float" and self.base_quant not in GGUF_ACTIVATIONS
                 and load_spec(self.model_dir).kind != "encoder"):
-            raise UnsupportedFeatureError(f"engine 'builtin': activations={self.cfg.activations} quantises the activations in front of a "
-                                          f"GGUF base's quantised matmuls; this base is {self.base_quant!r} "
-                                          "(use --base-quant q8_0 or q4_k)")
+            raise UnsupportedFeatureError(f"engine 'builtin': activations={self.cfg.activations} quantises the "
+                                          f"activations in front of a GGUF base's quantised matmuls; this base is "
+                                          f"{self.base_quant!r} (use --base-quant {' or '.join(GGUF_ACTIVATIONS)})")
         if self.base_quant != "none" and self.cfg.tensor_parallel_size > 1:
             raise UnsupportedFeatureError(f"engine 'builtin': a {self.base_quant} base with tensor_parallel_size > 1 "
                                           "(the shards are not cut from int8 codes)")

@@ -192,6 +192,5 @@ class EnginePlan:
                               row_b_on_every_rank=f.on("tp_scaling_per_shard")),
             quant=QuantRules(delta_before_scale=f.on("quant_delta_before_scale"),
                              skip_lora=f.on("quant_lora_skipped"), one_scale=f.on("quant_scale_of_channel_0"),
-                             int8_activations=getattr(cfg, "activations", "float") != "float",
-                             activations_other_rounding=getattr(cfg, "activations", "float") == "int8_alt"),
+                             activations=getattr(cfg, "activations", "float")),
         )

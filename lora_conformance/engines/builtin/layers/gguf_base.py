@@ -70,7 +70,8 @@ def quantizer(scheme: str, other: bool = False) -> Callable[[torch.Tensor], torc
 class ActQuantBase:
     """A group's float base weight read through quantised activations; the LoRA delta reads ``x``."""
 
-    def __init__(self, weights: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor], skip_lora: bool = False):
+    def __init__(self, weights: list[torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor],
+                 skip_lora: bool = False):
         self.wt = torch.cat(weights).t().contiguous()  # (in, N)
         self.fn = fn
         self.skip_lora = skip_lora  # the fault quant_lora_skipped: quantised groups apply no LoRA
@@ -87,13 +88,13 @@ class ActQuantBase:
         return y
 
 
-def attach(model: torch.nn.Module, model_dir, int8_activations: bool = False, other: bool = False,
-           skip_lora: bool = False) -> int:
+def attach(model: torch.nn.Module, model_dir, rules) -> int:
     """For a GGUF base (q8_0, q4_k): every LoRA linear group whose weights the checkpoint quantised
-    gets them decoded from its GGUF blocks, and with ``int8_activations`` an ``ActQuantBase`` with
-    the activation quantiser llama.cpp's CPU kernels use for that scheme (before
-    ``fuse_linear_groups``); returns how many groups (0 for any other checkpoint). ``skip_lora``: the
-    fault quant_lora_skipped (those groups apply no LoRA; with int8_activations only)."""
+    gets them decoded from its GGUF blocks, and where ``rules.activations`` (layers/int8_linear.py
+    QuantRules) is not float an ``ActQuantBase`` with the activation quantiser llama.cpp's CPU kernels
+    use for that scheme (int8_alt: the other one; before ``fuse_linear_groups``); returns how many
+    groups (0 for any other checkpoint). ``rules.skip_lora``: the fault quant_lora_skipped (those
+    groups apply no LoRA; with 8-bit activations only)."""
     from lora_conformance.engines.builtin.layers.int8_linear import stored_groups
     from lora_conformance.models import quant
 
@@ -101,16 +102,16 @@ def attach(model: torch.nn.Module, model_dir, int8_activations: bool = False, ot
     if base_scheme not in FOR_BASE:
         return 0
     stored = quant.load_quantized(model_dir)
-    fn = quantizer(FOR_BASE[base_scheme], other)
+    fn = quantizer(FOR_BASE[base_scheme], rules.activations == "int8_alt")
     done = 0
     for g, keys in stored_groups(model, stored, model_dir, "GGUF blocks"):
         for k, p in zip(keys, g.parts):
             w = quant.dequantize(base_scheme, stored[k], (p.out_features, p.in_features))
             p.weight.data = torch.from_numpy(w).to(device=p.weight.device, dtype=p.weight.dtype)
         done += 1
-        if not int8_activations:
+        if rules.activations == "float":
             continue
-        g.quant = ActQuantBase([p.weight.data for p in g.parts], fn, skip_lora)
+        g.quant = ActQuantBase([p.weight.data for p in g.parts], fn, rules.skip_lora)
         off = 0
         for p in g.parts:  # the parts' weights become views of the group's (in, N) copy: no second copy
             p.weight.data = g.quant.wt[:, off: off + p.out_features].t()

@@ -28,9 +28,8 @@ class QuantRules:
     delta_before_scale: bool = False  # the LoRA delta added to x @ q^T, then scaled with the base
     skip_lora: bool = False  # quantised groups apply no LoRA
     one_scale: bool = False  # every output channel dequantised with channel 0's scale
-    # A GGUF base (q8_0, q4_k): its quantised groups read 8-bit activation blocks (layers/gguf_base.py)
-    int8_activations: bool = False
-    activations_other_rounding: bool = False  # activations=int8_alt: another correct quantiser of those blocks
+    # What a GGUF base's (q8_0, q4_k) quantised groups read: engine arg activations (layers/gguf_base.py)
+    activations: str = "float"
 
 
 class Int8Base:

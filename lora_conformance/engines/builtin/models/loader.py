@@ -141,7 +141,7 @@ def build_model(model_dir: Path, spec: ModelSpec, max_len: int, device: str, dty
     from lora_conformance.engines.builtin.layers import gguf_base
 
     # a GGUF base: its blocks decoded; with activations=int8 read through 8-bit activation blocks
-    gguf_base.attach(model, model_dir, rules.int8_activations, rules.activations_other_rounding, rules.skip_lora)
+    gguf_base.attach(model, model_dir, rules)
     # q/k/v and gate/up: one weight each, the modules' weights views of it; (in, out) storage on cpu
     fuse_linear_groups(model, transposed=devices.device_type(device) == "cpu")
     model.eval()
