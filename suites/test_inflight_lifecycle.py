@@ -5,9 +5,10 @@ unload or a reload of that name must wait for the requests that use it (SGLang d
 refused with ``AdapterInUseError``, never swap weights under them; loading another name meanwhile
 must not disturb them. Each test waits until the running requests have produced their first token,
 so the change lands while they run; their generations are long enough (48 steps) that they do, and
-where an engine finished them before the change was issued (a fast engine: llama-server on a GGUF
-base decodes 48 tokens of the small base in well under the time the change takes to issue), the
-test runs again with longer ones (``STEP_LADDER``) before it calls that a suite defect.
+where an engine finished them before the change was issued (one that decodes 48 steps of the small
+base faster than the change can be issued), the test runs again with longer ones (``STEP_LADDER``)
+before it calls that a suite defect. Only the requests that use the name are waited for: an engine
+may serve the others after them (``start``).
 
 What "waits" can mean to a caller: the requests that use the name (not the base rows running
 beside them, which the change need not wait for; they are submitted apart so the two are told
