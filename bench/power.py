@@ -311,7 +311,8 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None,
         for n in names:
             engine.load_adapter(n, transformed(paths[n], how, dtype, tmp) if how else paths[n])
             loaded.append(n)
-        tol = tolerance_for(dtype, scale_of_model(model_dir), ACTIVATION_SCHEME[0])
+        scale = scale_of_model(model_dir)
+        tol = tolerance_for(dtype, scale, ACTIVATION_SCHEME[0])
         alts = paired.default_alternatives(labels, paths)
         plan = paired.Plan(labels, prompts, paths, alts,
                                    paired.required_hypotheses(alts, modules=family == "alllinear"))
@@ -361,7 +362,7 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None,
                     assert_rouge_l(o.text, r.text, tol.rouge_l_min, label=str(q.adapter))
             except ConformanceAssertionError as exc:
                 failures["decode_default"].append(f"decode at default bounds: {str(exc).splitlines()[0]}")
-        same = same_engine_tolerance_for(dtype, scale_of_model(model_dir), ACTIVATION_SCHEME[0])
+        same = same_engine_tolerance_for(dtype, scale, ACTIVATION_SCHEME[0])
         for o, q in zip(outs[:4], reqs[:4]):
             try:
                 ag = assert_logprobs_close(engine.generate([q])[0], o, same, label=f"{q.adapter} alone vs in the batch",
