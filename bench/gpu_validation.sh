@@ -96,6 +96,7 @@ case "$part" in
     tar czf "$OUT/full-cold-reports.tgz" -C /tmp/lc-full runs
     ;;
   full-warm)
+    mkdir -p /tmp/lc-full/warm  # certify_time's reports (mkdtemp falls back to /tmp where TMPDIR is missing)
     TMPDIR=/tmp/lc-full/warm timeout "$(left)" python3 bench/certify_time.py --device cuda --workers 2 --skip-cold \
       --warm-cache /tmp/lc-full --json "$OUT/full_warm.json" -- --profile=full 2>&1 | tee "$OUT/full_warm.log"
     tar czf "$OUT/full-warm-report.tgz" -C /tmp/lc-full warm
