@@ -64,13 +64,14 @@ def activations_of(harness: Harness, model_dir: Path, dtype: Optional[str] = Non
     None: the run's dtype). The first one a run meets goes into its report's environment, with the rows it widens."""
     scheme = harness.declared_activations(model_dir, dtype)
     if scheme and "activations" not in harness.environment:
-        from lora_conformance.judge.tolerances import ACTIVATIONS, activation_class
+        from lora_conformance.judge.tolerances import ACTIVATIONS, SAME_ENGINE, activation_class
         from lora_conformance.models.quant import ACTIVATION_SCHEMES
 
         row = activation_class(scheme)
         harness.environment["activations"] = {
             "scheme": scheme, "description": ACTIVATION_SCHEMES.get(scheme, scheme), "tolerance_class": row,
-            "rows": ACTIVATIONS[row], "declared_by": f"{harness.settings.engine}'s declared_activations"}
+            "rows": ACTIVATIONS[row], "same_engine_rows": SAME_ENGINE.get(row, {}),
+            "declared_by": f"{harness.settings.engine}'s declared_activations"}
     return scheme
 
 

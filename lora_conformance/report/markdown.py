@@ -123,10 +123,11 @@ def _activation_rows(acts: Any) -> list[tuple[str, str]]:
     """An engine whose quantised-base matmuls read quantised activations: which, and the widened rows."""
     if not isinstance(acts, Mapping):
         return []
-    row = (acts.get("rows") or {}) if isinstance(acts.get("rows"), Mapping) else {}
+    row = acts.get("rows") if isinstance(acts.get("rows"), Mapping) else {}
     return [("activations", f"{acts.get('scheme')}: {acts.get('description')} ({acts.get('declared_by')}); judged "
                             f"with the tolerance rows for {acts.get('tolerance_class')} activations "
-                            f"(judge/tolerances.py ACTIVATIONS, {', '.join(sorted(row)) or 'no dtype'} widened)")]
+                            f"(judge/tolerances.py ACTIVATIONS, {', '.join(sorted(row)) or 'no dtype'} widened; "
+                            "an engine compared with itself: SAME_ENGINE, its per-step decode only)")]
 
 
 def selection_rows(report: Mapping[str, Any], verdict: Verdict) -> list[tuple[str, str]]:
