@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,21 @@ def steal_seconds() -> float:
         return 0.0
 
 
+# The certification running now. SIGTERM or SIGINT to this script (a device call's ``timeout``, Ctrl-C) is
+# passed on to it, once:
+# certify then stops pytest gracefully and writes the partial report, its row is printed (its exit code
+# says it was interrupted), and no further row starts.
+_RUNNING: list = []
+_STOPPED: list = []
+
+
+def _stop(signum, frame) -> None:
+    if not _STOPPED:
+        for proc in _RUNNING:
+            proc.send_signal(signal.SIGTERM)
+    _STOPPED.append(signum)
+
+
 def certify(a, workers: int, cache: Path, report: Path, threads: str | None, engine: str | None = None) -> dict:
     engine = engine or a.engines[0]
     python = a.pythons.get(engine, sys.executable)
@@ -89,7 +105,14 @@ def certify(a, workers: int, cache: Path, report: Path, threads: str | None, eng
     before_load, before_cpu, before_steal = load1(), children_cpu(), steal_seconds()
     start = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    # A session of its own: a signal to this script's process group (``timeout`` sends one) reaches certify
+    # only through _stop, once (a second SIGTERM would make certify stop pytest at once, with no report).
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                          start_new_session=True) as proc:
+        _RUNNING[:] = [proc]
+        stdout, stderr = proc.communicate()
+        _RUNNING.clear()
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     wall = time.perf_counter() - start
     steal = steal_seconds() - before_steal
     tail = [ln for ln in out.stdout.splitlines() if " passed" in ln or " failed" in ln or "badge:" in ln]
@@ -97,7 +120,7 @@ def certify(a, workers: int, cache: Path, report: Path, threads: str | None, eng
     return {"starts": engine_starts(doc), "references": reference_work(doc), "device_gib": device_memory(doc),
             "engine": engine, "workers": workers, "threads": threads or "share", "wall_s": round(wall, 2),
             "cpu_s": round(children_cpu() - before_cpu, 2), "load_before": round(before_load, 2),
-            "load_after": round(load1(), 2), "steal_s": round(steal, 2), "exit": out.returncode, "summary": tail[-2:] if tail else
+            "load_after": round(load1(), 2), "steal_s": round(steal, 2), "exit": out.returncode, "interrupted": bool(_STOPPED), "summary": tail[-2:] if tail else
             [(out.stdout + out.stderr).strip().splitlines()[-1:] or ["(no output)"]][0]}
 
 
@@ -169,6 +192,8 @@ def main() -> int:
     a = p.parse_args()
     a.pytest_args = a.pytest_args[1:] if a.pytest_args[:1] == ["--"] else a.pytest_args
     a.engines = [e for e in a.engine.split(",") if e]
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     a.pythons = dict(item.split("=", 1) for item in a.python)
     cores = parallel.cpu_cores()
     counts = [int(x) for x in a.workers.split(",")] if a.workers else default_worker_counts(cores)
@@ -194,6 +219,10 @@ def main() -> int:
                     row["speedup"] = round(s / row["wall_s"], 2) if s else None  # None: no serial row
                     rows.append(row)
                     print(fmt(row), flush=True)
+                    if _STOPPED:
+                        print("certify_time: stopped by SIGTERM: the row above is the interrupted run's; no further "
+                              "row started", flush=True)
+                        return
 
     print(header(), flush=True)
     if not a.skip_warm:
@@ -204,10 +233,11 @@ def main() -> int:
                 prime = certify(a, max(counts), warm, work / f"report-prime-{engine}", None, engine)
                 print(f"(priming run, {engine}: {prime['wall_s']} s, exit {prime['exit']})", flush=True)
         for round_ in range(max(1, a.repeat)):
-            timed("warm", lambda n, t: warm, counts, round_)
+            if not _STOPPED:
+                timed("warm", lambda n, t: warm, counts, round_)
         if a.repeat > 1:
             print(summary([r for r in rows if r["cache"] == "warm"]), flush=True)
-    if not a.skip_cold:
+    if not a.skip_cold and not _STOPPED:
         timed("cold", lambda n, t: work / f"cold-cache-{n}-{t}", cold_counts)
     if a.json:
         a.json.write_text(json.dumps({"cores": cores, "device": a.device, "engines": a.engines, "rows": rows},

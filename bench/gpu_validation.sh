@@ -51,6 +51,11 @@ race_report() {
 }
 # Seconds left before the deadline (at least 1: timeout 0 would mean none).
 left() { local n=$((deadline - SECONDS)); [ "$n" -gt 1 ] && echo "$n" || echo 1; }
+# For a certification: stopped STOP_MARGIN s before the deadline (default 45), since on SIGTERM certify
+# stops pytest gracefully and writes the partial report (up to launch.INTERRUPT_GRACE_S, 60 s), and the
+# archive of the reports must still be written within the call.
+stop_margin=${STOP_MARGIN:-45}
+until_stop() { local n=$((deadline - stop_margin - SECONDS)); [ "$n" -gt 1 ] && echo "$n" || echo 1; }
 # The least a part needs to be worth starting (seconds).
 minimum() { case "$1" in full-cold) echo 240 ;; full-warm) echo 300 ;; compile) echo 180 ;; detect-new) echo 120 ;; *) echo 1 ;; esac; }
 run_part() {
@@ -88,8 +93,8 @@ case "$part" in
     mkdir -p /tmp/lc-full/runs
     mapfile -t desel < <(python3 bench/finished_cases.py /tmp/lc-full/runs/*/report.json 2>>"$log")
     run=/tmp/lc-full/runs/cold-$(date +%s)
-    echo "bases ready at ${SECONDS} s; $(tail -1 "$log"); certifying until ${deadline} s" | tee -a "$log"
-    timeout "$(left)" python3 -m lora_conformance.cli certify --device cuda --profile full --lora-cache /tmp/lc-full \
+    echo "bases ready at ${SECONDS} s; $(tail -1 "$log"); certifying until $((deadline - stop_margin)) s" | tee -a "$log"
+    timeout "$(until_stop)" python3 -m lora_conformance.cli certify --device cuda --profile full --lora-cache /tmp/lc-full \
       --report "$run" -- -p no:cacheprovider -q -rfE "${desel[@]}" >> "$log" 2>&1
     echo "certify rc=$? at ${SECONDS} s" | tee -a "$log"
     grep -E "^(workers|LoRA conformance|reference|device memory|partial)" "$log"
@@ -97,13 +102,13 @@ case "$part" in
     ;;
   full-warm)
     mkdir -p /tmp/lc-full/warm  # certify_time's reports (mkdtemp falls back to /tmp where TMPDIR is missing)
-    TMPDIR=/tmp/lc-full/warm timeout "$(left)" python3 bench/certify_time.py --device cuda --workers 2 --skip-cold \
+    TMPDIR=/tmp/lc-full/warm timeout "$(until_stop)" python3 bench/certify_time.py --device cuda --workers 2 --skip-cold \
       --warm-cache /tmp/lc-full --json "$OUT/full_warm.json" -- --profile=full 2>&1 | tee "$OUT/full_warm.log"
     tar czf "$OUT/full-warm-report.tgz" -C /tmp/lc-full warm
     ;;
   compile)
     start=$SECONDS
-    timeout "$(left)" python3 -m lora_conformance.cli certify --device cuda -n 8 --engine-arg exec_mode=compile \
+    timeout "$(until_stop)" python3 -m lora_conformance.cli certify --device cuda -n 8 --engine-arg exec_mode=compile \
       --lora-cache /tmp/lc-modes --report "$OUT/report-compile" -- -p no:cacheprovider -q -rfE > "$OUT/compile.log" 2>&1
     echo "certify rc=$? in $((SECONDS - start)) s" | tee -a "$OUT/compile.log"
     grep -E "^(LoRA conformance|reference|device memory|=+ .* in )" "$OUT/compile.log"
