@@ -184,7 +184,7 @@ def workers_for_run(device: str, recorded_work_s: Optional[float], profile: Opti
         if kind != "cpu" and ":" not in device:
             count = max(1, devices.device_count(kind))
     return choose_workers(cpu_cores(), available_memory(), kind, count, recorded_work_s,
-                          worker_memory=int(p.worker_memory_gib * 1024**3),
+                          worker_memory=int(((kind == "cpu" and p.cpu_worker_memory_gib) or p.worker_memory_gib) * 1024**3),
                           per_device=p.workers_per_device or WORKERS_PER_DEVICE,
                           why=f" ({p.name} profile)" if p.name != "fast" else "")
 

@@ -312,3 +312,18 @@ def test_the_full_profile_caps_workers_by_its_own_needs(monkeypatch):
     assert parallel.workers_for_run("cuda", None, "full").workers == 2
     monkeypatch.setattr(parallel, "available_memory", lambda: 20 * GiB)
     assert parallel.workers_for_run("cuda", None, "full").workers == 1
+
+
+def test_the_full_profile_on_cpu_gives_a_worker_room_for_the_engine_too(monkeypatch):
+    """On cpu a full-profile worker holds the engine's weights beside the reference's base and its
+    adapted copy (7.1 GB each): one per cpu_worker_memory_gib of available memory, not per the
+    accelerator's host figure."""
+    from lora_conformance.models import profiles
+
+    monkeypatch.setattr(parallel, "cpu_cores", lambda: 16)
+    monkeypatch.setattr(parallel, "available_memory", lambda: 64 * GiB)
+    full = profiles.get("full")
+    assert full.cpu_worker_memory_gib > full.worker_memory_gib
+    cpu = parallel.workers_for_run("cpu", None, "full")
+    assert cpu.workers == int(64 // full.cpu_worker_memory_gib) == 2 and "full profile" in cpu.reason
+    assert parallel.workers_for_run("cpu", None, "fast").workers == 16

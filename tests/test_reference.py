@@ -270,3 +270,54 @@ def test_adapted_copies_keep_the_rotary_guard(world):
     x, pos = torch.zeros(1, 3, 8), torch.arange(3).view(1, 3)
     cos, sin = rope(x, pos)
     assert table_error(cos, sin) < 1e-6
+
+
+def _three_adapters(world, tmp_path):
+    model, _ = world
+    return [synthesize_cached(model, AdapterSpec(seed=s), tmp_path) for s in (71, 72, 73)]
+
+
+def test_adapted_copies_stay_within_the_copy_budget(world, tmp_path, monkeypatch):
+    """A real-shape base's copies (7 GB each in float32) are bounded by MODEL_COPY_BUDGET on every
+    device: with room for one, each new adapter's copy replaces the last."""
+    from lora_conformance.reference import runner as runner_mod
+
+    model, _ = world
+    runner = ReferenceRunner(model, max_models=4)
+    base_bytes = runner_mod._param_bytes(runner._load_base())
+    monkeypatch.setattr(runner_mod, "MODEL_COPY_BUDGET", base_bytes)  # room for one copy
+    for adapter in _three_adapters(world, tmp_path):
+        runner._model_for(adapter)
+        assert sum(k != "__base__" for k in runner._models) == 1
+    assert runner.copies == 3
+
+
+def test_adapted_copies_dropped_where_the_host_lacks_room(world, tmp_path, monkeypatch):
+    """On cpu an older copy is dropped before the next is made while MemAvailable is short of the
+    copy (the engine's own weights share the host); with room, copies are kept as before."""
+    from lora_conformance.reference import runner as runner_mod
+
+    model, _ = world
+    adapters = _three_adapters(world, tmp_path)
+    monkeypatch.setattr(runner_mod, "host_available_bytes", lambda: 0)
+    runner = ReferenceRunner(model, max_models=4)
+    for adapter in adapters:
+        runner._model_for(adapter)
+        assert sum(k != "__base__" for k in runner._models) == 1
+    monkeypatch.setattr(runner_mod, "host_available_bytes", lambda: 1 << 50)
+    roomy = ReferenceRunner(model, max_models=4)
+    for adapter in adapters:
+        roomy._model_for(adapter)
+    assert sum(k != "__base__" for k in roomy._models) == 3
+
+
+def test_host_available_bytes_reads_meminfo():
+    import sys
+
+    from lora_conformance.reference.runner import host_available_bytes
+
+    room = host_available_bytes()
+    if sys.platform.startswith("linux"):
+        assert room is not None and room > 1 << 20
+    else:
+        assert room is None

@@ -37,6 +37,8 @@ class Profile:
     # accelerator (0: parallel.WORKERS_PER_DEVICE).
     worker_memory_gib: float = 2.0
     workers_per_device: int = 0
+    # The same on cpu, where the engine's weights share the host with the reference's (0: worker_memory_gib).
+    cpu_worker_memory_gib: float = 0.0
 
     def describe(self, model_configs: Optional[dict] = None) -> dict[str, Any]:
         d = asdict(self)
@@ -65,6 +67,9 @@ PROFILES: dict[str, Profile] = {
         # of memory (reports/2026-12-04-builtin-fullprofile-cuda-bfloat16.md).
         worker_memory_gib=16.0,
         workers_per_device=2,
+        # On cpu the reference's base and one adapted copy (reference/runner.py MODEL_COPY_BUDGET) and the
+        # engine's weights, 7.1 GB each in float32: one worker used 24 GB before the copies were bounded.
+        cpu_worker_memory_gib=22.0,
         cpu_hours="the decoder base costs about 600x the fast profile's per token (1.78 B parameters against "
                   "2.9 M) and its long prompts are 8,192 tokens: days on a few cores for every feature, against "
                   "minutes for the fast profile; limit it by feature with -k (e.g. -k rank)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -74,8 +75,23 @@ def sum_work(works: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     return total
 
 
-# Bytes of adapted model copies a reference keeps on an accelerator (the base's own copy aside).
+# Bytes of adapted model copies a reference keeps (the base's own copy aside).
 MODEL_COPY_BUDGET = 12 << 30
+# On cpu a copy is made in host memory, beside the engine under test: an older copy is dropped first
+# unless MemAvailable leaves this much more than the copy's bytes.
+HOST_ROOM = 1.25
+
+
+def host_available_bytes() -> Optional[int]:
+    """The host's MemAvailable (Linux /proc/meminfo), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _param_bytes(model) -> int:
@@ -207,13 +223,25 @@ class ReferenceRunner:
             self._models.move_to_end(key)
             return self._models[key]
         base = self._load_base()
-        if adapter_path is not None and self.device != "cpu":
-            # On an accelerator, adapted copies are kept within MODEL_COPY_BUDGET (at least one), the
-            # oldest dropped before the next is made: a real-shape base (profile full, 7 GB in float32)
-            # with max_models copies per worker ran an H200 out of memory at two workers.
-            keep = max(1, min(self._max_models - 1, MODEL_COPY_BUDGET // _param_bytes(base)))
-            while sum(k != "__base__" for k in self._models) >= keep:
+        if adapter_path is not None:
+            # Adapted copies are kept within MODEL_COPY_BUDGET (at least one), the oldest dropped before
+            # the next is made: a real-shape base (profile full, 7 GB in float32) with max_models copies
+            # per worker ran an H200 out of memory at two workers, and a 24 GiB cpu machine at one (the
+            # engine's own 7 GB beside them). On cpu also while the host lacks room for the copy.
+            nbytes = _param_bytes(base)
+            keep = max(1, min(self._max_models - 1, MODEL_COPY_BUDGET // nbytes))
+
+            def copies() -> int:
+                return sum(k != "__base__" for k in self._models)
+
+            while copies() >= keep:
                 del self._models[next(k for k in self._models if k != "__base__")]
+            while self.device == "cpu" and copies():
+                room = host_available_bytes()
+                if room is None or room >= HOST_ROOM * nbytes:
+                    break
+                del self._models[next(k for k in self._models if k != "__base__")]
+                gc.collect()
         if adapter_path is None:
             model = base
         else:
