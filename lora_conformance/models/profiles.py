@@ -70,9 +70,12 @@ PROFILES: dict[str, Profile] = {
         # On cpu the reference's base and one adapted copy (reference/runner.py MODEL_COPY_BUDGET) and the
         # engine's weights, 7.1 GB each in float32: one worker used 24 GB before the copies were bounded.
         cpu_worker_memory_gib=22.0,
+        # Measured on a 2-core cpu (reports/2026-12-05-real-shapes-on-cpu.md).
         cpu_hours="the decoder base costs about 600x the fast profile's per token (1.78 B parameters against "
-                  "2.9 M) and its long prompts are 8,192 tokens: days on a few cores for every feature, against "
-                  "minutes for the fast profile; limit it by feature with -k (e.g. -k rank)",
+                  "2.9 M): on 2 cores the base builds in about 2 minutes and a case with cold references takes "
+                  "about 2 minutes (llama.cpp's accuracy feature: 9 cases in 17 minutes), so the whole profile "
+                  "takes many hours, its 8,192-token prompts most; each worker needs about 22 GiB; limit it by "
+                  "feature with -k (e.g. -k test_accuracy)",
     ),
 }
 NAMES = tuple(PROFILES)
