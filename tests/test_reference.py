@@ -295,29 +295,17 @@ def test_adapted_copies_stay_within_the_copy_budget(world, tmp_path, monkeypatch
 def test_adapted_copies_dropped_where_the_host_lacks_room(world, tmp_path, monkeypatch):
     """On cpu an older copy is dropped before the next is made while MemAvailable is short of the
     copy (the engine's own weights share the host); with room, copies are kept as before."""
-    from lora_conformance.reference import runner as runner_mod
+    from lora_conformance import parallel
 
     model, _ = world
     adapters = _three_adapters(world, tmp_path)
-    monkeypatch.setattr(runner_mod, "host_available_bytes", lambda: 0)
+    monkeypatch.setattr(parallel, "available_memory", lambda: 0)
     runner = ReferenceRunner(model, max_models=4)
     for adapter in adapters:
         runner._model_for(adapter)
         assert sum(k != "__base__" for k in runner._models) == 1
-    monkeypatch.setattr(runner_mod, "host_available_bytes", lambda: 1 << 50)
+    monkeypatch.setattr(parallel, "available_memory", lambda: 1 << 50)
     roomy = ReferenceRunner(model, max_models=4)
     for adapter in adapters:
         roomy._model_for(adapter)
     assert sum(k != "__base__" for k in roomy._models) == 3
-
-
-def test_host_available_bytes_reads_meminfo():
-    import sys
-
-    from lora_conformance.reference.runner import host_available_bytes
-
-    room = host_available_bytes()
-    if sys.platform.startswith("linux"):
-        assert room is not None and room > 1 << 20
-    else:
-        assert room is None

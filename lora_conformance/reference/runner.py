@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
+from lora_conformance import parallel
 from lora_conformance.reference.cache import ReferenceCache, key_of
 from lora_conformance.types import GenerationRequest, GenerationResult, TopK
 
@@ -80,18 +81,6 @@ MODEL_COPY_BUDGET = 12 << 30
 # On cpu a copy is made in host memory, beside the engine under test: an older copy is dropped first
 # unless MemAvailable leaves this much more than the copy's bytes.
 HOST_ROOM = 1.25
-
-
-def host_available_bytes() -> Optional[int]:
-    """The host's MemAvailable (Linux /proc/meminfo), None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _param_bytes(model) -> int:
@@ -237,7 +226,7 @@ class ReferenceRunner:
             while copies() >= keep:
                 del self._models[next(k for k in self._models if k != "__base__")]
             while self.device == "cpu" and copies():
-                room = host_available_bytes()
+                room = parallel.available_memory()
                 if room is None or room >= HOST_ROOM * nbytes:
                     break
                 del self._models[next(k for k in self._models if k != "__base__")]
