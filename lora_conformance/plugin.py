@@ -265,6 +265,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         from lora_conformance.context import run_audit
         from lora_conformance.report.recorder import keep_audit
 
+        # The shared engines close first: the audit starts fresh ones, and a real-shape base held twice
+        # beside the reference ran a 24 GiB cpu host out of memory at the end of a full-profile run.
+        harness.close()
         keep_audit(config, run_audit(harness, random.SystemRandom().randrange(2**31)))
         harness.close()  # the audit's engines
     if hasattr(config, "workeroutput") and harness is not None:

@@ -65,6 +65,28 @@ def test_rows_for_8_bit_activations_widen_and_never_tighten():
         tolerance_for("float32", activations="q4_0")
 
 
+def test_real_shapes_widen_the_effect_rows_for_8_bit_activations_and_nothing_else():
+    """At the real scale class the 8-bit activation rows widen the effect bounds (ACTIVATIONS_REAL: a
+    correct engine of that arithmetic failed rank 128 at real shapes), never tighten a field, and leave
+    the small bases' rows and runs without 8-bit activations as they were."""
+    from dataclasses import fields
+
+    from lora_conformance.judge.tolerances import ACTIVATIONS_REAL
+
+    for dtype in TOLERANCES:
+        small, real = tolerance_for(dtype, "small", "q8_0"), tolerance_for(dtype, "real", "q8_0")
+        plain = tolerance_for(dtype, "real")
+        for field, value in ACTIVATIONS_REAL["int8"].items():
+            assert getattr(real, field) == max(value, getattr(plain, field), getattr(small, field)), (dtype, field)
+        for f in fields(real):
+            if f.name in ("scale", "dtype", "activations"):
+                continue
+            r, p_ = getattr(real, f.name), getattr(plain, f.name)
+            assert (r <= p_) if f.name == "rouge_l_min" else (r >= p_), (dtype, f.name)
+        assert tolerance_for(dtype, "real", None) == plain
+    assert tolerance_for("float32", "real", "q8_0").effect_noise_max > tolerance_for("float32", "small", "q8_0").effect_noise_max
+
+
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     from lora_conformance.models import resolve_base_model

@@ -211,7 +211,19 @@ REAL: dict[str, dict[str, float]] = {
 # check the suites apply, with thinner margins than on the small bases: effect residual 0.103 (semantics), prompt
 # rms 0.093, single paired prompt points 0.52, free-running decode 1.80 (strong all-linear adapters), per-step
 # decode of the other families 0.89. The one alarm was that strict per-step decode on strong all-linear adapters
-# (1.80 > 1.3), which no suite applies to them. Ten runs bound the per-run rate loosely (95%: 30%); unchanged.
+# (1.80 > 1.3), which no suite applies to them. Then adapter_semantics/rank at the full profile's ranks failed a
+# correct implementation: the built-in engine reading the Q8_0 activation blocks (activations=int8), at rank 128
+# (alpha 256, effect rms 5.9): effect residual 0.134 > 0.12 and one effect point 1.07 > 0.7, slope 1.000 +- 0.001
+# (llama.cpp gave the same numbers; the built-in engine with float activations on that base: residual 1.6e-5).
+# Over the 12 rank cases (ranks 1 to 256) and 9 accuracy cases of that arithmetic at real shapes, and the 10 null
+# runs, that case is the worst: residual 0.134, point 1.07. So at the real scale class the effect rows are
+# 1.5x those (the rule of the rows above): ACTIVATIONS_REAL. With those, the same case's free-running decode
+# failed both engines alike at step 2 (a top-5 alternative's logprob 2.40 off, > 2.3; the chosen tokens within
+# 0.15): free_running_atol 3.6 (1.5x 2.40). The sample is thin (one arithmetic, two rewrites; no float16, q4_k or
+# PEFT runs at this size), and the margin it leaves for faults is what the paired verdict keeps anyway: in that
+# case the nearest wrong hypothesis (delta x1.1) was 1.64 away and the slope margin is the dtype's.
+ACTIVATIONS_REAL: dict[str, dict[str, float]] = {"int8": dict(effect_noise_max=0.2, effect_gross_atol=1.6,
+                                                              free_running_atol=3.6)}
 # ov_dq32 is bit-exact with the int8_alt quantiser of Q8_0 blocks (symmetric, groups of 32, float32 scale),
 # one of the calibrated implementations (bench/openvino_dynamic_quant.py shows it).
 ACTIVATION_CLASSES: dict[str, str] = {"q8_0": "int8", "q8_k": "int8", "ov_dq32": "int8"}
@@ -285,8 +297,10 @@ def tolerance_for(dtype: str, scale: str = "small", activations: Optional[str] =
     if not cls:
         return tol
     wider = {}
-    for field, value in ACTIVATIONS[cls].get(name, {}).items():
-        mine = getattr(tol, field)
-        # rouge_l_min is a floor: the wider bound is the lower one
-        wider[field] = min(mine, value) if field == "rouge_l_min" else max(mine, value)
+    rows = [ACTIVATIONS[cls].get(name, {})] + ([ACTIVATIONS_REAL.get(cls, {})] if scale != "small" else [])
+    for row in rows:
+        for field, value in row.items():
+            mine = wider.get(field, getattr(tol, field))
+            # rouge_l_min is a floor: the wider bound is the lower one
+            wider[field] = min(mine, value) if field == "rouge_l_min" else max(mine, value)
     return replace(tol, activations=cls, **wider)
