@@ -311,9 +311,8 @@ def test_the_audit_starts_its_fresh_engines_after_the_shared_ones_are_closed(mon
 
     import pytest as _pytest
 
-    from lora_conformance import context, plugin
+    from lora_conformance import plugin
     from lora_conformance.harness import HARNESS_KEY
-    from lora_conformance.report import recorder
 
     events = []
 
@@ -330,8 +329,10 @@ def test_the_audit_starts_its_fresh_engines_after_the_shared_ones_are_closed(mon
         harness.open += 1  # the audit's fresh engine
         return {"sampled": 1}
 
-    monkeypatch.setattr(context, "run_audit", fake_audit)
-    monkeypatch.setattr(recorder, "keep_audit", lambda config, audit: events.append(("kept", audit["sampled"])))
+    # by name: patched in the modules the plugin imports from at that moment (sys.modules)
+    monkeypatch.setattr("lora_conformance.context.run_audit", fake_audit)
+    monkeypatch.setattr("lora_conformance.report.recorder.keep_audit",
+                        lambda config, audit: events.append(("kept", audit["sampled"])))
     config = types.SimpleNamespace(stash=_pytest.Stash())
     config.stash[HARNESS_KEY] = FakeHarness()
     plugin.pytest_sessionfinish(types.SimpleNamespace(config=config), _pytest.ExitCode.OK)
