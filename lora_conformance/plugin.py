@@ -249,6 +249,15 @@ def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
 # ---- environment facts from pytest-xdist workers ------------------------------------------
 
 
+def audit_at_end(config: pytest.Config, harness: Any, seed: int, run_audit, keep_audit) -> None:
+    """The end-of-run audit of this process's passed cases. The shared engines close first: the audit
+    starts fresh ones, and a real-shape base held twice beside the reference ran a 24 GiB cpu host out
+    of memory there (no report). Then the audit's own engines close."""
+    harness.close()
+    keep_audit(config, run_audit(harness, seed))
+    harness.close()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Workers create the engines; what only a live engine knows travels to the controller here.
     config = session.config
@@ -265,11 +274,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         from lora_conformance.context import run_audit
         from lora_conformance.report.recorder import keep_audit
 
-        # The shared engines close first: the audit starts fresh ones, and a real-shape base held twice
-        # beside the reference ran a 24 GiB cpu host out of memory at the end of a full-profile run.
-        harness.close()
-        keep_audit(config, run_audit(harness, random.SystemRandom().randrange(2**31)))
-        harness.close()  # the audit's engines
+        audit_at_end(config, harness, random.SystemRandom().randrange(2**31), run_audit, keep_audit)
     if hasattr(config, "workeroutput") and harness is not None:
         from lora_conformance.report.recorder import ship_environment
 

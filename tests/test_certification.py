@@ -304,15 +304,10 @@ def test_a_bundled_waiver_of_an_older_suite_is_reconfirmed_in_a_certified_run():
     assert any(e.status == "skip" for _, e in stale) and any(e.status == "xfail" for _, e in stale)
 
 
-def test_the_audit_starts_its_fresh_engines_after_the_shared_ones_are_closed(monkeypatch):
+def test_the_audit_starts_its_fresh_engines_after_the_shared_ones_are_closed():
     """At the end of a run the shared engines close before the audit starts fresh ones: a real-shape
     base held twice beside the reference ran a 24 GiB cpu host out of memory there (OOM, no report)."""
-    import types
-
-    import pytest as _pytest
-
-    from lora_conformance import plugin
-    from lora_conformance.harness import HARNESS_KEY
+    from lora_conformance.plugin import audit_at_end
 
     events = []
 
@@ -325,16 +320,10 @@ def test_the_audit_starts_its_fresh_engines_after_the_shared_ones_are_closed(mon
             self.open = 0
 
     def fake_audit(harness, seed):
-        events.append(("audit", harness.open))
+        events.append(("audit", harness.open, seed))
         harness.open += 1  # the audit's fresh engine
         return {"sampled": 1}
 
-    # by name: patched in the modules the plugin imports from at that moment (sys.modules)
-    monkeypatch.setattr("lora_conformance.context.run_audit", fake_audit)
-    monkeypatch.setattr("lora_conformance.report.recorder.keep_audit",
-                        lambda config, audit: events.append(("kept", audit["sampled"])))
-    config = types.SimpleNamespace(stash=_pytest.Stash())
-    config.stash[HARNESS_KEY] = FakeHarness()
-    plugin.pytest_sessionfinish(types.SimpleNamespace(config=config), _pytest.ExitCode.OK)
-    assert events[:3] == [("close", 1), ("audit", 0), ("kept", 1)], events
-    assert events[3] == ("close", 1), "the audit's own engines are closed after it"
+    audit_at_end("config", FakeHarness(), 7, fake_audit,
+                 lambda config, audit: events.append(("kept", config, audit["sampled"])))
+    assert events == [("close", 1), ("audit", 0, 7), ("kept", "config", 1), ("close", 1)], events
