@@ -480,6 +480,16 @@ class TestContext:
             self.harness.retire(engine)
 
 
+def audit_at_end(config, harness, seed: int, run_audit, keep_audit) -> None:
+    """The end-of-run audit of this process's passed cases (``run_audit``, its result given to
+    ``keep_audit``). The shared engines close first: the audit starts fresh ones, and a real-shape base
+    held twice beside the reference ran a 24 GiB cpu host out of memory there (no report). Then the
+    audit's own engines close."""
+    harness.close()
+    keep_audit(config, run_audit(harness, seed))
+    harness.close()
+
+
 def run_audit(harness: Harness, seed: int) -> dict:
     """The audit of this process's passed cases (``judge.audit``): each sampled case on a fresh
     engine of the pool's, judged by its model's and dtype's Judge."""

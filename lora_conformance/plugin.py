@@ -249,15 +249,6 @@ def _lora_capability_gate(request: pytest.FixtureRequest) -> None:
 # ---- environment facts from pytest-xdist workers ------------------------------------------
 
 
-def audit_at_end(config: pytest.Config, harness: Any, seed: int, run_audit, keep_audit) -> None:
-    """The end-of-run audit of this process's passed cases. The shared engines close first: the audit
-    starts fresh ones, and a real-shape base held twice beside the reference ran a 24 GiB cpu host out
-    of memory there (no report). Then the audit's own engines close."""
-    harness.close()
-    keep_audit(config, run_audit(harness, seed))
-    harness.close()
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Workers create the engines; what only a live engine knows travels to the controller here.
     config = session.config
@@ -271,7 +262,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if harness is not None and exitstatus != pytest.ExitCode.INTERRUPTED:
         import random
 
-        from lora_conformance.context import run_audit
+        from lora_conformance.context import audit_at_end, run_audit
         from lora_conformance.report.recorder import keep_audit
 
         audit_at_end(config, harness, random.SystemRandom().randrange(2**31), run_audit, keep_audit)

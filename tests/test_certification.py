@@ -307,7 +307,7 @@ def test_a_bundled_waiver_of_an_older_suite_is_reconfirmed_in_a_certified_run():
 def test_the_audit_starts_its_fresh_engines_after_the_shared_ones_are_closed():
     """At the end of a run the shared engines close before the audit starts fresh ones: a real-shape
     base held twice beside the reference ran a 24 GiB cpu host out of memory there (OOM, no report)."""
-    from lora_conformance.plugin import audit_at_end
+    from lora_conformance.context import audit_at_end
 
     events = []
 
