@@ -220,8 +220,8 @@ def main() -> int:
                     rows.append(row)
                     print(fmt(row), flush=True)
                     if _STOPPED:
-                        print("certify_time: stopped by SIGTERM: the row above is the interrupted run's; no further "
-                              "row started", flush=True)
+                        print(f"certify_time: stopped by {signal.Signals(_STOPPED[0]).name}: the row above is the "
+                              "interrupted run's; no further row started", flush=True)
                         return
 
     print(header(), flush=True)

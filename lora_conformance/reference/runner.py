@@ -220,17 +220,14 @@ class ReferenceRunner:
             nbytes = _param_bytes(base)
             keep = max(1, min(self._max_models - 1, MODEL_COPY_BUDGET // nbytes))
 
-            def copies() -> int:
-                return sum(k != "__base__" for k in self._models)
+            def room_short() -> bool:
+                room = parallel.available_memory() if self.device == "cpu" else None
+                return room is not None and room < HOST_ROOM * nbytes
 
-            while copies() >= keep:
-                del self._models[next(k for k in self._models if k != "__base__")]
-            while self.device == "cpu" and copies():
-                room = parallel.available_memory()
-                if room is None or room >= HOST_ROOM * nbytes:
-                    break
-                del self._models[next(k for k in self._models if k != "__base__")]
-                gc.collect()
+            while (copies := [k for k in self._models if k != "__base__"]) and (len(copies) >= keep or room_short()):
+                del self._models[copies[0]]  # the oldest copy
+                if self.device == "cpu":
+                    gc.collect()  # MemAvailable is read again next: let the copy's memory go first
         if adapter_path is None:
             model = base
         else:
