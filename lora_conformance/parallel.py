@@ -10,7 +10,8 @@ Two decisions, each a pure function of a few machine facts so that it can be tes
 * ``choose_workers``: the worker count of ``-n auto`` in a run with the plugin (``pytest suites -n
   auto`` and ``lora-conformance certify`` alike: the plugin's ``pytest_xdist_auto_num_workers``
   asks ``workers_for_run``): one per core, capped by memory, by the tests the last run recorded
-  and, on accelerators, by ``WORKERS_PER_DEVICE`` per device.
+  and, on accelerators, by ``WORKERS_PER_DEVICE`` per device and, where the profile says what one
+  worker holds on the device, by the device's memory.
 
 Standard library only: the plugin imports this at start-up. torch is imported by
 ``apply_thread_share`` alone, which runs just before the first engine or reference.
@@ -19,6 +20,8 @@ Standard library only: the plugin imports this at start-up. torch is imported by
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -80,6 +83,21 @@ def available_memory() -> Optional[int]:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def device_memory(device: str, timeout_s: float = 120.0) -> Optional[int]:
+    """Bytes of memory of ``device`` (an accelerator), asked in a short-lived process: asking starts
+    the device's runtime, which would otherwise hold device memory in pytest's controlling process
+    for the whole run. None where it cannot be told (no such device, the probe failed or hung)."""
+    probe = ("import sys; from lora_conformance import devices; "
+             "n = devices.total_memory(sys.argv[1]); print(n if n else '')")
+    try:
+        done = subprocess.run([sys.executable, "-c", probe, device], capture_output=True, text=True,
+                              timeout=timeout_s, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = done.stdout.strip().splitlines()[-1:] if done.returncode == 0 else []
+    return int(text[0]) if text and text[0].isdigit() else None
 
 
 # ---- threads per worker -----------------------------------------------------------------
@@ -176,16 +194,20 @@ def workers_for_run(device: str, recorded_work_s: Optional[float], profile: Opti
     from lora_conformance.models import profiles
 
     p = profiles.get(profile)
-    kind, count = "cpu", 1
+    kind, count, on_device = "cpu", 1, None
     if device.split(":", 1)[0] != "cpu":
         from lora_conformance import devices
 
         kind = devices.device_type(device)
         if kind != "cpu" and ":" not in device:
             count = max(1, devices.device_count(kind))
+        if kind != "cpu" and p.device_worker_memory_gib:
+            on_device = device_memory(device if ":" in device else f"{kind}:0")
     return choose_workers(cpu_cores(), available_memory(), kind, count, recorded_work_s,
                           worker_memory=int(((kind == "cpu" and p.cpu_worker_memory_gib) or p.worker_memory_gib) * 1024**3),
                           per_device=p.workers_per_device or WORKERS_PER_DEVICE,
+                          device_memory=on_device,
+                          device_worker_memory=int(p.device_worker_memory_gib * 1024**3),
                           why=f" ({p.name} profile)" if p.name != "fast" else "")
 
 
@@ -196,20 +218,28 @@ def parse_workers(value: str) -> Optional[int]:
 
 def choose_workers(cores: int, memory: Optional[int], device_type: str = "cpu", devices: int = 1,
                    recorded_work_s: Optional[float] = None, worker_memory: int = WORKER_MEMORY_BYTES,
-                   per_device: int = WORKERS_PER_DEVICE, why: str = "") -> WorkerChoice:
+                   per_device: int = WORKERS_PER_DEVICE, device_memory: Optional[int] = None,
+                   device_worker_memory: int = 0, why: str = "") -> WorkerChoice:
     """One worker per core; at most one per ``WORKER_MEMORY_BYTES`` of available memory; on an
     accelerator at most ``WORKERS_PER_DEVICE`` per device (xdist worker gwN uses device N mod
     count, so the workers spread over every device); and, where the last run with these settings
     recorded its test durations (``recorded_work_s``, their sum), at most one per
     ``MIN_WORK_PER_WORKER_S`` of them. A profile with bigger bases gives its own ``worker_memory`` and
-    ``per_device`` (``why`` names it in the reason)."""
+    ``per_device``, and what one worker holds on the device (``device_worker_memory``): then at most
+    one per that much of each device's memory (``device_memory``, where known) (``why`` names the
+    profile in the reason)."""
     limits = [(max(1, cores), f"{cores} cores")]
     if memory is not None:
         limits.append((max(1, memory // worker_memory),
                        f"{memory / 1024**3:.0f} GiB available / {worker_memory / 1024**3:.0f} GiB per worker{why}"))
     if device_type != "cpu":
-        limits.append((max(1, devices) * per_device,
-                       f"{devices} {device_type} device{'s' if devices != 1 else ''} x {per_device}{why}"))
+        plural = "s" if devices != 1 else ""
+        limits.append((max(1, devices) * per_device, f"{devices} {device_type} device{plural} x {per_device}{why}"))
+        if device_memory and device_worker_memory:
+            fit = max(1, device_memory // device_worker_memory)
+            limits.append((max(1, devices) * fit,
+                           f"{devices} {device_type} device{plural} x {device_memory / 1024**3:.0f} GiB / "
+                           f"{device_worker_memory / 1024**3:.0f} GiB per worker on the device{why}"))
     if recorded_work_s:
         limits.append((max(1, int(recorded_work_s // MIN_WORK_PER_WORKER_S)),
                        f"{recorded_work_s:.0f} s of tests in the last run / {MIN_WORK_PER_WORKER_S:g} s per worker"))

@@ -305,6 +305,7 @@ def test_the_full_profile_caps_workers_by_its_own_needs(monkeypatch):
 
     monkeypatch.setattr(devices, "device_type", lambda device: "cuda")
     monkeypatch.setattr(devices, "device_count", lambda kind: 1)
+    monkeypatch.setattr(parallel, "device_memory", lambda device: None)  # not known: per-device cap only
     full = parallel.workers_for_run("cuda", None, "full")
     assert full.workers == 2 and "full profile" in full.reason
     assert parallel.workers_for_run("cuda", None, "fast").workers == 8
@@ -327,3 +328,42 @@ def test_the_full_profile_on_cpu_gives_a_worker_room_for_the_engine_too(monkeypa
     cpu = parallel.workers_for_run("cpu", None, "full")
     assert cpu.workers == int(64 // full.cpu_worker_memory_gib) == 2 and "full profile" in cpu.reason
     assert parallel.workers_for_run("cpu", None, "fast").workers == 16
+
+
+def test_the_full_profile_fits_its_workers_into_the_device_memory(monkeypatch):
+    """Two full-profile workers held 103.6 GB of one H200: -n auto gives an H200 two, an 80 GB card
+    one and two such cards two, and names the device memory where it binds; the fast profile states
+    no device need and is not asked for it."""
+    from lora_conformance import devices
+
+    monkeypatch.setattr(parallel, "cpu_cores", lambda: 16)
+    monkeypatch.setattr(parallel, "available_memory", lambda: 128 * GiB)
+    monkeypatch.setattr(devices, "device_type", lambda device: "cuda")
+    count, asked = {"n": 1}, []
+    monkeypatch.setattr(devices, "device_count", lambda kind: count["n"])
+    sizes = {"h200": 139.8 * GiB, "h100": 79.2 * GiB}
+    card = {"name": "h200"}
+
+    def fake_memory(device):
+        asked.append(device)
+        return int(sizes[card["name"]])
+
+    monkeypatch.setattr(parallel, "device_memory", fake_memory)
+    assert parallel.workers_for_run("cuda", None, "full").workers == 2
+    assert asked == ["cuda:0"]
+    card["name"] = "h100"
+    one = parallel.workers_for_run("cuda", None, "full")
+    assert one.workers == 1 and "per worker on the device (full profile)" in one.reason, one.reason
+    count["n"] = 2
+    assert parallel.workers_for_run("cuda", None, "full").workers == 2
+    assert parallel.workers_for_run("cuda:1", None, "full").workers == 1 and asked[-1] == "cuda:1"
+    asked.clear()
+    assert parallel.workers_for_run("cuda", None, "fast").workers == 16
+    assert asked == []
+
+
+def test_the_device_memory_probe_says_none_where_there_is_no_such_device():
+    """The probe runs in its own process and answers None for the host or a device torch lacks,
+    without raising."""
+    assert parallel.device_memory("cpu") is None
+    assert parallel.device_memory("nosuchdevice:0") is None

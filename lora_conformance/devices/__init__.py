@@ -158,6 +158,12 @@ def memory_stats(device: str) -> MemoryStats:
     return kind_of(device).memory_stats(device)
 
 
+def total_memory(device: str) -> Optional[int]:
+    """Bytes of memory the accelerator has; None on cpu or where unknown. Starts the device's
+    runtime in the calling process."""
+    return kind_of(device).total_memory(device)
+
+
 def reset_peak_memory(device: str) -> None:
     kind_of(device).reset_peak_memory(device)
 

@@ -169,6 +169,15 @@ class DeviceKind:
             peak_reserved=int(getattr(mod, "max_memory_reserved", lambda _d: reserved)(d)),
         )
 
+    def total_memory(self, device: str) -> Optional[int]:
+        """Bytes of memory the device has (its properties' ``total_memory``), None where unknown.
+        Starts the device's runtime in this process: ask it in a short-lived one
+        (``parallel.device_memory``)."""
+        try:
+            return int(self.module().get_device_properties(_torch().device(device)).total_memory)
+        except Exception:
+            return None
+
     def initialized(self) -> bool:
         """Whether this process has started the device's runtime (asking for memory figures must
         not start it: a process that never used the device has none)."""
@@ -294,6 +303,9 @@ class Cpu(DeviceKind):
 
     def memory_stats(self, device: str) -> MemoryStats:
         return MemoryStats(0, 0, 0)
+
+    def total_memory(self, device: str) -> Optional[int]:
+        return None  # host memory: parallel.available_memory
 
     def initialized(self) -> bool:
         return False  # host memory: torch keeps no device figures for it

@@ -39,6 +39,8 @@ class Profile:
     workers_per_device: int = 0
     # The same on cpu, where the engine's weights share the host with the reference's (0: worker_memory_gib).
     cpu_worker_memory_gib: float = 0.0
+    # What one worker holds on an accelerator (0: not bounded by the device's memory).
+    device_worker_memory_gib: float = 0.0
 
     def describe(self, model_configs: Optional[dict] = None) -> dict[str, Any]:
         d = asdict(self)
@@ -67,6 +69,8 @@ PROFILES: dict[str, Profile] = {
         # of memory (reports/2026-12-04-builtin-fullprofile-cuda-bfloat16.md).
         worker_memory_gib=16.0,
         workers_per_device=2,
+        # nvidia-smi showed 103.6 GB (96.5 GiB) for two such workers on one H200: an 80 GB card takes one.
+        device_worker_memory_gib=48.0,
         # On cpu the reference's base and one adapted copy (reference/runner.py MODEL_COPY_BUDGET) and the
         # engine's weights, 7.1 GB each in float32: one worker used 24 GB before the copies were bounded.
         cpu_worker_memory_gib=22.0,
