@@ -12,7 +12,8 @@
 #   part "full-cold": the profile's bases, then the cold certification until the deadline; call it
 #                  again while the report says "partial": the next call deselects the cases the
 #                  earlier calls' reports finished (bench/finished_cases.py; their references are
-#                  cached, their engine work is not) and runs the rest;
+#                  cached, their engine work is not) and runs the rest; FULL_K=EXPR runs only the
+#                  cases pytest's -k EXPR selects (a partial report, which says so);
 #   part "full-warm": bench/certify_time.py on that filled cache: the warm wall time, with "computed /
 #                  cached" beside it (a warm row computes none);
 #   part "compile": the built-in engine's compile mode, fast profile, alone (beside other jobs its
@@ -95,7 +96,7 @@ case "$part" in
     run=/tmp/lc-full/runs/cold-$(date +%s)
     echo "bases ready at ${SECONDS} s; $(tail -1 "$log"); certifying until $((deadline - stop_margin)) s" | tee -a "$log"
     timeout "$(until_stop)" python3 -m lora_conformance.cli certify --device cuda --profile full --lora-cache /tmp/lc-full \
-      --report "$run" -- -p no:cacheprovider -q -rfE "${desel[@]}" >> "$log" 2>&1
+      --report "$run" -- -p no:cacheprovider -q -rfE ${FULL_K:+-k "$FULL_K"} "${desel[@]}" >> "$log" 2>&1
     echo "certify rc=$? at ${SECONDS} s" | tee -a "$log"
     grep -E "^(workers|LoRA conformance|reference|device memory|partial)" "$log"
     tar czf "$OUT/full-cold-reports.tgz" -C /tmp/lc-full runs
