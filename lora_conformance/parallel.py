@@ -20,8 +20,6 @@ Standard library only: the plugin imports this at start-up. torch is imported by
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -83,21 +81,6 @@ def available_memory() -> Optional[int]:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
-
-
-def device_memory(device: str, timeout_s: float = 120.0) -> Optional[int]:
-    """Bytes of memory of ``device`` (an accelerator), asked in a short-lived process: asking starts
-    the device's runtime, which would otherwise hold device memory in pytest's controlling process
-    for the whole run. None where it cannot be told (no such device, the probe failed or hung)."""
-    probe = ("import sys; from lora_conformance import devices; "
-             "n = devices.total_memory(sys.argv[1]); print(n if n else '')")
-    try:
-        done = subprocess.run([sys.executable, "-c", probe, device], capture_output=True, text=True,
-                              timeout=timeout_s, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    text = done.stdout.strip().splitlines()[-1:] if done.returncode == 0 else []
-    return int(text[0]) if text and text[0].isdigit() else None
 
 
 # ---- threads per worker -----------------------------------------------------------------
@@ -202,7 +185,7 @@ def workers_for_run(device: str, recorded_work_s: Optional[float], profile: Opti
         if kind != "cpu" and ":" not in device:
             count = max(1, devices.device_count(kind))
         if kind != "cpu" and p.device_worker_memory_gib:
-            on_device = device_memory(device if ":" in device else f"{kind}:0")
+            on_device = devices.total_memory(device if ":" in device else f"{kind}:0")
     return choose_workers(cpu_cores(), available_memory(), kind, count, recorded_work_s,
                           worker_memory=int(((kind == "cpu" and p.cpu_worker_memory_gib) or p.worker_memory_gib) * 1024**3),
                           per_device=p.workers_per_device or WORKERS_PER_DEVICE,

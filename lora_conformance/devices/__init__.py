@@ -159,8 +159,7 @@ def memory_stats(device: str) -> MemoryStats:
 
 
 def total_memory(device: str) -> Optional[int]:
-    """Bytes of memory the accelerator has; None on cpu or where unknown. Starts the device's
-    runtime in the calling process."""
+    """Bytes of memory the accelerator has; None on cpu or where unknown."""
     return kind_of(device).total_memory(device)
 
 

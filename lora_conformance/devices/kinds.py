@@ -171,8 +171,8 @@ class DeviceKind:
 
     def total_memory(self, device: str) -> Optional[int]:
         """Bytes of memory the device has (its properties' ``total_memory``), None where unknown.
-        Starts the device's runtime in this process: ask it in a short-lived one
-        (``parallel.device_memory``)."""
+        Initialises the device's runtime as ``device_name`` does (the report header asks that in
+        pytest's controlling process too)."""
         try:
             return int(self.module().get_device_properties(_torch().device(device)).total_memory)
         except Exception:
