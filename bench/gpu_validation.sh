@@ -19,7 +19,9 @@
 #   part "compile": the built-in engine's compile mode, fast profile, alone (beside other jobs its
 #                  cases took 5x longer and a 400 s limit cut the run);
 #   part "detect-new": detection power on the GPU of the faults tests/test_detection_power.py lists
-#                  as not yet shown there (NOT_YET_SHOWN_ON_GPU), float32, bfloat16 and float16.
+#                  as not yet shown there (NOT_YET_SHOWN_ON_GPU), float32, bfloat16 and float16;
+#                  DETECT_FAULTS="f1 f2" and DETECT_DTYPES=bfloat16 narrow it (the whole set, 22 faults
+#                  x 3 dtypes, finished 2 runs in 420 s on a cold H100: a call takes a few faults).
 # Several parts run one after the other in one call (bash bench/gpu_validation.sh full-cold compile),
 # each stopped at DEADLINE seconds after the call began (default 580: a call's limit is 600); a part
 # with less than its minimum left is skipped and says so.
@@ -115,9 +117,10 @@ case "$part" in
     grep -E "^(LoRA conformance|reference|device memory|=+ .* in )" "$OUT/compile.log"
     ;;
   detect-new)
-    faults=$(cd tests && python3 -c "from test_detection_power import NOT_YET_SHOWN_ON_GPU as s; print(' or '.join(sorted(s)))")
-    LORA_DETECTION_DTYPES=float32,bfloat16,float16 timeout "$(left)" python3 -m pytest tests/test_detection_power.py \
-      --device=cuda --lora-cache /tmp/lc-detect -p no:cacheprovider -q -rfEs -n 4 -k "$faults" \
+    faults=${DETECT_FAULTS:-$(cd tests && python3 -c "from test_detection_power import NOT_YET_SHOWN_ON_GPU as s; print(' '.join(sorted(s)))")}
+    faults=$(echo $faults | sed 's/ / or /g')
+    LORA_DETECTION_DTYPES=${DETECT_DTYPES:-float32,bfloat16,float16} timeout "$(left)" python3 -m pytest tests/test_detection_power.py \
+      --device=cuda --lora-cache /tmp/lc-detect -p no:cacheprovider -q -rfEs -n 4 -k "test_suites_catch_the_fault and ($faults)" \
       > "$OUT/detect_new.log" 2>&1
     echo "detection rc=$? at ${SECONDS} s" | tee -a "$OUT/detect_new.log"
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/detect_new.log" | tail -40
