@@ -294,9 +294,14 @@ def _experts_of(A, B, cfg) -> int:
     return max(1, A.shape[0] // r)
 
 
-def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None, new_tokens=16):
-    """One randomised run, judged by every check; returns (failures by check, stats, defects)."""
+def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None, new_tokens=16, engine_for_rank=None):
+    """One randomised run, judged by every check; returns (failures by check, stats, defects).
+    ``engine_for_rank(rank)``: the engine to use for adapters above ``engine``'s max_rank (the suites
+    raise an engine's max_rank arg the same way, context.engine_for_rank)."""
     specs, shape, _ = FAMILIES[family](rng)
+    top = max(s.rank for s in specs)
+    if engine_for_rank is not None and top > engine.limits.max_rank:
+        engine = engine_for_rank(top)
     names = [f"a{i}" for i in range(len(specs))]
     paths = {n: synthesize_cached(model_dir, s, cache / "adapters") for n, s in zip(names, specs)}
     if shape == "single":
@@ -465,14 +470,15 @@ def main() -> None:
     results = {}
     engines = {}
 
-    def engine_for(var, dtype, kind):
+    def engine_for(var, dtype, kind, max_rank=None):
         model_dir, _ = model(kind)
         name = "peft" if var == "peft" else "builtin"
         args = dict(x.split("=", 1) for x in var.split(":", 1)[1].split(",")) if var.startswith("builtin:") else {}
-        args = {**engine_extra, **args}
+        args = {**engine_extra, **args, **({"max_rank": str(max_rank)} if max_rank and name == "builtin" else {})}
         key = (name, dtype, kind, tuple(sorted(args.items())))
         if key not in engines:
-            for k in [k for k in engines if k[1] != dtype]:
+            # at real shapes one engine at a time (a 24 GiB host holds one beside the reference's base and copy)
+            for k in [k for k in engines if k[1] != dtype or a.scale != "small"]:
                 engines.pop(k).close()
             engines[key] = create_engine(name, model_dir, a.device, dtype, args)
         e = engines[key]
@@ -488,7 +494,8 @@ def main() -> None:
         model_dir, runner = model(kind)
         engine = engine_for(var, dtype, kind)
         try:
-            return one_run(rng, fam, engine, runner, model_dir, a.cache, dtype, tmp, how, a.new_tokens)
+            return one_run(rng, fam, engine, runner, model_dir, a.cache, dtype, tmp, how, a.new_tokens,
+                           lambda rank: engine_for(var, dtype, kind, max(rank, 64)))
         except Exception as exc:  # noqa: BLE001 - counted apart, printed with the results
             import traceback
 
