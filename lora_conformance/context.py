@@ -483,9 +483,12 @@ class TestContext:
 def audit_at_end(config, harness, seed: int, run_audit, keep_audit) -> None:
     """The end-of-run audit of this process's passed cases (``run_audit``, its result given to
     ``keep_audit``). The shared engines close first: the audit starts fresh ones, and a real-shape base
-    held twice beside the reference ran a 24 GiB cpu host out of memory there (no report). Then the
-    audit's own engines close."""
+    held twice beside the reference ran a 24 GiB cpu host out of memory there (no report). The
+    references' loaded models go too (the audit compares with the run's own outputs): with them, the
+    fresh engine's load still ran that host out of memory (bfloat16, 24 GB resident, no report). Then
+    the audit's own engines close."""
     harness.close()
+    harness.workspace.release_reference_models()
     keep_audit(config, run_audit(harness, seed))
     harness.close()
 

@@ -75,6 +75,11 @@ class Workspace:
                                                           tokenizer_cache=s.cache_dir / "tokenizers")
         return self._references[model_dir]
 
+    def release_reference_models(self) -> None:
+        """Every reference's loaded models dropped (``ReferenceRunner.release_models``)."""
+        for runner in self._references.values():
+            runner.release_models()
+
     def reference_work(self) -> dict[str, float]:
         """What this process's references computed and what it took, summed over its base models
         (``ReferenceRunner.work``); empty where no reference was asked for."""

@@ -304,26 +304,36 @@ def test_a_bundled_waiver_of_an_older_suite_is_reconfirmed_in_a_certified_run():
     assert any(e.status == "skip" for _, e in stale) and any(e.status == "xfail" for _, e in stale)
 
 
-def test_the_audit_starts_its_fresh_engines_after_the_shared_ones_are_closed():
-    """At the end of a run the shared engines close before the audit starts fresh ones: a real-shape
-    base held twice beside the reference ran a 24 GiB cpu host out of memory there (OOM, no report)."""
+def test_the_audit_starts_its_fresh_engines_after_the_shared_ones_and_the_reference_models_are_gone():
+    """At the end of a run the shared engines close, and the references drop their loaded models, before
+    the audit starts fresh engines: a real-shape base held twice beside the reference, then one engine
+    beside the reference's base and copy, ran a 24 GiB cpu host out of memory there (OOM, no report)."""
     from lora_conformance.context import audit_at_end
 
     events = []
 
+    class FakeWorkspace:
+        def __init__(self):
+            self.models = 2  # the reference's base and one adapted copy
+
+        def release_reference_models(self):
+            events.append(("release", self.models))
+            self.models = 0
+
     class FakeHarness:
         def __init__(self):
             self.open = 1  # one shared engine
+            self.workspace = FakeWorkspace()
 
         def close(self):
             events.append(("close", self.open))
             self.open = 0
 
     def fake_audit(harness, seed):
-        events.append(("audit", harness.open, seed))
+        events.append(("audit", harness.open, harness.workspace.models, seed))
         harness.open += 1  # the audit's fresh engine
         return {"sampled": 1}
 
     audit_at_end("config", FakeHarness(), 7, fake_audit,
                  lambda config, audit: events.append(("kept", config, audit["sampled"])))
-    assert events == [("close", 1), ("audit", 0, 7), ("kept", "config", 1), ("close", 1)], events
+    assert events == [("close", 1), ("release", 2), ("audit", 0, 0, 7), ("kept", "config", 1), ("close", 1)], events

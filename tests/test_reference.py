@@ -309,3 +309,18 @@ def test_adapted_copies_dropped_where_the_host_lacks_room(world, tmp_path, monke
     for adapter in adapters:
         roomy._model_for(adapter)
     assert sum(k != "__base__" for k in roomy._models) == 3
+
+
+def test_released_models_load_again_with_the_same_outputs(world):
+    """release_models gives back the base and its adapted copies (the end-of-run audit's room); the
+    next output loads them again and is the same, and the rotary guard's count carries over."""
+    model, adapter = world
+    runner = ReferenceRunner(model)
+    reqs = _requests()
+    before = runner.generate(reqs, {"A": adapter})
+    assert runner._base is not None and runner._models
+    guard = runner._rotary
+    runner.release_models()
+    assert runner._base is None and not runner._models
+    assert runner.generate(reqs, {"A": adapter}) == before
+    assert runner._rotary is guard
