@@ -222,11 +222,23 @@ REAL: dict[str, dict[str, float]] = {
 # 0.15): free_running_atol 3.6 (1.5x 2.40). Under these rows 11 more null runs held every check the suites apply
 # (Q4_K float32, 6 runs, seed 71, largest 0.72 of a bound; Q8_0 float16, 5 runs, seed 81, 0.65), and so did
 # llama.cpp's whole rank feature (ranks 1-256) on the Q8_0 base. The sample is still thin (one arithmetic, two
-# rewrites; no bfloat16 or PEFT runs at this size), and the margin it leaves for faults is what the paired verdict
+# rewrites; bfloat16 and PEFT below), and the margin it leaves for faults is what the paired verdict
 # keeps anyway: in that case the nearest wrong hypothesis (delta x1.1) was 1.64 away and the slope margin is the
 # dtype's.
 ACTIVATIONS_REAL: dict[str, dict[str, float]] = {"int8": dict(effect_noise_max=0.2, effect_gross_atol=1.6,
                                                               free_running_atol=3.6)}
+# bfloat16 at real shapes with 8-bit activations (bench/power.py --profile full --base-quant q8_0 --activations
+# int8 --dtypes bfloat16 --seed 91: 9 runs, the PEFT engine reading the activation blocks and the built-in engine's
+# int8_alt quantiser, families accuracy, semantics, alllinear, mixed, rank): every check the suites apply held,
+# but the free-running decode of a strong all-linear adapter came to 5.19 of bfloat16's real-scale 5.4 (int8_alt,
+# step 6; PEFT 3.26): free_running_atol 7.8 (1.5x 5.19). The other checks' largest was 0.55 of a bound. Then 4
+# runs of the rank family alone (ranks to 256; --families rank --variations default --variant activations=int8_alt
+# --seed 92): one of the built-in engine's, reading the activation blocks, failed the free-running check that
+# adapter_semantics/rank applies: its prompt logprobs 0.435 rms off > bfloat16's 0.3 (worst point 2.71), and the
+# paired prompt check, which no suite applies to such adapters, 0.37 > 0.28: prompt_rms_max 0.65 (1.5x 0.435). The
+# suite's own rank cases (64, 128, 256, seed 11) passed that engine at the old rows. 13 runs: a thin sample.
+ACTIVATIONS_REAL_DTYPE: dict[str, dict[str, dict[str, float]]] = {
+    "int8": {"bfloat16": dict(free_running_atol=7.8, prompt_rms_max=0.65)}}
 # ov_dq32 is bit-exact with the int8_alt quantiser of Q8_0 blocks (symmetric, groups of 32, float32 scale),
 # one of the calibrated implementations (bench/openvino_dynamic_quant.py shows it).
 ACTIVATION_CLASSES: dict[str, str] = {"q8_0": "int8", "q8_k": "int8", "ov_dq32": "int8"}
@@ -300,7 +312,8 @@ def tolerance_for(dtype: str, scale: str = "small", activations: Optional[str] =
     if not cls:
         return tol
     wider = {}
-    rows = [ACTIVATIONS[cls].get(name, {})] + ([ACTIVATIONS_REAL.get(cls, {})] if scale != "small" else [])
+    rows = [ACTIVATIONS[cls].get(name, {})] + ([ACTIVATIONS_REAL.get(cls, {}), ACTIVATIONS_REAL_DTYPE.get(cls, {}).get(name, {})]
+                                               if scale != "small" else [])
     for row in rows:
         for field, value in row.items():
             mine = wider.get(field, getattr(tol, field))
