@@ -58,6 +58,7 @@ from pathlib import Path
 from lora_conformance.judge import paired
 from lora_conformance.adapters import AdapterSpec, synthesize_cached
 from lora_conformance import checkpoints
+from lora_conformance.context import TestContext
 from lora_conformance.judge import tolerance_for
 from lora_conformance.judge.tolerances import same_engine_tolerance_for, scale_of_model
 from lora_conformance.judge.logprobs import assert_logprobs_close, assert_prompt_logprobs_close
@@ -495,7 +496,7 @@ def main() -> None:
         engine = engine_for(var, dtype, kind)
         try:
             return one_run(rng, fam, engine, runner, model_dir, a.cache, dtype, tmp, how, a.new_tokens,
-                           lambda rank: engine_for(var, dtype, kind, max(rank, 64)))
+                           lambda rank: engine_for(var, dtype, kind, max(rank, TestContext.HIGH_RANK)))
         except Exception as exc:  # noqa: BLE001 - counted apart, printed with the results
             import traceback
 

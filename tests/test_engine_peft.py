@@ -297,7 +297,12 @@ def test_the_output_head_reads_its_input_contiguous(ckpt):
         head = e._base.get_output_embeddings()
         seen = []
         forward = head.forward
-        head.forward = lambda x, *a, **k: (seen.append((tuple(x.shape), x.is_contiguous())), forward(x, *a, **k))[1]
+
+        def recording(x, *args, **kwargs):
+            seen.append((tuple(x.shape), x.is_contiguous()))
+            return forward(x, *args, **kwargs)
+
+        head.forward = recording
         e.generate([GenerationRequest(p, a, 2) for p in PROMPTS[:2] for a in ("a1", None)])
         assert any(shape[0] > 1 for shape, _ in seen), seen  # batched rows, where a slice would be strided
         assert all(contiguous for _, contiguous in seen), seen

@@ -71,15 +71,13 @@ def test_real_shapes_widen_the_effect_rows_for_8_bit_activations_and_nothing_els
     the small bases' rows and runs without 8-bit activations as they were."""
     from dataclasses import fields
 
-    from lora_conformance.judge.tolerances import ACTIVATIONS_REAL, ACTIVATIONS_REAL_DTYPE
+    from lora_conformance.judge.tolerances import ACTIVATIONS_REAL
 
     for dtype in TOLERANCES:
         small, real = tolerance_for(dtype, "small", "q8_0"), tolerance_for(dtype, "real", "q8_0")
         plain = tolerance_for(dtype, "real")
-        own = ACTIVATIONS_REAL_DTYPE["int8"].get(dtype, {})
-        for field in {**ACTIVATIONS_REAL["int8"], **own}:
-            values = [r[field] for r in (ACTIVATIONS_REAL["int8"], own) if field in r]
-            assert getattr(real, field) == max(*values, getattr(plain, field), getattr(small, field)), (dtype, field)
+        for field, value in ACTIVATIONS_REAL["int8"][dtype].items():
+            assert getattr(real, field) == max(value, getattr(plain, field), getattr(small, field)), (dtype, field)
         for f in fields(real):
             if f.name in ("scale", "dtype", "activations"):
                 continue

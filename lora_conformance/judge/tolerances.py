@@ -225,8 +225,7 @@ REAL: dict[str, dict[str, float]] = {
 # rewrites; bfloat16 and PEFT below), and the margin it leaves for faults is what the paired verdict
 # keeps anyway: in that case the nearest wrong hypothesis (delta x1.1) was 1.64 away and the slope margin is the
 # dtype's.
-ACTIVATIONS_REAL: dict[str, dict[str, float]] = {"int8": dict(effect_noise_max=0.2, effect_gross_atol=1.6,
-                                                              free_running_atol=3.6)}
+_INT8_REAL = dict(effect_noise_max=0.2, effect_gross_atol=1.6, free_running_atol=3.6)
 # bfloat16 at real shapes with 8-bit activations (bench/power.py --profile full --base-quant q8_0 --activations
 # int8 --dtypes bfloat16 --seed 91: 9 runs, the PEFT engine reading the activation blocks and the built-in engine's
 # int8_alt quantiser, families accuracy, semantics, alllinear, mixed, rank): every check the suites apply held,
@@ -240,8 +239,9 @@ ACTIVATIONS_REAL: dict[str, dict[str, float]] = {"int8": dict(effect_noise_max=0
 # (alllinear and rank; default, PEFT, int8_alt; --seed 93) held every check the suites apply, the largest 0.57 of
 # a bound (free-running decode 4.48 of 7.8); the per-step decode no suite applies to these adapters alarmed 3
 # times. 19 runs in all: still a thin sample.
-ACTIVATIONS_REAL_DTYPE: dict[str, dict[str, dict[str, float]]] = {
-    "int8": {"bfloat16": dict(free_running_atol=7.8, prompt_rms_max=0.65)}}
+ACTIVATIONS_REAL: dict[str, dict[str, dict[str, float]]] = {
+    "int8": {"float32": _INT8_REAL, "float16": _INT8_REAL,
+             "bfloat16": {**_INT8_REAL, "free_running_atol": 7.8, "prompt_rms_max": 0.65}}}
 # ov_dq32 is bit-exact with the int8_alt quantiser of Q8_0 blocks (symmetric, groups of 32, float32 scale),
 # one of the calibrated implementations (bench/openvino_dynamic_quant.py shows it).
 ACTIVATION_CLASSES: dict[str, str] = {"q8_0": "int8", "q8_k": "int8", "ov_dq32": "int8"}
@@ -315,8 +315,7 @@ def tolerance_for(dtype: str, scale: str = "small", activations: Optional[str] =
     if not cls:
         return tol
     wider = {}
-    rows = [ACTIVATIONS[cls].get(name, {})] + ([ACTIVATIONS_REAL.get(cls, {}), ACTIVATIONS_REAL_DTYPE.get(cls, {}).get(name, {})]
-                                               if scale != "small" else [])
+    rows = [ACTIVATIONS[cls].get(name, {})] + ([ACTIVATIONS_REAL.get(cls, {}).get(name, {})] if scale != "small" else [])
     for row in rows:
         for field, value in row.items():
             mine = wider.get(field, getattr(tol, field))
