@@ -20,6 +20,9 @@ from lora_conformance import devices
 from lora_conformance.engines.builtin.layers.sampler import greedy_with_topk
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# The compiled step pads a batch of one to two rows: dynamo specialises a dynamic size on the values
+# 0 and 1, so a one-row step would compile the whole decoder a second time (one graph serves the rest).
+COMPILED_BUCKETS = BATCH_BUCKETS[1:]
 
 
 def _bucket(n: int, buckets) -> int:
@@ -45,6 +48,7 @@ class DecodeGraphs:
                 torch._dynamo.config.accumulated_recompile_limit, 4096)
             # dynamic: one graph for every batch bucket and block-table width (not one compile each)
             self.compiled = torch.compile(self._flat_step, dynamic=True)
+        self.buckets = COMPILED_BUCKETS if compiled else BATCH_BUCKETS
         self.pool = devices.graph_pool_handle(self.device) if not compiled else None
         self.max_width = (runner.args.max_model_len + runner.block_size - 1) // runner.block_size
 
@@ -98,7 +102,7 @@ class DecodeGraphs:
         """(top-k ids, top-k logprobs) of this decode step, (len(seqs), k) each, on the device."""
         r = self.runner
         n = len(seqs)
-        B = _bucket(n, BATCH_BUCKETS)
+        B = _bucket(n, self.buckets)
         W = _bucket(max(len(s.block_table) for s in seqs), self._widths())
         key = (B, W, r.layout_version, r.lora_signature, k)
         entry = self.graphs.get(key)

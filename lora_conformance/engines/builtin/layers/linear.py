@@ -299,11 +299,14 @@ class LinearGroup:
     def cat_buffer(self, rows: int) -> torch.Tensor:
         """(rows, in + S*R): the producer writes the input into [:, :in] (``cat_input_view``).
         One per shape and forward, shared by every layer (each layer's GEMM reads it before the
-        next layer's producer writes it: one stream), cached beside the forward's masks."""
+        next layer's producer writes it: one stream), cached beside the forward's masks. The
+        key leaves the row count out (one forward, one count; the shape check covers the rest):
+        under torch.compile a row count in a dict key pins the dynamic batch size to its value, and
+        every batch size compiled the whole decoder again."""
         batch = self.ctx.batch
-        key = ("cat_buffer", rows, self.wt.shape[0], self.wt.dtype, self.wt.device)
+        key = ("cat_buffer", self.wt.shape[0], self.wt.dtype, self.wt.device)
         buf = batch._masks.get(key)
-        if buf is None:
+        if buf is None or buf.shape[0] != rows:
             buf = batch._masks[key] = self.wt.new_empty(rows, self.wt.shape[0])
         return buf
 
