@@ -153,3 +153,57 @@ def test_merge_refuses_shards_of_different_suite_files(tmp_path):
     two = _shard(tmp_path, "two", [r(DORA, OK)], _selection(DECLARED, digest="d2"))
     with pytest.raises(MergeConflict, match="different suite files"):
         merge([one, two])
+
+
+STOPPED = {"setup": "passed"}  # what a run stopped by its time limit records for the case it was running
+CRASHED = {"setup": "passed", "call": "failed"}  # pytest-xdist's report for a worker that died in the case
+
+
+@pytest.mark.parametrize("order", ["stopped_first", "finished_first"])
+def test_a_run_resumed_where_a_time_limit_stopped_it_makes_one_certified_column(tmp_path, order):
+    # The first run was stopped while DORA ran; the second deselected ROUTING (finished) and ran DORA.
+    stopped = _shard(tmp_path, "stopped", [r(ROUTING, OK), r(DORA, STOPPED)], {**_selection(DECLARED), "interrupted": True})
+    resumed = _shard(tmp_path, "resumed", [r(DORA, OK)], _selection(DECLARED, [(ROUTING, "mixed_batch/routing")]))
+    assert stopped["verdict"]["summary"]["certified"] is False
+    runs = [stopped, resumed] if order == "stopped_first" else [resumed, stopped]
+    matrix = merge(runs)
+    (column,) = matrix["columns"]
+    assert column["status"] == "certified" and column["resumed"] == [DORA]
+    from lora_conformance.report.merge import render_matrix_markdown
+
+    assert f"1 case(s) one run left unfinished, finished by another: `{DORA}`" in render_matrix_markdown(matrix)
+
+
+def test_a_case_no_run_finished_stays_incomplete(tmp_path):
+    one = _shard(tmp_path, "one", [r(ROUTING, OK), r(DORA, STOPPED)], {**_selection(DECLARED), "interrupted": True})
+    two = _shard(tmp_path, "two", [r(DORA, STOPPED, duration=2.0)], {**_selection(DECLARED), "interrupted": True})
+    (column,) = merge([one, two])["columns"]
+    assert column["status"] != "certified" and column["resumed"] == []
+    assert column["summary"]["cases_by_status"]["error"] == 1
+
+
+@pytest.mark.parametrize("first", [CRASHED, {"setup": "failed"}])
+def test_a_crash_or_setup_error_is_a_result_a_later_pass_does_not_replace(tmp_path, first):
+    one = _shard(tmp_path, "one", [r(ROUTING, OK), r(DORA, first, message="worker 'gw0' crashed")], _selection(DECLARED))
+    two = _shard(tmp_path, "two", [r(DORA, OK)], _selection(DECLARED, [(ROUTING, "mixed_batch/routing")]))
+    with pytest.raises(MergeConflict, match="appears in two reports with different outcomes"):
+        merge([one, two])
+
+
+def test_runs_of_another_profile_base_or_mode_are_other_columns_never_shards(tmp_path):
+    plain = env("builtin", "cuda:0", "bfloat16")
+    full = {**plain, "profile": {"name": "full", "models": {"decoder": "synthetic:qwen2.5-1.5b"}},
+            "base_model": "synthetic:qwen2.5-1.5b"}
+    small = {**full, "base_model": "synthetic:llama"}
+    quant = {**plain, "base_quant": {"scheme": "q8_0"}, "engine": {"name": "builtin", "args": {"exec_mode": "compile"}}}
+    paths = [write(tmp_path, str(i), e, [r(ROUTING, OK)]) for i, e in enumerate([plain, full, small, quant])]
+    keys = [c["key"] for c in merge(load_report(p) for p in paths)["columns"]]
+    assert keys == ["builtin@cuda/bfloat16", "builtin@cuda/bfloat16 [base_model synthetic:llama, profile full]",
+                    "builtin@cuda/bfloat16 [exec_mode=compile, base q8_0]", "builtin@cuda/bfloat16 [profile full]"]
+
+
+def test_a_case_that_passed_in_two_runs_keeps_the_first_record(tmp_path):
+    one = _shard(tmp_path, "one", [r(ROUTING, OK), r(DORA, OK, duration=3.0)], _selection(DECLARED))
+    two = _shard(tmp_path, "two", [r(DORA, OK, duration=5.0)], _selection(DECLARED, [(ROUTING, "mixed_batch/routing")]))
+    (column,) = merge([one, two])["columns"]
+    assert column["status"] == "certified" and column["resumed"] == []

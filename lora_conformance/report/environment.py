@@ -13,7 +13,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 PACKAGES = ("torch", "transformers", "peft", "pytest", "pytest-xdist")
 
@@ -186,8 +186,29 @@ def _profile(settings: Any) -> Optional[dict]:
     return profile.describe(shapes)
 
 
+def configuration(env: Mapping[str, Any], shown: Callable[[str, Any], str] = lambda key, value: str(value)) -> list[str]:
+    """What besides engine, device and dtype changes what a run certifies, as a reader would say
+    it: each engine arg (``key=value``), a quantised base (``base q8_0``), a base model other than
+    the profile's own (``base_model synthetic:llama``) and a profile other than the fast one.
+    ``shown(key, value)`` writes an arg's value (the README's table shortens a server command)."""
+    out = [f"{k}={shown(k, v)}" for k, v in sorted(((env.get("engine") or {}).get("args") or {}).items())]
+    quant = env.get("base_quant")
+    if isinstance(quant, Mapping) and quant.get("scheme"):
+        out.append(f"base {quant['scheme']}")
+    profile = env.get("profile") if isinstance(env.get("profile"), Mapping) else {}
+    decoder = (profile.get("models") or {}).get("decoder")
+    if env.get("base_model") and decoder and env["base_model"] != decoder:
+        out.append(f"base_model {env['base_model']}")
+    if profile.get("name") not in (None, "fast"):
+        out.append(f"profile {profile['name']}")
+    return out
+
+
 def column_key(env: Mapping[str, Any]) -> str:
-    """``engine@device/dtype``: one column of a merged matrix."""
+    """``engine@device/dtype``, then its configuration where it has one (``[profile full]``): one
+    column of a merged matrix. Runs of one engine in another mode, on another base or profile are
+    other columns, never the shards of one."""
     engine = (env.get("engine") or {}).get("name") or "unknown"
     device = (env.get("device") or {}).get("type") or "unknown"
-    return f"{engine}@{device}/{env.get('dtype') or 'unknown'}"
+    conf = configuration(env)
+    return f"{engine}@{device}/{env.get('dtype') or 'unknown'}" + (f" [{', '.join(conf)}]" if conf else "")

@@ -2,7 +2,11 @@
 
 Reports with the same column key (the shards of one CI run) are combined into one column by
 concatenating their records and uniting their selections (a case one shard deselected and
-another ran counts as run); every column is re-verified from its records and selection, so a
+another ran counts as run). A case one run left unfinished (stopped before its call ended: no
+result) is replaced by the same case finished in another run of the column, so a certification
+stopped by a time limit and resumed where it stopped makes one column, which names those cases;
+a case with the same status in two runs keeps the first run's record; two results of different
+statuses are refused. Every column is re-verified from its records and selection, so a
 stored verdict is never trusted, and a column that did not run every feature is partial.
 """
 
@@ -18,7 +22,7 @@ from lora_conformance.report.environment import column_key
 from lora_conformance.report.markdown import ICON
 from lora_conformance.judge.root_causes import describe, from_dicts, headline
 from lora_conformance.report.selection import merge_selections
-from lora_conformance.judge.verdict import verify
+from lora_conformance.judge.verdict import classify, verify
 
 MATRIX_SCHEMA = "lora-conformance/matrix/1"
 
@@ -27,20 +31,38 @@ class MergeConflict(ValueError):
     pass
 
 
+def unfinished(record: Mapping[str, Any]) -> bool:
+    """A case its run stopped before it finished (an interrupt, a time limit): no call phase, no
+    failed or skipped phase. No result, so a finished run of the same case replaces it. A case
+    whose worker crashed is a result (pytest-xdist reports its call failed), and so is an error in
+    setup."""
+    phases = record.get("phases") or {}
+    return "call" not in phases and not {"failed", "skipped"} & set(phases.values())
+
+
 def merge(reports: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     columns: dict[str, dict[str, Any]] = {}
     for report in reports:
         key = column_key(report.get("environment") or {})
         col = columns.setdefault(key, {"environment": report.get("environment") or {}, "records": {}, "runs": 0,
-                                       "selections": []})
+                                       "selections": [], "resumed": set()})
         col["runs"] += 1
         col["selections"].append(report.get("selection"))
         for rec in report["records"]:
             old = col["records"].get(rec["nodeid"])
-            if old is not None and old != rec:
+            if old is None:
+                col["records"][rec["nodeid"]] = rec
+            elif old == rec or classify(old)[0] == classify(rec)[0]:
+                pass  # the same result twice (a resumed run that ran a finished case again): the first stands
+            elif unfinished(rec):
+                if not unfinished(old):
+                    col["resumed"].add(rec["nodeid"])
+            elif unfinished(old):
+                col["records"][rec["nodeid"]] = rec
+                col["resumed"].add(rec["nodeid"])
+            else:
                 # Two shards ran the same test with different results: refuse to pick one.
                 raise MergeConflict(f"{key}: {rec['nodeid']} appears in two reports with different outcomes")
-            col["records"][rec["nodeid"]] = rec
     out_cols, cells, features = [], {}, set()
     for key in sorted(columns):
         col = columns[key]
@@ -57,6 +79,7 @@ def merge(reports: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             "summary": verdict.summary,
             "score": f"{passed}/{counted}",
             "status": verdict.status_text(),
+            "resumed": sorted(col["resumed"]),
             "root_causes": [asdict(c) for c in verdict.root_causes],
         })
         for fid, feat in verdict.features.items():
@@ -100,6 +123,10 @@ def render_matrix_markdown(matrix: Mapping[str, Any]) -> str:
         lines.append(f"- `{c['key']}`: {c['runs']} run(s); engine {(env.get('engine') or {}).get('version') or '?'}; "
                      f"device {dev.get('device_name') or dev.get('name')}; torch {pk.get('torch')}; "
                      f"{env.get('date')}")
+        resumed = c.get("resumed") or []
+        if resumed:
+            lines.append(f"  - {len(resumed)} case(s) one run left unfinished, finished by another: "
+                         + ", ".join(f"`{n}`" for n in resumed))
     return "\n".join(lines) + "\n"
 
 
