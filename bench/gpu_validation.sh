@@ -16,6 +16,11 @@
 #                  cases pytest's -k EXPR selects (a partial report, which says so);
 #   part "full-warm": bench/certify_time.py on that filled cache: the warm wall time, with "computed /
 #                  cached" beside it (a warm row computes none);
+#   Between sessions: full-cold and full-warm leave the profile's reference cache (and the measured
+#   case durations the run order uses) in $OUT as lc-full-refs.tar.xz.aa, .ab, ... (15 MB parts);
+#   put them in .refs/ of the checkout (git ignores it) and carry it (carry: [".whl", ".refs"]):
+#   the next session's full-cold restores them, so its run computes only the references its
+#   changes need (the cache keys are content hashes of model, adapter, request and library versions);
 #   part "compile": the built-in engine's compile mode, fast profile, alone (beside other jobs its
 #                  cases took 5x longer and a 400 s limit cut the run);
 #   part "detect-new": detection power on the GPU of the faults tests/test_detection_power.py lists
@@ -59,6 +64,18 @@ left() { local n=$((deadline - SECONDS)); [ "$n" -gt 1 ] && echo "$n" || echo 1;
 # archive of the reports must still be written within the call.
 stop_margin=${STOP_MARGIN:-45}
 until_stop() { local n=$((deadline - stop_margin - SECONDS)); [ "$n" -gt 1 ] && echo "$n" || echo 1; }
+# The full profile's reference cache between sessions (see the header).
+restore_refs() {
+  if compgen -G ".refs/lc-full-refs.tar.xz.*" >/dev/null && [ ! -d /tmp/lc-full/references ]; then
+    mkdir -p /tmp/lc-full && cat .refs/lc-full-refs.tar.xz.* | tar xJf - -C /tmp/lc-full \
+      && echo "references restored from .refs: $(find /tmp/lc-full/references -type f | wc -l) entries"
+  fi
+}
+save_refs() {
+  rm -f "$OUT"/lc-full-refs.tar.xz.*
+  (cd /tmp/lc-full && ls -d references durations 2>/dev/null | xargs -r tar cf - | xz -T0 -6 \
+    | split -b 15M - "$OUT/lc-full-refs.tar.xz.") && ls -l "$OUT"/lc-full-refs.tar.xz.* | awk '{print "saved", $5, $NF}'
+}
 # The least a part needs to be worth starting (seconds).
 minimum() { case "$1" in full-cold) echo 240 ;; full-warm) echo 300 ;; compile) echo 180 ;; detect-new) echo 120 ;; *) echo 1 ;; esac; }
 run_part() {
@@ -92,6 +109,7 @@ case "$part" in
     ;;
   full-cold)
     log="$OUT/full_cold.log"
+    restore_refs | tee -a "$log"
     python3 bench/build_bases.py full /tmp/lc-full 2>&1 | grep "^base" | tee -a "$log"
     mkdir -p /tmp/lc-full/runs
     mapfile -t desel < <(python3 bench/finished_cases.py /tmp/lc-full/runs/*/report.json 2>>"$log")
@@ -102,6 +120,7 @@ case "$part" in
     echo "certify rc=$? at ${SECONDS} s" | tee -a "$log"
     grep -E "^(workers|LoRA conformance|reference|device memory|partial)" "$log"
     tar czf "$OUT/full-cold-reports.tgz" -C /tmp/lc-full runs
+    save_refs | tee -a "$log"
     ;;
   full-warm)
     mkdir -p /tmp/lc-full/warm  # certify_time's reports (mkdtemp falls back to /tmp where TMPDIR is missing)
@@ -109,6 +128,7 @@ case "$part" in
       --warm-cache /tmp/lc-full --json "$OUT/full_warm.json" -- --profile=full 2>&1 | tee "$OUT/full_warm.log"
     # the report files only: the directory also holds pytest's temporary adapters (over 16 MB)
     (cd /tmp/lc-full && find warm -name 'report.json' -o -name 'report.md' | tar czf "$OUT/full-warm-report.tgz" -T -)
+    save_refs
     ;;
   compile)
     start=$SECONDS
