@@ -4,9 +4,11 @@ finished cases again (their references are cached, but their engine work is not)
 
     python bench/finished_cases.py RUN1/report.json RUN2/report.json ...   # prints --deselect ID lines
 
-A case counts as finished where its report has a "call" phase (passed, failed or skipped in the
-call) or was skipped at setup; an interrupted or crashed case (no call phase) runs again. A report
-that is missing or unreadable is named on stderr and contributes nothing.
+A case counts as finished where it has a result: a call phase (passed, failed, skipped, or the
+failed call pytest-xdist reports for a crashed worker), or a setup that failed or skipped. A case
+its run stopped before it finished runs again: the rule ``lora-conformance report merge`` applies
+when it joins the runs (``report.merge.unfinished``). A report that is missing or unreadable is
+named on stderr and contributes nothing.
 """
 
 from __future__ import annotations
@@ -17,12 +19,9 @@ from pathlib import Path
 
 
 def finished(report: dict) -> list[str]:
-    out = []
-    for record in report.get("records", []):
-        phases = record.get("phases") or {}
-        if "call" in phases or phases.get("setup") == "skipped":
-            out.append(record["nodeid"])
-    return out
+    from lora_conformance.report.merge import unfinished
+
+    return [record["nodeid"] for record in report.get("records", []) if not unfinished(record)]
 
 
 def main(argv: list[str]) -> int:

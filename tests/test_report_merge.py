@@ -207,3 +207,19 @@ def test_a_case_that_passed_in_two_runs_keeps_the_first_record(tmp_path):
     two = _shard(tmp_path, "two", [r(DORA, OK, duration=5.0)], _selection(DECLARED, [(ROUTING, "mixed_batch/routing")]))
     (column,) = merge([one, two])["columns"]
     assert column["status"] == "certified" and column["resumed"] == []
+
+
+def test_a_resumed_run_reruns_exactly_the_cases_merge_counts_unfinished():
+    """bench/finished_cases.py (what a resumed certification deselects) and merge agree on what a
+    result is: a stopped case runs again; a pass, a failure, a crash, a setup error or skip do not."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "finished_cases.py"
+    spec = importlib.util.spec_from_file_location("finished_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    phases = {"ok": OK, "fail": FAIL, "crashed": CRASHED, "setup_error": {"setup": "failed"}, "not_certified": NC,
+              "stopped": STOPPED, "never_started": {}}
+    report = {"records": [r(name, p) for name, p in phases.items()]}
+    assert module.finished(report) == ["ok", "fail", "crashed", "setup_error", "not_certified"]
