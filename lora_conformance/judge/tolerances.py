@@ -241,10 +241,19 @@ _INT8_REAL = dict(effect_noise_max=0.2, effect_gross_atol=1.6, free_running_atol
 # times. On the Q4_K base (--base-quant q4_k, the same five families, default and PEFT, --seed 95) 9 more runs
 # held every check the suites apply, the largest 0.73 of a bound (a paired prompt point, all-linear); the
 # per-step decode of the default-adapter families, which direct comparisons apply, 0.56 of 2.3. 28 runs in
-# all: still a thin sample.
+# all: still a thin sample. Then adapter_semantics/rank at every rank of the full profile on the Q4_K base in
+# bfloat16 (-k "test_rank and not above", seed 11) failed three correct implementations alike at rank 128 (alpha
+# 256, effect rms 5.86), and only there: the built-in engine reading ggml's Q8_K activation blocks, PEFT reading
+# them, the built-in engine with the other quantiser (int8_alt): effect residual 0.411 / 0.430 / 0.398 > 0.28 and
+# a point 2.49 / 2.88 / 2.58 > 2, slopes 1.000 / 1.001 / 0.996 (+- 0.004), nearest the correct hypothesis (delta
+# x1.1 2.19 away). Every other rank (1 to 256) of the three: residual at most 0.207, a point at most 1.55. The
+# same case in float32 and float16 passed (residual 0.165, points 0.76 / 1.12), and on the Q8_0 base in bfloat16.
+# So bfloat16's effect rows at this class are 1.5x the worst: effect_noise_max 0.65 (1.5x 0.430),
+# effect_gross_atol 4.3 (1.5x 2.88). The slope margin (delta x1.1 is a slope of 1.1) stays the dtype's.
 ACTIVATIONS_REAL: dict[str, dict[str, dict[str, float]]] = {
     "int8": {"float32": _INT8_REAL, "float16": _INT8_REAL,
-             "bfloat16": {**_INT8_REAL, "free_running_atol": 7.8, "prompt_rms_max": 0.65}}}
+             "bfloat16": {**_INT8_REAL, "free_running_atol": 7.8, "prompt_rms_max": 0.65,
+                          "effect_noise_max": 0.65, "effect_gross_atol": 4.3}}}
 # ov_dq32 is bit-exact with the int8_alt quantiser of Q8_0 blocks (symmetric, groups of 32, float32 scale),
 # one of the calibrated implementations (bench/openvino_dynamic_quant.py shows it).
 ACTIVATION_CLASSES: dict[str, str] = {"q8_0": "int8", "q8_k": "int8", "ov_dq32": "int8"}
