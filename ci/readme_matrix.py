@@ -45,14 +45,13 @@ def newest_reports(reports_dir: Path) -> list[tuple[Path, list[dict], bool]]:
         name = part.group("stem") if part else path.name
         first, reports, all_checked = runs.get(name, (path, [], True))
         runs[name] = (first, reports + [report], all_checked and checked)
-    best: dict[str, tuple[Path, list[dict], bool]] = {}
+    best: dict[str, tuple[str, Path, list[dict], bool]] = {}  # column -> (date of its newest part, run)
     for path, reports, checked in runs.values():
-        env = reports[0].get("environment") or {}
-        key = column_key(env)  # an engine run in another mode (args), base or profile keeps its own row
+        key = column_key(reports[0].get("environment") or {})  # another mode (args), base or profile: its own row
         date = max(str((r.get("environment") or {}).get("date") or "") for r in reports)
-        if key not in best or date >= max(str(r["environment"].get("date") or "") for r in best[key][1]):
-            best[key] = (path, reports, checked)
-    return [best[k] for k in sorted(best)]
+        if key not in best or date >= best[key][0]:
+            best[key] = (date, path, reports, checked)
+    return [best[k][1:] for k in sorted(best)]
 
 
 def tree(commit) -> str:
