@@ -86,7 +86,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any):
-    # --dist loadfile: files that shared an engine in the last run go to one worker (run_order).
+    # --dist load: longest first, one test at a time; --dist loadfile: files that shared an engine in
+    # the last run go to one worker (run_order.make_scheduler).
     if SETTINGS_KEY not in config.stash:
         return None
     from lora_conformance import run_order

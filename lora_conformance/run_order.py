@@ -29,6 +29,15 @@ longest-processing-time rule) lets the short ones fill the gaps.
   again (vLLM on cpu: its prompt-logprobs feature test kills the engine core; the next test paid
   a ~30 s restart). Its verdict does not depend on this: it runs on the same shared engine, only later.
 
+* Under ``--dist load`` (the default) with durations from the last run, tests are handed out one at
+  a time (``LongestFirst``): xdist's own load scheduling sends each worker a contiguous first chunk
+  of a quarter of its share, so with the longest tests first one worker got all of them and the
+  others idled at the end (the full profile on the H200, two workers: the first chunk held its 17
+  longest tests, and a warm run would have taken about 630 s where 377 s were possible: replayed in
+  tests/test_run_order.py). A worker runs a test only once it holds the next one, so each holds two: where both
+  would be long while a long test still waits, the second is a short one (the last waiting) instead,
+  so the next long test goes to whichever worker frees first.
+
 A serial run keeps collection order: there is nothing to balance.
 """
 
@@ -305,13 +314,18 @@ def worker_groups(config: pytest.Config) -> dict[str, str]:
 
 
 def make_scheduler(config: pytest.Config, log):
-    """Under ``--dist loadfile`` with file groups or tests to run last from the last run: xdist's
-    file scheduling with a group of files as one unit (a worker gets all of its files) and each
-    test to run last a unit of its own (``order`` put them at the end of the collection, so their
-    units are handed out last); else None (xdist's own)."""
+    """Under ``--dist load`` with the last run's durations (and no ``--maxschedchunk``):
+    ``LongestFirst``. Under ``--dist loadfile`` with file groups or tests to run last from the last
+    run: xdist's file scheduling with a group of files as one unit (a worker gets all of its files)
+    and each test to run last a unit of its own (``order`` put them at the end of the collection,
+    so their units are handed out last). Else None (xdist's own)."""
     groups = config.stash.get(_GROUPS, {})
     last = set(config.stash.get(_LAST, []))
-    if config.getoption("dist", None) != "loadfile" or not (groups or last):
+    dist = config.getoption("dist", None)
+    durations = config.stash.get(_DURATIONS, {})
+    if dist == "load" and durations and config.getoption("maxschedchunk", None) is None:
+        return longest_first_class()(config, log, durations)
+    if dist != "loadfile" or not (groups or last):
         return None
     from xdist.scheduler import LoadFileScheduling
 
@@ -323,6 +337,58 @@ def make_scheduler(config: pytest.Config, log):
             return groups.get(f, f)
 
     return GroupedFiles(config, log)
+
+
+def longest_first_class():
+    """``LongestFirst``, defined on first use (pytest-xdist is optional)."""
+    global _LONGEST_FIRST
+    if _LONGEST_FIRST is None:
+        from xdist.scheduler import LoadScheduling
+
+        class LongestFirst(LoadScheduling):
+            """xdist's load scheduling, one test at a time in collection order (``order``: longest
+            first), each worker holding two (the one it runs and the next: a worker starts a test
+            only once it holds the next one); where the next would be a second long test while a
+            long test still waits, a short one (the last waiting) goes instead (see the module's doc)."""
+
+            def __init__(self, config: pytest.Config, log, durations: Mapping[str, float]):
+                super().__init__(config, log)
+                self.durations = dict(durations)
+
+            def _long(self, index: int) -> bool:
+                return self.durations.get(self.collection[index], 0.0) >= LONG_SECONDS
+
+            def schedule(self) -> None:
+                assert self.collection_is_completed
+                if self.collection is None:
+                    if not self._check_nodes_have_same_collection():
+                        self.log("**Different tests collected, aborting run**")
+                        return
+                    self.collection = next(iter(self.node2collection.values()))
+                    self.pending[:] = range(len(self.collection))
+                    if not self.collection:
+                        return
+                for node in self.nodes:
+                    self.check_schedule(node)
+
+            def check_schedule(self, node, duration: float = 0) -> None:
+                if node.shutting_down:
+                    return
+                held = self.node2pending[node]
+                while self.pending and len(held) < 2:
+                    filler = (bool(held) and self._long(held[-1]) and self._long(self.pending[0])
+                              and not self._long(self.pending[-1]))
+                    index = self.pending.pop(-1 if filler else 0)
+                    held.append(index)
+                    node.send_runtest_some([index])
+                if not self.pending:
+                    node.shutdown()
+
+        _LONGEST_FIRST = LongestFirst
+    return _LONGEST_FIRST
+
+
+_LONGEST_FIRST = None
 
 
 def worker_dist(config: pytest.Config) -> Optional[str]:
