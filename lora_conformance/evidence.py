@@ -145,6 +145,8 @@ class Record:
     effects: Optional[list] = None  # EFFECTS
     notes: Optional[list] = None  # NOTE values
     engine_starts: Optional[list] = None  # ENGINE_STARTS, every phase's
+    started: Optional[float] = None  # seconds from the run's start to its setup's start
+    worker: Optional[str] = None  # the pytest-xdist worker that ran it ("main": a run of one process)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -196,6 +198,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "nodeid": (str,), "phases": (dict,), "duration": (int, float), "wasxfail": (str,), "skip_reason": (str,),
     "message": (str,), "longrepr": (str,), "feature": (dict,), "outcome": (dict,), "failure": (dict,),
     "evidence": (dict,), "effects": (list,), "notes": (list,), "engine_starts": (list,),
+    "started": (int, float), "worker": (str,),
 }
 assert list(FIELD_TYPES) == [f.name for f in fields(Record)], "FIELD_TYPES must list Record's fields in order"
 

@@ -152,6 +152,24 @@ def test_recorder_under_xdist(pytester, suite):
     result.assert_outcomes(passed=3, failed=1, skipped=2, xfailed=1, errors=1)
     data = check_report(pytester.path / "out")
     assert data["environment"]["engine"]["version"] == "9.9"
+    # each case says which worker ran it and when its setup began (seconds from the run's start)
+    ran = [r for r in data["records"] if r["phases"].get("setup")]
+    assert {r["worker"] for r in ran} <= {"gw0", "gw1"} and all(0 <= r["started"] < 120 for r in ran)
+    md = (pytester.path / "out" / "report.md").read_text()
+    assert "| workers | gw0: " in md and "idle at the end:" in md
+
+
+def test_workers_summary_shows_an_unbalanced_run():
+    from lora_conformance.report.markdown import workers_summary
+
+    recs = [{"nodeid": "a", "phases": {}, "worker": "gw0", "started": 0.5, "duration": 300.0},
+            {"nodeid": "b", "phases": {}, "worker": "gw1", "started": 0.4, "duration": 50.0},
+            {"nodeid": "c", "phases": {}, "worker": "gw1", "started": 50.5, "duration": 50.0},
+            {"nodeid": "d", "phases": {}, "worker": None, "started": None, "duration": 1.0}]
+    assert workers_summary({"records": recs}) == (
+        "gw0: 1 tests, busy 300 s, done at 300 s; gw1: 2 tests, busy 100 s, done at 100 s "
+        "(idle at the end: 200 s summed over workers)")
+    assert workers_summary({"records": recs[:1]}) == ""  # one process: nothing to balance
 
 
 def test_collection_error_is_reported(pytester, suite):

@@ -152,7 +152,28 @@ def selection_rows(report: Mapping[str, Any], verdict: Verdict) -> list[tuple[st
     starts = engine_starts_summary(report)
     if starts:
         rows.append(("engine starts", starts))
+    workers = workers_summary(report)
+    if workers:
+        rows.append(("workers", workers))
     return rows
+
+
+def workers_summary(report: Mapping[str, Any]) -> str:
+    """Each worker's tests, busy seconds and when its last test ended (records' ``worker``,
+    ``started`` and ``duration``), and how long the workers that ended first then idled: an
+    unbalanced run shows here. Empty for a run of one process or records without them."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for r in report.get("records") or ():
+        if isinstance(r, Mapping) and isinstance(r.get("worker"), str) and isinstance(r.get("started"), (int, float)):
+            spans.setdefault(r["worker"], []).append((float(r["started"]), float(r.get("duration") or 0.0)))
+    if len(spans) < 2:
+        return ""
+    ends = {w: max(s + d for s, d in v) for w, v in spans.items()}
+    last = max(ends.values())
+    parts = [f"{w}: {len(v)} tests, busy {sum(d for _, d in v):.0f} s, done at {ends[w]:.0f} s"
+             for w, v in sorted(spans.items())]
+    idle = sum(last - e for e in ends.values())
+    return "; ".join(parts) + f" (idle at the end: {idle:.0f} s summed over workers)"
 
 
 def engine_starts_summary(report: Mapping[str, Any]) -> str:

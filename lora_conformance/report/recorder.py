@@ -155,6 +155,7 @@ class ReportRecorder:
         self.device_memory: dict[str, dict] = {}  # likewise: its device memory peaks so far
         self.report: Optional[dict] = None
         self.config: Optional[pytest.Config] = None
+        self.started_at: Optional[float] = None  # time.time() at the session's start
 
     # ---- execution: what happened ---------------------------------------------------
 
@@ -166,8 +167,11 @@ class ReportRecorder:
             return
         rec = self._record(report.nodeid)
         rec.phases[report.when] = report.outcome
+        process = str(getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None) or "main")
+        rec.worker = process
+        if report.when == "setup" and self.started_at is not None and isinstance(getattr(report, "start", None), float):
+            rec.started = round(report.start - self.started_at, 3)  # the workers' clock is this machine's
         if report.when == "teardown":
-            process = str(getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None) or "main")
             work = evidence.values(report, REFERENCE_WORK_PROPERTY)
             if work:
                 self.reference_work[process] = json.loads(work[-1])
@@ -216,7 +220,10 @@ class ReportRecorder:
     # ---- session ---------------------------------------------------------------------
 
     def pytest_sessionstart(self, session):
+        import time
+
         self.config = session.config
+        self.started_at = time.time()
         if not self.report_dir.is_absolute():
             self.report_dir = Path(session.config.invocation_params.dir) / self.report_dir
 
