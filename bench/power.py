@@ -90,10 +90,10 @@ FAMILIES = {
         AdapterSpec(seed=rng.choice(SEEDS), rank=16, alpha=8, use_rslora=True),
         AdapterSpec(seed=rng.choice(SEEDS), rank=8, alpha=16, rank_pattern={"v_proj": 4},
                     alpha_pattern={"q_proj": 32})])], "single", "llama"),
-    # every linear module targeted, q/k B 5x, down_proj 2x (adapter_semantics::target_set): the family that certifies
-    # single modules, and whose dropped modules the power runs inject
+    # every linear module targeted, q B 5x, k B 15x, down_proj 2x (adapter_semantics::target_set): the family that
+    # certifies single modules, and whose dropped modules the power runs inject
     "alllinear": lambda rng: ([AdapterSpec(seed=rng.choice(SEEDS), targets="all-linear",
-                                           b_std_pattern={"q_proj": 0.15, "k_proj": 0.15, "down_proj": 0.06})],
+                                           b_std_pattern={"q_proj": 0.15, "k_proj": 0.45, "down_proj": 0.06})],
                               "single", "llama"),
     # two adapters and base rows in one batch (mixed_batch, accuracy::every_dtype)
     "mixed": lambda rng: ([AdapterSpec(seed=s) for s in rng.sample(SEEDS, 2)], "mixed", "llama"),

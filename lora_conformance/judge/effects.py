@@ -119,6 +119,7 @@ class EffectAnalysis:
                 "residual_max": self.residual_max, "nearest": self.nearest,
                 "distances": {"correct": self.correct_distance, **{f.name: f.distance for f in self.fits}},
                 "gamma": {f.name: f.gamma for f in self.fits},
+                "gamma_se": {f.name: f.se for f in self.fits},
                 "separation": {f.name: f.separation for f in self.fits},
                 "not_judged": [f.name for f in self.fits if not f.judged], "trimmed_contexts": self.trimmed,
                 "unpaired_contexts": self.unpaired, "plotted": self.plotted}
