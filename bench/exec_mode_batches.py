@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from suites.test_runtime_modes import MODE_BATCHES
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
-    base = resolve_base_model(profiles.get(args.profile).models["decoder"], cache)
+    base = resolve_base_model(profiles.get(args.profile).models["decoder"], cache / "models")  # as the plugin keeps it
     adapters = {}
     for i, name in enumerate("ABC"):
         out = cache / "bench-exec-modes" / f"{base.name}-{name}"

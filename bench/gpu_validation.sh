@@ -21,6 +21,8 @@
 #   put them in .refs/ of the checkout (git ignores it) and carry it (carry: [".whl", ".refs"]):
 #   the next session's full-cold restores them, so its run computes only the references its
 #   changes need (the cache keys are content hashes of model, adapter, request and library versions);
+#   part "exec-batches": bench/exec_mode_batches.py on the full profile's decoder (built by full-cold):
+#                  the compile-mode case's batches in each mode, seconds per batch and dynamo graphs;
 #   part "compile": the built-in engine's compile mode, fast profile, alone (beside other jobs its
 #                  cases took 5x longer and a 400 s limit cut the run);
 #   part "detect-new": detection power on the GPU of the faults tests/test_detection_power.py lists
@@ -33,10 +35,10 @@
 # Each certification writes its report under $OUT and says what its processes held on the device.
 # The carried .whl must hold platformdirs (the image lacks it; README of the device tool, wheels).
 # Usage: bash bench/gpu_validation.sh PART [PART ...]
-#   PART: bench, suites, detect, time, full-cold, full-warm, compile or detect-new
+#   PART: bench, suites, detect, time, full-cold, full-warm, exec-batches, compile or detect-new
 # The last step of suites/detect runs the overlap fault on purpose, only to print the race report.
 set -uo pipefail
-parts="bench suites detect time full-cold full-warm compile detect-new"
+parts="bench suites detect time full-cold full-warm exec-batches compile detect-new"
 [ $# -gt 0 ] || { echo "gpu_validation.sh: name a part ($parts)" >&2; exit 2; }
 for part in "$@"; do
   case " $parts " in
@@ -77,7 +79,7 @@ save_refs() {
     | split -b 15M - "$OUT/lc-full-refs.tar.xz.") && ls -l "$OUT"/lc-full-refs.tar.xz.* | awk '{print "saved", $5, $NF}'
 }
 # The least a part needs to be worth starting (seconds).
-minimum() { case "$1" in full-cold) echo 240 ;; full-warm) echo 300 ;; compile) echo 180 ;; detect-new) echo 120 ;; *) echo 1 ;; esac; }
+minimum() { case "$1" in full-cold) echo 240 ;; full-warm) echo 300 ;; exec-batches) echo 150 ;; compile) echo 180 ;; detect-new) echo 120 ;; *) echo 1 ;; esac; }
 run_part() {
 part=$1
 case "$part" in
@@ -129,6 +131,10 @@ case "$part" in
     # the report files only: the directory also holds pytest's temporary adapters (over 16 MB)
     (cd /tmp/lc-full && find warm -name 'report.json' -o -name 'report.md' | tar czf "$OUT/full-warm-report.tgz" -T -)
     save_refs
+    ;;
+  exec-batches)
+    timeout "$(left)" python3 bench/exec_mode_batches.py --device cuda --dtype bfloat16 --profile full \
+      --cache /tmp/lc-full 2>&1 | grep -v -E "Loading|Writing|warn" | tee "$OUT/exec_batches.log" | tail -8
     ;;
   compile)
     start=$SECONDS
