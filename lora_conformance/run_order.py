@@ -35,8 +35,9 @@ longest-processing-time rule) lets the short ones fill the gaps.
   others idled at the end (the full profile on the H200, two workers: the first chunk held its 17
   longest tests, and a warm run would have taken about 630 s where 377 s were possible: replayed in
   tests/test_run_order.py). A worker runs a test only once it holds the next one, so each holds two: where both
-  would be long while a long test still waits, the second is a short one (the last waiting) instead,
-  so the next long test goes to whichever worker frees first.
+  would be long (``FILLER_SHARE`` of a worker's share of the run or more) while a long test still
+  waits, the second is a short one (the last waiting) instead, so the next long test goes to
+  whichever worker frees first.
 
 A serial run keeps collection order: there is nothing to balance.
 """
@@ -349,14 +350,16 @@ def longest_first_class():
             """xdist's load scheduling, one test at a time in collection order (``order``: longest
             first), each worker holding two (the one it runs and the next: a worker starts a test
             only once it holds the next one); where the next would be a second long test while a
-            long test still waits, a short one (the last waiting) goes instead (see the module's doc)."""
+            long test still waits, a short one (the last waiting) goes instead (see the module's
+            doc). Long here: ``FILLER_SHARE`` of a worker's share of the run, at least ``LONG_SECONDS``."""
 
             def __init__(self, config: pytest.Config, log, durations: Mapping[str, float]):
                 super().__init__(config, log)
                 self.durations = dict(durations)
+                self.long_seconds = LONG_SECONDS  # set from the collection's share per worker (schedule)
 
             def _long(self, index: int) -> bool:
-                return self.durations.get(self.collection[index], 0.0) >= LONG_SECONDS
+                return self.durations.get(self.collection[index], 0.0) >= self.long_seconds
 
             def schedule(self) -> None:
                 assert self.collection_is_completed
@@ -368,6 +371,8 @@ def longest_first_class():
                     self.pending[:] = range(len(self.collection))
                     if not self.collection:
                         return
+                    share = sum(self.durations.get(t, 0.0) for t in self.collection) / max(1, len(self.nodes))
+                    self.long_seconds = max(LONG_SECONDS, FILLER_SHARE * share)
                 for node in self.nodes:
                     self.check_schedule(node)
 
@@ -389,6 +394,11 @@ def longest_first_class():
 
 
 _LONGEST_FIRST = None
+# LongestFirst holds a short test behind a long one only where both it and the next waiting test take
+# at least this fraction of a worker's share of the run: a filler comes from the end of the collection,
+# so a test that shares fixtures with its neighbours may set them up alone, and below this the wait it
+# saves is small.
+FILLER_SHARE = 0.02
 
 
 def worker_dist(config: pytest.Config) -> Optional[str]:
