@@ -373,8 +373,17 @@ def longest_first_class():
                         return
                     share = sum(self.durations.get(t, 0.0) for t in self.collection) / max(1, len(self.nodes))
                     self.long_seconds = max(LONG_SECONDS, FILLER_SHARE * share)
+                # one test each first (longest first), so that no worker is left without one while
+                # another holds two: with fewer tests than two a worker, xdist hands them round robin too
+                for node in self.nodes:
+                    if self.pending and not self.node2pending[node] and not node.shutting_down:
+                        self._hand(node, self.pending.pop(0))
                 for node in self.nodes:
                     self.check_schedule(node)
+
+            def _hand(self, node, index: int) -> None:
+                self.node2pending[node].append(index)
+                node.send_runtest_some([index])
 
             def check_schedule(self, node, duration: float = 0) -> None:
                 if node.shutting_down:
@@ -383,9 +392,7 @@ def longest_first_class():
                 while self.pending and len(held) < 2:
                     filler = (bool(held) and self._long(held[-1]) and self._long(self.pending[0])
                               and not self._long(self.pending[-1]))
-                    index = self.pending.pop(-1 if filler else 0)
-                    held.append(index)
-                    node.send_runtest_some([index])
+                    self._hand(node, self.pending.pop(-1 if filler else 0))
                 if not self.pending:
                     node.shutdown()
 

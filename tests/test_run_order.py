@@ -453,3 +453,11 @@ def test_longest_first_keeps_the_long_tests_apart_where_xdists_first_chunks_stac
 
 
 LONG_SECONDS_ROOM = 1.0
+
+
+def test_longest_first_gives_every_worker_a_test_before_any_worker_a_second():
+    """Two tests, two workers: one each (a worker holding both would run the short one only after
+    the long one; an interrupted certification then never started it)."""
+    pytest.importorskip("xdist")
+    seconds = {"t::long": 5.0, "t::short": 0.1}
+    assert _makespan(run_order.longest_first_class()(_config(2), None, seconds), seconds, 2) == 5.0
