@@ -44,6 +44,7 @@ A serial run keeps collection order: there is nothing to balance.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -340,67 +341,64 @@ def make_scheduler(config: pytest.Config, log):
     return GroupedFiles(config, log)
 
 
+@functools.cache
 def longest_first_class():
     """``LongestFirst``, defined on first use (pytest-xdist is optional)."""
-    global _LONGEST_FIRST
-    if _LONGEST_FIRST is None:
-        from xdist.scheduler import LoadScheduling
+    from xdist.scheduler import LoadScheduling
 
-        class LongestFirst(LoadScheduling):
-            """xdist's load scheduling, one test at a time in collection order (``order``: longest
-            first), each worker holding two (the one it runs and the next: a worker starts a test
-            only once it holds the next one); where the next would be a second long test while a
-            long test still waits, a short one (the last waiting) goes instead (see the module's
-            doc). Long here: ``FILLER_SHARE`` of a worker's share of the run, at least ``LONG_SECONDS``."""
+    class LongestFirst(LoadScheduling):
+        """xdist's load scheduling, one test at a time in collection order (``order``: longest
+        first), each worker holding two (the one it runs and the next: a worker starts a test
+        only once it holds the next one); where the next would be a second long test while a
+        long test still waits, a short one (the last waiting) goes instead (see the module's
+        doc). Long here: ``FILLER_SHARE`` of a worker's share of the run, at least ``LONG_SECONDS``."""
 
-            def __init__(self, config: pytest.Config, log, durations: Mapping[str, float]):
-                super().__init__(config, log)
-                self.durations = dict(durations)
-                self.long_seconds = LONG_SECONDS  # set from the collection's share per worker (schedule)
+        def __init__(self, config: pytest.Config, log, durations: Mapping[str, float]):
+            super().__init__(config, log)
+            self.durations = dict(durations)
+            self.long_seconds = LONG_SECONDS  # set from the collection's share per worker (schedule)
 
-            def _long(self, index: int) -> bool:
-                return self.durations.get(self.collection[index], 0.0) >= self.long_seconds
+        def _long(self, index: int) -> bool:
+            return self.durations.get(self.collection[index], 0.0) >= self.long_seconds
 
-            def schedule(self) -> None:
-                assert self.collection_is_completed
-                if self.collection is None:
-                    if not self._check_nodes_have_same_collection():
-                        self.log("**Different tests collected, aborting run**")
-                        return
-                    self.collection = next(iter(self.node2collection.values()))
-                    self.pending[:] = range(len(self.collection))
-                    if not self.collection:
-                        return
-                    share = sum(self.durations.get(t, 0.0) for t in self.collection) / max(1, len(self.nodes))
-                    self.long_seconds = max(LONG_SECONDS, FILLER_SHARE * share)
-                # one test each first (longest first), so that no worker is left without one while
-                # another holds two: with fewer tests than two a worker, xdist hands them round robin too
-                for node in self.nodes:
-                    if self.pending and not self.node2pending[node] and not node.shutting_down:
-                        self._hand(node, self.pending.pop(0))
-                for node in self.nodes:
-                    self.check_schedule(node)
-
-            def _hand(self, node, index: int) -> None:
-                self.node2pending[node].append(index)
-                node.send_runtest_some([index])
-
-            def check_schedule(self, node, duration: float = 0) -> None:
-                if node.shutting_down:
+        def schedule(self) -> None:
+            assert self.collection_is_completed
+            if self.collection is None:
+                if not self._check_nodes_have_same_collection():
+                    self.log("**Different tests collected, aborting run**")
                     return
-                held = self.node2pending[node]
-                while self.pending and len(held) < 2:
-                    filler = (bool(held) and self._long(held[-1]) and self._long(self.pending[0])
-                              and not self._long(self.pending[-1]))
-                    self._hand(node, self.pending.pop(-1 if filler else 0))
-                if not self.pending:
-                    node.shutdown()
+                self.collection = next(iter(self.node2collection.values()))
+                self.pending[:] = range(len(self.collection))
+                if not self.collection:
+                    return
+                share = sum(self.durations.get(t, 0.0) for t in self.collection) / max(1, len(self.nodes))
+                self.long_seconds = max(LONG_SECONDS, FILLER_SHARE * share)
+            # one test each first (longest first), so that no worker is left without one while
+            # another holds two: with fewer tests than two a worker, xdist hands them round robin too
+            for node in self.nodes:
+                if self.pending and not self.node2pending[node] and not node.shutting_down:
+                    self._hand(node, self.pending.pop(0))
+            for node in self.nodes:
+                self.check_schedule(node)
 
-        _LONGEST_FIRST = LongestFirst
-    return _LONGEST_FIRST
+        def _hand(self, node, index: int) -> None:
+            self.node2pending[node].append(index)
+            node.send_runtest_some([index])
+
+        def check_schedule(self, node, duration: float = 0) -> None:
+            if node.shutting_down:
+                return
+            held = self.node2pending[node]
+            while self.pending and len(held) < 2:
+                filler = (bool(held) and self._long(held[-1]) and self._long(self.pending[0])
+                          and not self._long(self.pending[-1]))
+                self._hand(node, self.pending.pop(-1 if filler else 0))
+            if not self.pending:
+                node.shutdown()
+
+    return LongestFirst
 
 
-_LONGEST_FIRST = None
 # LongestFirst holds a short test behind a long one only where both it and the next waiting test take
 # at least this fraction of a worker's share of the run: a filler comes from the end of the collection,
 # so a test that shares fixtures with its neighbours may set them up alone, and below this the wait it
