@@ -133,8 +133,8 @@ case "$part" in
     save_refs
     ;;
   exec-batches)
-    timeout "$(left)" python3 bench/exec_mode_batches.py --device cuda --dtype bfloat16 --profile full \
-      --cache /tmp/lc-full 2>&1 | grep -v -E "Loading|Writing|warn" | tee "$OUT/exec_batches.log" | tail -8
+    TORCH_LOGS=recompiles timeout "$(left)" python3 bench/exec_mode_batches.py --device cuda --dtype bfloat16 --profile full \
+      --cache /tmp/lc-full 2>&1 | grep -v -E "Loading|Writing|warn" | tee "$OUT/exec_batches.log" | tail -40
     ;;
   compile)
     start=$SECONDS
