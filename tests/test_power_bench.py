@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("power_bench", Path(__file__).resolve().parents[1] / "bench" / "power.py")
+_spec = importlib.util.spec_from_file_location("power_bench",
+                                               Path(__file__).resolve().parents[1] / "bench" / "power.py")
 power = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(power)
 
