@@ -1,10 +1,12 @@
 """Null distribution and power of the paired effect verdicts, per check, test family and dtype.
 
 Null runs: correct engines with benign rewritings, each run randomised (adapter seed and rank,
-prompt subset, row order, composition), judged exactly as the suites judge them, by every check:
-``effects`` (``paired.run``: teacher-forced contexts), ``prompt`` (``paired.run_prompt_logprobs``:
-the paired prompt-logprob verdict of ``accuracy::prefill_logprobs_with_adapter``) and ``free_running``
-(the gross decode check with prompt logprobs, ``compare.assert_logprobs_close``). Rewritings, each
+prompt subset, row order, composition), judged exactly as the suites judge them: every check of
+``CHECKS`` is measured on every run (``effects``: ``paired.run``, teacher-forced contexts; ``prompt``:
+``paired.run_prompt_logprobs``, the paired prompt-logprob verdict of
+``accuracy::prefill_logprobs_with_adapter``; ``free_running``: the decode at the gross bounds; ...), and
+a family is judged by the checks the suites apply to its adapters (``APPLIED``); the others are shown
+apart as "not applied", never counted. Rewritings, each
 the same adapter in exact arithmetic, fed to a correct engine (the reference keeps the original):
 ``rescale:C`` (C*A, B/C); ``fold:A`` / ``fold:B`` (each module's scaling folded into A or B, alpha set
 so the scaling is 1); ``svd`` (A and B rebuilt from an SVD of B @ A, per expert for MoE experts);
@@ -14,12 +16,13 @@ the base weights, in float32 then rounded to the dtype, for batches of a single 
 engine variations ``reverse`` (each call's requests reversed), ``one_at_a_time`` (each request alone),
 ``peft`` (the PEFT engine), and any built-in engine-arg set given with ``--variant`` (e.g.
 ``variant=fp32_delta``). Runs cycle through families and variations, so every family meets every
-variation. Any failure of a null run is a false alarm of the check that failed.
+variation. A failure of an applied check in a null run is a false alarm of that check.
 
 Power: the same runs with the engine's delta mis-scaled (B x s stored in the adapter the engine
 loads, the reference keeps the original) for each s of ``--scales``; each module's LoRA dropped
 (``--drops``, all-linear family); and each built-in engine fault of ``--faults`` on the families it
-applies to (the MoE expert faults on the ``moe`` family), with the detection rate per cell.
+applies to (the MoE expert faults on the ``moe`` family), with the detection rate per cell: a run
+detects when a check applied to its family fails, and each cell records which checks failed.
 
     python bench/power.py --dtypes float32,bfloat16,float16 --runs 200 --power-runs 20
     python bench/power.py --device cuda --dtypes bfloat16 --runs 200        # on an accelerator
@@ -107,6 +110,11 @@ FAMILIES = {
 ROWS = {"alllinear": 16, "moe": 6}  # rows of a single-adapter run (default 6)
 REWRITES = ("rescale:3", "rescale:0.25", "fold:A", "fold:B", "svd", "permute", "pad:8", "preround")
 VARIATIONS = ("default",) + REWRITES + ("merged", "reverse", "one_at_a_time", "peft")
+# effects: the paired verdict at teacher-forced contexts (paired.run, lora.assert_conforms). prompt: the paired
+# verdict on prompt logprobs (paired.run_prompt_logprobs, lora.assert_prompt_logprobs_conform). free_running: the
+# decode at the gross bounds (free_running_atol), as lora.assert_free_running_matches judges it (its requests ask
+# no prompt logprobs). prompt_pooled: the prompt logprobs pooled over the run's requests (prompt_rms_max, each
+# point under free_running_atol), as lora.assert_matches_reference judges requests that ask for them.
 # decode_default: the free-running decode at the default per-step bounds (decode_atol, tie_margin), as the
 # suites that compare an engine's decode with the reference directly judge it (lifecycle, prefix cache, ...).
 # routing: the nearest-reference routing assertion of mixed_batch::nearest_reference_routing (one prompt,
@@ -114,7 +122,46 @@ VARIATIONS = ("default",) + REWRITES + ("merged", "reverse", "one_at_a_time", "p
 # the ROUGE-L floor where the decode did not end at a tie, as lora.assert_matches_reference judges them.
 # same_engine: up to 4 rows of a run generated alone against the same rows in the run's batch, at the
 # same-engine bounds (judge/tolerances.py same_engine_tolerance_for), as the suites compare an engine with itself.
-CHECKS = ("effects", "prompt", "free_running", "decode_default", "routing", "same_engine")
+CHECKS = ("effects", "prompt", "free_running", "prompt_pooled", "decode_default", "routing", "same_engine")
+# The checks the suites apply to each family's adapters: only these count as a false alarm (null runs) or a
+# detection (power runs). Every check is still measured on every run; the others are shown apart, as "not
+# applied" (what a suite that applied them would see), never counted.
+APPLIED = {
+    # The default q/v adapters (A, B): accuracy::single_adapter_matches_reference (effects, free_running),
+    # accuracy::prefill_logprobs_with_adapter (prompt), backends::each_declared_backend_matches_reference and
+    # chunked_prefill (prompt_pooled: requests with prompt logprobs), lifecycle::load_unload_reload and
+    # runtime_modes::each_exec_mode_matches_reference (decode_default), mixed_batch::batch_size_invariance and
+    # lifecycle's reload (same_engine).
+    "accuracy": ("effects", "prompt", "free_running", "prompt_pooled", "decode_default", "same_engine"),
+    # adapter_semantics::rslora, rank_and_alpha_patterns, mixed_batch::different_target_sets_in_one_batch:
+    # lora.assert_conforms only. (runtime_modes applies decode_default and same_engine to default-strength
+    # all-linear adapters of rank 64 and 16, not to this family's rsLoRA and pattern adapters.)
+    "semantics": ("effects", "free_running"),
+    # adapter_semantics::target_set[all-linear] and layers_to_transform (the STRONG_MODULES adapters):
+    # lora.assert_conforms with module drops as alternatives; no suite judges their decode at default bounds.
+    "alllinear": ("effects", "free_running"),
+    # Two default adapters and base rows: mixed_batch::composition_matches_isolated_references and
+    # accuracy::every_dtype_matches_reference (effects, free_running), nearest_reference_routing (routing),
+    # random_compositions and large_batch_matches_isolated_references (decode_default), backends and
+    # chunked_prefill (prompt_pooled: A, base and B rows), batch_size_invariance and order_invariance (same_engine).
+    "mixed": ("effects", "free_running", "prompt_pooled", "decode_default", "routing", "same_engine"),
+    # adapter_semantics::rank (and mixed_ranks_in_one_batch): lora.assert_conforms only.
+    "rank": ("effects", "free_running"),
+    # moe::expert_lora_matches_reference, expert_lora_mixed_batch: lora.assert_conforms only.
+    "moe": ("effects", "free_running"),
+}
+
+
+def judged(family: str, failures: dict) -> tuple[list[str], list[str]]:
+    """The checks that failed in one run: those the suites apply to ``family`` (a false alarm or a
+    detection), and those they do not (shown apart, never counted)."""
+    failed = [c for c in CHECKS if failures.get(c)]
+    return [c for c in failed if c in APPLIED[family]], [c for c in failed if c not in APPLIED[family]]
+
+
+def fault_family(fault: str) -> str:
+    """The family a built-in engine fault's power runs use: the MoE expert faults on ``moe``."""
+    return "moe" if fault.startswith("moe_") else "accuracy"
 # The expert-level faults of the built-in engine's catalogue, run on the moe family.
 MOE_FAULTS = ("moe_lora_unweighted", "moe_lora_weight_of_next_expert", "moe_lora_first_expert_only",
               "moe_expert_mismatch", "moe_down_proj_dropped")
@@ -348,11 +395,11 @@ def one_run(rng, family, engine, runner, model_dir, cache, dtype, tmp, how=None,
         refs = runner.generate(reqs, paths)
         gross = replace(tol, decode_atol=max(tol.decode_atol, tol.free_running_atol),
                         tie_margin=max(tol.tie_margin, tol.free_running_atol))
-        try:  # pooled over every request of the check, as lora.assert_matches_reference does
+        try:  # pooled over every request, as lora.assert_matches_reference does where they ask prompt logprobs
             rms, worst = assert_prompt_logprobs_close(outs, refs, tol, labels=[str(q.adapter) for q in reqs])
             stats["prompt_rms"], stats["prompt_gross"] = rms / tol.prompt_rms_max, worst / tol.free_running_atol
         except ConformanceAssertionError as exc:
-            failures["free_running"].append(f"free-running: {str(exc).splitlines()[0]}")
+            failures["prompt_pooled"].append(f"prompt logprobs: {str(exc).splitlines()[0]}")
         for o, r, q in zip(outs, refs, reqs):
             # As the suites do (TestContext._reference_scorer): an engine token outside the reference's
             # top-k at the divergence is scored by the reference, teacher-forced, not failed unmeasured.
@@ -434,6 +481,9 @@ def main() -> None:
     ap.add_argument("--activations", default="float", choices=("float", "int8"),
                     help="int8: the built-in and PEFT engines read 8-bit activation blocks in front of a GGUF base's "
                          "quantised matmuls (engine arg activations=int8), judged by the rows for 8-bit activations")
+    ap.add_argument("--one-engine", action="store_true",
+                    help="hold one engine at a time at every scale (the real scale always does): a family that "
+                         "alternates engines then rebuilds one every run, as at real shapes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=None, help="model, adapter and reference cache (default: the user's)")
     ap.add_argument("--json", type=Path)
@@ -484,7 +534,7 @@ def main() -> None:
         key = (name, dtype, kind, tuple(sorted(args.items())))
         if key not in engines:
             # at real shapes one engine at a time (a 24 GiB host holds one beside the reference's base and copy)
-            for k in [k for k in engines if k[1] != dtype or a.scale != "small"]:
+            for k in [k for k in engines if k[1] != dtype or a.scale != "small" or a.one_engine]:
                 engines.pop(k).close()
             engines[key] = create_engine(name, model_dir, a.device, dtype, args)
         e = engines[key]
@@ -493,6 +543,7 @@ def main() -> None:
         return Reversed(e) if var == "reverse" else OneAtATime(e) if var == "one_at_a_time" else e
 
     errors = []
+    a.resident = []
 
     def run(fam, var, dtype, how):
         """One run; an exception (a harness problem, not a verdict) is recorded and the run not counted."""
@@ -512,11 +563,15 @@ def main() -> None:
         finally:
             if isinstance(engine, Merged):
                 engine.close()
+            # resident memory after each run: a process that grows run by run is seen before the OOM killer ends it
+            a.resident.append([fam, var, how, *resident_gb()])
+            print(f"run {len(a.resident)}: {fam} {var} {how or ''} resident {a.resident[-1][3]:.2f} GB "
+                  f"(anonymous {a.resident[-1][4]:.2f} GB)", flush=True)
 
     try:
         for dtype in a.dtypes.split(","):
             t0 = time.time()
-            null = {f: _null_row() for f in families}
+            null = {f: _null_row(f) for f in families}
             alarms = []
             power = {}
             for i in range(a.start, a.start + a.runs):
@@ -529,48 +584,44 @@ def main() -> None:
                 failures, stats, defects = got
                 row = null[fam]
                 row["runs"] += 1
-                bad = [c for c in CHECKS if failures[c]]
+                bad, informational = judged(fam, failures)
                 row["false_alarms"] += bool(bad)
                 for c in bad:
                     row["by_check"][c] += 1
+                for c in informational:
+                    row["not_applied"][c] = row["not_applied"].get(c, 0) + 1
                 row["defects"] += bool(defects)
                 row["variations"][var] = row["variations"].get(var, 0) + 1
                 for k, v in stats.items():
                     row["worst"][k] = (min if k == "separation" else max)(row["worst"].get(k, v), v)
-                if bad or defects:
-                    alarms.append({"family": fam, "variation": var, "failures": failures, "defects": defects})
+                if bad or informational or defects:
+                    alarms.append({"family": fam, "variation": var, "failures": failures, "defects": defects,
+                                   "applied": bad, "not_applied": informational})
                 _save_partial(a, results, dtype, null, alarms, power, t0, errors)
-            for m in [x for x in a.drops.split(",") if x]:
-                hits = 0
-                runs = 0
+            def power_cell(kind, key, fam, var, how):
+                """``a.power_runs`` runs of one cell: [detected, runs, {check: runs it failed}] (every check,
+                applied or not: the printed table tells them apart), saved after every run."""
+                cell = [0, 0, {c: 0 for c in CHECKS}]
                 for _ in range(a.power_runs):
-                    got = run("alllinear", "default", dtype, f"drop:{m}")
-                    if got is not None:
-                        runs, hits = runs + 1, hits + any(got[0].values())
-                power.setdefault("drop", {})[m] = [hits, runs]
-                _save_partial(a, results, dtype, null, alarms, power, t0, errors)
-            for fault in [x for x in a.faults.split(",") if x]:
-                fam = "moe" if fault.startswith("moe_") else "accuracy"
-                hits, runs, by_check = 0, 0, {c: 0 for c in CHECKS}
-                for _ in range(a.power_runs):
-                    got = run(fam, f"builtin:fault={fault}", dtype, None)
+                    got = run(fam, var, dtype, how)
                     if got is None:
                         continue
-                    runs, hits = runs + 1, hits + any(got[0].values())
+                    cell[0] += bool(judged(fam, got[0])[0])
+                    cell[1] += 1
                     for c in CHECKS:
-                        by_check[c] += bool(got[0][c])
-                    power.setdefault("fault", {})[fault] = [hits, runs, by_check]
+                        cell[2][c] += bool(got[0][c])
+                    power.setdefault(kind, {})[key] = cell
                     _save_partial(a, results, dtype, null, alarms, power, t0, errors)
-                _save_partial(a, results, dtype, null, alarms, power, t0, errors)
+                power.setdefault(kind, {})[key] = cell
+
+            for m in [x for x in a.drops.split(",") if x]:
+                power_cell("drop", m, "alllinear", "default", f"drop:{m}")
+            for fault in [x for x in a.faults.split(",") if x]:
+                power_cell("fault", fault, fault_family(fault), f"builtin:fault={fault}", None)
             for fam in [f for f in families if f not in ("mixed", "alllinear", "moe")]:
                 for s in [float(x) for x in a.scales.split(",") if x]:
-                    hits = runs = 0
-                    for _ in range(a.power_runs):
-                        got = run(fam, "default", dtype, f"scale:{s}")
-                        if got is not None:
-                            runs, hits = runs + 1, hits + any(got[0].values())
-                    power.setdefault(fam, {})[s] = [hits, runs]
-                    _save_partial(a, results, dtype, null, alarms, power, t0, errors)
+                    power_cell(fam, s, fam, "default", f"scale:{s}")
+            _save_partial(a, results, dtype, null, alarms, power, t0, errors)
             _save_partial(a, results, dtype, null, alarms, power, t0, errors)
             _print(dtype, null, power, alarms, a, [e for e in errors if e["dtype"] == dtype])
     finally:
@@ -579,9 +630,24 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _null_row() -> dict:
-    return {"runs": 0, "false_alarms": 0, "by_check": {c: 0 for c in CHECKS}, "defects": 0, "worst": {},
-            "variations": {}}
+def resident_gb() -> tuple[float, float]:
+    """This process's resident memory now, in GB: all of it (VmRSS) and its anonymous part (RssAnon: what
+    the OOM killer weighs; the rest is mostly the bases' safetensors, mapped from disk). Where /proc is
+    absent, the peak so far, twice."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return tuple(round(int(fields[k].split()[0]) * 1024 / 1e9, 3) for k in ("VmRSS", "RssAnon"))
+    except (OSError, KeyError):
+        import resource
+
+        peak = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3)
+        return peak, peak
+
+
+def _null_row(family: str) -> dict:
+    """One family's null runs: false alarms by applied check, and failures of the checks not applied."""
+    return {"runs": 0, "false_alarms": 0, "by_check": {c: 0 for c in APPLIED[family]}, "not_applied": {},
+            "defects": 0, "worst": {}, "variations": {}}
 
 
 def _save_partial(a, results, dtype, null, alarms, power, t0, errors) -> None:
@@ -590,7 +656,8 @@ def _save_partial(a, results, dtype, null, alarms, power, t0, errors) -> None:
         results[dtype] = {"null": null, "alarms": alarms[:200], "power": power, "seconds": time.time() - t0,
                           "scale": getattr(a, "scale", "small"), "new_tokens": a.new_tokens, "profile": a.profile,
                           "base_quant": a.base_quant, "activations": a.activations,
-                          "errors": [e for e in errors if e["dtype"] == dtype][:20]}
+                          "errors": [e for e in errors if e["dtype"] == dtype][:20],
+                          "resident_gb": [r for r in getattr(a, "resident", [])]}
         a.json.write_text(json.dumps(results, indent=1, default=str))
 
 
@@ -603,11 +670,13 @@ def merge(a) -> None:
             a.scale = r.get("scale", "small")
             c["errors"] += r.get("errors", [])
             for fam, row in r["null"].items():
-                cr = c["null"].setdefault(fam, _null_row())
+                row = _judged_row(fam, row, r["alarms"])
+                cr = c["null"].setdefault(fam, _null_row(fam))
                 for k in ("runs", "false_alarms", "defects"):
                     cr[k] += row[k]
-                for k, v in row.get("by_check", {}).items():
-                    cr["by_check"][k] = cr["by_check"].get(k, 0) + v
+                for part in ("by_check", "not_applied"):
+                    for k, v in row[part].items():
+                        cr[part][k] = cr[part].get(k, 0) + v
                 for k, v in row.get("variations", {}).items():
                     cr["variations"][k] = cr["variations"].get(k, 0) + v
                 for k, v in row["worst"].items():
@@ -626,6 +695,23 @@ def merge(a) -> None:
                     cell[k] = [h + h2, n + n2, checks]
     for dtype, c in combined.items():
         _print(dtype, c["null"], c["power"], c["alarms"], a, c["errors"])
+
+
+def _judged_row(family: str, row: dict, alarms: list) -> dict:
+    """A null row of an older file (judged by every check, its free_running including the pooled prompt
+    check) judged as now: the failures of checks not applied to the family moved apart, and its false
+    alarms counted again from the file's alarms where it kept them all (200 at most)."""
+    if "not_applied" in row:
+        return row
+    old = row.get("by_check", {})
+    row = dict(row, by_check={}, not_applied={})
+    for c, n in old.items():
+        if n:
+            row["by_check" if c in APPLIED[family] else "not_applied"][c] = n
+    if len(alarms) < 200:
+        row["false_alarms"] = sum(bool(judged(family, al["failures"])[0]) for al in alarms
+                                  if al["family"] == family and isinstance(al["failures"], dict))
+    return row
 
 
 def _counts(v) -> tuple[int, int]:
@@ -650,48 +736,57 @@ def _print(dtype, null, power, alarms, a, errors=()):
           f"{tol.prompt_rms_max:g}, decode_atol {tol.decode_atol:g}, free_running_atol {tol.free_running_atol:g}, "
           f"gross {tol.effect_gross_atol:g}")
     print("worst statistic / its bound (resid, slope: teacher-forced contexts; p-resid, p-slope, p-max: the paired "
-          "prompt check; free-run, p-rms, p-gross: the free-running check's decode and prompt logprobs; decode_d: the "
-          "decode at the default per-step bounds)")
+          "prompt check; free-run: the decode at the gross bounds; p-rms, p-gross: the pooled prompt logprobs; "
+          "decode_d: the decode at the default per-step bounds)")
+    print("alarms by check; (n): n runs failed a check the suites do not apply to the family (APPLIED): measured, "
+          "never counted")
     keys = ("residual", "slope", "prompt_residual", "prompt_slope", "prompt_max", "free_running", "prompt_rms",
             "prompt_gross", "decode_default", "same_engine")
     print(f"{'family':10} {'runs':>5} {'alarms':>6} " + " ".join(f"{c[:8]:>8}" for c in CHECKS) +
           f" {'defects':>7} " + " ".join(f"{k.replace('prompt_', 'p-')[:8]:>8}" for k in keys) + f" {'gamma':>6}")
     for fam, r in null.items():
         w = r["worst"]
-        print(f"{fam:10} {r['runs']:>5} {r['false_alarms']:>6} " +
-              " ".join(f"{r.get('by_check', {}).get(c, 0):>8}" for c in CHECKS) + f" {r['defects']:>7} " +
+        cells = [str(r["by_check"].get(c, 0)) if c in APPLIED[fam] else f"({r['not_applied'].get(c, 0)})"
+                 for c in CHECKS]
+        print(f"{fam:10} {r['runs']:>5} {r['false_alarms']:>6} " + " ".join(f"{x:>8}" for x in cells) +
+              f" {r['defects']:>7} " +
               " ".join(f"{w.get(k, 0):>8.3f}" for k in keys) +
               f" {max(w.get('gamma', 0), w.get('prompt_gamma', 0)):>6.2f}")
     total = sum(r["runs"] for r in null.values())
     fa = sum(r["false_alarms"] for r in null.values())
-    per_check = {c: sum(r.get("by_check", {}).get(c, 0) for r in null.values()) for c in CHECKS}
-    print(f"false alarms: {fa}/{total} runs (" + ", ".join(f"{c} {n}/{total}" for c, n in per_check.items()) +
-          f"; 95% upper bound on the per-run rate: {3 / max(total, 1):.3g} when 0)")
+    applied_runs = {c: sum(r["runs"] for f, r in null.items() if c in APPLIED[f]) for c in CHECKS}
+    per_check = {c: sum(r["by_check"].get(c, 0) for r in null.values()) for c in CHECKS}
+    print(f"false alarms: {fa}/{total} runs (" + ", ".join(f"{c} {per_check[c]}/{n}" for c, n in applied_runs.items()
+                                                            if n) +
+          f"; 95% upper bound on the per-run rate: {min(1.0, 3 / max(total, 1)):.3g} when 0)")
+    other = [f"{c} {r['not_applied'][c]}/{r['runs']} ({f})" for f, r in null.items() for c in CHECKS
+             if r["not_applied"].get(c)]
+    if other:
+        print("not applied, not counted: " + ", ".join(other))
     variations: dict = {}
     for r in null.values():
         for v, n in r.get("variations", {}).items():
             variations[v] = variations.get(v, 0) + n
     if variations:
         print("runs per variation: " + ", ".join(f"{v} {n}" for v, n in sorted(variations.items())))
-    for al in alarms[:8]:
+    def counted(al) -> list:
+        return judged(al["family"], al["failures"])[0] if isinstance(al["failures"], dict) else [True]
+
+    for al in sorted(alarms, key=lambda al: not (counted(al) or al["defects"]))[:8]:
         fails = al["failures"]
         flat = [x for c in CHECKS for x in fails.get(c, [])] if isinstance(fails, dict) else fails
-        print("  alarm:", al["family"], al["variation"], (flat + al["defects"])[:2])
+        what = "alarm:" if counted(al) else "defect:" if al["defects"] else "not applied:"
+        print(f"  {what}", al["family"], al["variation"], (flat + al["defects"])[:2])
     if errors:
         print(f"errors (runs not counted): {len(errors)}")
         for e in list(errors)[:5]:
             print("  error:", e["family"], e["variation"], e["error"], e.get("where", [])[-1:])
-    drops = power.pop("drop", {})
-    if drops:
-        print("single module dropped, detected: " + "  ".join(
-            f"{m}: {h}/{n}" for m, (h, n) in ((m, _counts(v)) for m, v in drops.items())))
-    faults = power.pop("fault", {})
-    for fault, v in faults.items():
+    cells = [("drop", m, "alllinear", v) for m, v in power.pop("drop", {}).items()]
+    cells += [("fault", f, fault_family(f), v) for f, v in power.pop("fault", {}).items()]
+    for kind, what, fam, v in cells:
         h, n = _counts(v)
-        checks = v[2] if isinstance(v, list) and len(v) > 2 else {}
-        print(f"fault {fault:32} detected {h}/{n}" + (f" (power >= {_lower_bound(h, n):.1%} at 95% confidence)"
-                                                      if n and h == n else "") +
-              "; by check: " + ", ".join(f"{c} {k}" for c, k in checks.items()))
+        print(f"{kind} {what:32} detected {h}/{n}" + (f" (power >= {_lower_bound(h, n):.1%} at 95% confidence)"
+                                                      if n and h == n else "") + "; " + _caught_by(fam, v))
     for fam, by_scale in power.items():
         counts = {float(s): _counts(v) for s, v in by_scale.items()}
         cells = "  ".join(f"x{s:g}: {h}/{n}" for s, (h, n) in sorted(counts.items()))
@@ -703,6 +798,19 @@ def _print(dtype, null, power, alarms, a, errors=()):
                   f"({runs}/{runs}: power >= {_lower_bound(runs, runs):.1%} at 95% confidence)")
         else:
             print(f"power {fam:10} {cells}   none detected in every run")
+        for s, v in sorted(by_scale.items(), key=lambda sv: float(sv[0])):
+            if isinstance(v, list) and len(v) > 2:
+                print(f"      x{float(s):g}: {_caught_by(fam, v)}")
+
+
+def _caught_by(family: str, cell) -> str:
+    """Which checks failed in a power cell's runs: those applied to ``family`` (detections), then the others."""
+    checks = cell[2] if isinstance(cell, list) and len(cell) > 2 else None
+    if not checks:
+        return "by check: not recorded (an older file: detected by any check)"
+    applied = ", ".join(f"{c} {k}" for c, k in checks.items() if c in APPLIED[family]) or "none"
+    other = ", ".join(f"{c} {k}" for c, k in checks.items() if c not in APPLIED[family] and k)
+    return f"caught by: {applied}" + (f"; not applied: {other}" if other else "")
 
 
 if __name__ == "__main__":

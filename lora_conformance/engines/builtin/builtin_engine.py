@@ -361,9 +361,17 @@ class BuiltinEngine(Engine):
         }}
 
     def close(self) -> None:
+        """Stop serving, let go of everything that holds the model, its KV cache or adapter buffers
+        (the PEFT engine's close does the same), and free them now. The model is a graph of
+        reference cycles (each LoraLinear and its LinearGroup point at each other; the adapter
+        pool's reader closes over this engine), so its memory goes back only when the cyclic
+        collector runs, which in a process with large heaps can be several engines later: at real
+        shapes closed engines (GBs each) piled up until the host ran out of memory."""
+        import gc
+
         if getattr(self, "server", None) is not None:
             self.server.close()
         if getattr(self, "workers", None) is not None:
             self._stop_workers()
-        self.model = None
-        self.runner = None
+        self.server = self.llm = self.pool = self.blocks = self.runner = self.model = self._modules = None
+        gc.collect()
