@@ -622,7 +622,6 @@ def main() -> None:
                 for s in [float(x) for x in a.scales.split(",") if x]:
                     power_cell(fam, s, fam, "default", f"scale:{s}")
             _save_partial(a, results, dtype, null, alarms, power, t0, errors)
-            _save_partial(a, results, dtype, null, alarms, power, t0, errors)
             _print(dtype, null, power, alarms, a, [e for e in errors if e["dtype"] == dtype])
     finally:
         for e in engines.values():
