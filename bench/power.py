@@ -601,6 +601,8 @@ def main() -> None:
             def power_cell(kind, key, fam, var, how):
                 """``a.power_runs`` runs of one cell: [detected, runs, {check: runs it failed}] (every check,
                 applied or not: the printed table tells them apart), saved after every run."""
+                if a.power_runs < 1:
+                    return  # no power runs asked for: no cell (a 0/0 row would read as measured)
                 cell = [0, 0, {c: 0 for c in CHECKS}]
                 for _ in range(a.power_runs):
                     got = run(fam, var, dtype, how)
