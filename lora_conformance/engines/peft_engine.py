@@ -464,9 +464,12 @@ class PeftEngine(Engine):
     # ---- misc -------------------------------------------------------------------------
 
     def close(self) -> None:
+        from lora_conformance import parallel
+
         self._model = None
         self._base = None
         self._adapters.clear()
+        parallel.release_freed_memory()  # the model's pages back to the system, not kept by the allocator
 
     def version(self) -> str:
         import peft

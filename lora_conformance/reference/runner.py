@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import gc
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -194,7 +193,7 @@ class ReferenceRunner:
         judges against the models (the end-of-run audit compares with the run's own outputs)."""
         self._models.clear()
         self._base = None
-        gc.collect()
+        parallel.release_freed_memory()
 
     @staticmethod
     def by_model(indices, path_of) -> list[int]:
@@ -235,7 +234,7 @@ class ReferenceRunner:
             while (copies := [k for k in self._models if k != "__base__"]) and (len(copies) >= keep or room_short()):
                 del self._models[copies[0]]  # the oldest copy
                 if self.device == "cpu":
-                    gc.collect()  # MemAvailable is read again next: let the copy's memory go first
+                    parallel.release_freed_memory()  # MemAvailable is read again next: let the copy's memory go first
         if adapter_path is None:
             model = base
         else:

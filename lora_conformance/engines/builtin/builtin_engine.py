@@ -366,12 +366,13 @@ class BuiltinEngine(Engine):
         reference cycles (each LoraLinear and its LinearGroup point at each other; the adapter
         pool's reader closes over this engine), so its memory goes back only when the cyclic
         collector runs, which in a process with large heaps can be several engines later: at real
-        shapes closed engines (GBs each) piled up until the host ran out of memory."""
-        import gc
+        shapes closed engines (GBs each) piled up until the host ran out of memory. The freed pages
+        then go back to the system (parallel.release_freed_memory)."""
+        from lora_conformance import parallel
 
         if getattr(self, "server", None) is not None:
             self.server.close()
         if getattr(self, "workers", None) is not None:
             self._stop_workers()
         self.server = self.llm = self.pool = self.blocks = self.runner = self.model = self._modules = None
-        gc.collect()
+        parallel.release_freed_memory()
