@@ -39,9 +39,18 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_an_interrupted_certify_leaves_nothing_running(tmp_path, cache, sig, workers):
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("sig,workers,inherited", [
+    (signal.SIGINT, "1", "default"), (signal.SIGINT, "2", "default"),
+    (signal.SIGTERM, "1", "default"), (signal.SIGTERM, "2", "default"),
+    # started as a background job of a script (``certify ... &``, nohup) is: SIGINT ignored, which
+    # pytest would inherit and so ignore the SIGINT that stops it (the run killed at the grace's end)
+    (signal.SIGTERM, "2", "sigint-ignored"),
+], ids=["SIGINT-1", "SIGINT-2", "SIGTERM-1", "SIGTERM-2", "SIGTERM-2-sigint-ignored"])
+def test_an_interrupted_certify_leaves_nothing_running(tmp_path, cache, sig, workers, inherited):
     suites, ready = tmp_path / "suites", tmp_path / "ready"
     suites.mkdir()
     (suites / "test_hold.py").write_text(textwrap.dedent(f"""
@@ -64,7 +73,8 @@ def test_an_interrupted_certify_leaves_nothing_running(tmp_path, cache, sig, wor
         cmd += ["--dist", "load"]  # the two tests on two workers (a server engine would keep their file on one)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=_ignore_sigint if inherited == "sigint-ignored" else None)
     try:
         deadline = time.monotonic() + 240
         while not ready.exists():
@@ -87,7 +97,7 @@ def test_an_interrupted_certify_leaves_nothing_running(tmp_path, cache, sig, wor
     left = {pid: names[pid] for pid in tree if _alive(pid)}
     assert not left, f"still running after certify returned: {left}\n{text[-3000:]}"
     assert proc.returncode != 0, text[-2000:]
-    assert took < 60, f"certify took {took:.1f} s to stop"
+    assert took < 60, f"certify took {took:.1f} s to stop\n{text[-4000:]}"
     report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["environment"].get("interrupted") is True, text[-2000:]
     ids = [r["nodeid"] for r in report["records"]]
