@@ -199,7 +199,7 @@ def run_pytest(cmd: Sequence[str], env: Optional[dict] = None, grace_s: Optional
     processes.become_subreaper()
     received: list[int] = []
     first_at = [0.0]
-    started: list[subprocess.Popen] = []
+    proc: Optional[subprocess.Popen] = None
 
     def forward(signum, frame):
         received.append(signum)
@@ -208,25 +208,19 @@ def run_pytest(cmd: Sequence[str], env: Optional[dict] = None, grace_s: Optional
             print(f"\nlora-conformance certify: {signal.Signals(signum).name}: stopping pytest (engines close, "
                   f"the partial report is written; up to {grace_s:.0f} s, again to stop at once)",
                   file=sys.stderr, flush=True)
-        if started:  # before pytest started: it is sent the SIGINT once it has
-            processes.signal_group(started[0].pid, signal.SIGINT if len(received) == 1 else signal.SIGTERM)
+        if proc is not None:  # before pytest started: it is sent the SIGINT once it has
+            processes.signal_group(proc.pid, signal.SIGINT if len(received) == 1 else signal.SIGTERM)
 
     # The handlers before pytest starts: at exec a caught signal goes back to its default, an ignored
     # one stays ignored, and a background job of a non-interactive shell (``certify ... &`` in a script,
     # nohup) starts with SIGINT ignored: pytest would ignore the SIGINT that stops it, and the run would
     # end only at the grace's SIGTERM, without its report.
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        proc = subprocess.Popen(list(cmd), env=env, start_new_session=True)
-    except BaseException:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        raise
-    started.append(proc)
-    if received:
-        processes.signal_group(proc.pid, signal.SIGINT)
     escalated = False
     try:
+        proc = subprocess.Popen(list(cmd), env=env, start_new_session=True)
+        if received:
+            processes.signal_group(proc.pid, signal.SIGINT)
         while True:
             try:
                 code = proc.wait(timeout=0.2)
@@ -241,7 +235,7 @@ def run_pytest(cmd: Sequence[str], env: Optional[dict] = None, grace_s: Optional
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        stopped = processes.stop_leftovers(proc.pid)
+        stopped = processes.stop_leftovers(proc.pid) if proc is not None else []
         if stopped:
             print(f"lora-conformance certify: stopped {len(stopped)} process(es) the run left behind "
                   f"(pids {', '.join(map(str, stopped))})", file=sys.stderr, flush=True)
