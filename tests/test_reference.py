@@ -74,6 +74,29 @@ def test_outputs_are_greedy_and_consistent_with_hf_generate(world):
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("rows_at_once", [1, 3, 7, 1000])
+def test_prompt_logprobs_taken_a_block_at_a_time_are_those_of_the_whole(rows_at_once):
+    """The prompt's log-softmax is taken a block of positions at a time (an 8k-token prompt's whole is
+    5 GB more): every position's top-k and next-token logprob are bit-identical to the whole's."""
+    import torch
+
+    from lora_conformance.reference.runner import _prompt_topk
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, 50, generator=g) * 4
+    ids = torch.randint(0, 50, (12,), generator=g)
+    whole = torch.log_softmax(logits.float(), dim=-1)
+    want = []
+    for p in range(11):
+        vals, top = whole[p].topk(5)
+        row = {int(i): float(v) for i, v in zip(top.tolist(), vals.tolist())}
+        row.setdefault(int(ids[p + 1]), float(whole[p, ids[p + 1]]))
+        want.append(row)
+    got = _prompt_topk(logits, ids, 5, rows_at_once=rows_at_once)
+    assert got == want
+    assert any(len(row) == 6 for row in got)  # some next tokens lie outside the top 5: their logprob is added
+
+
 def test_cache_key_depends_on_adapter_content(world, tmp_path, lora_settings):
     model, adapter = world
     other = synthesize_cached(model, AdapterSpec(seed=19), lora_settings.cache_dir / "adapters")

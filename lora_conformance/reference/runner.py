@@ -64,6 +64,32 @@ def _topk(logprobs_row, k: int, extra: Optional[int] = None) -> TopK:
     return out
 
 
+# Prompt positions whose log-softmax a reference holds at once: an 8,192-token prompt over a 151,936-id
+# vocabulary is 5 GB of float32 logits, and a second 5 GB for their log-softmax taken at once.
+PROMPT_ROWS_AT_ONCE = 256
+
+
+def _prompt_topk(logits, ids, k: int, rows_at_once: int = PROMPT_ROWS_AT_ONCE) -> list[TopK]:
+    """Each prompt position's top ``k`` next-token logprobs and the logprob of the token that follows
+    it (``ids[p + 1]``), from the prompt's ``logits`` (positions x vocabulary), a block of positions at
+    a time: the log-softmax is taken row by row, so the values are those of the whole at once."""
+    import torch
+
+    n = logits.shape[0] - 1  # the last position has no next prompt token
+    out: list[TopK] = []
+    for a in range(0, n, rows_at_once):
+        b = min(n, a + rows_at_once)
+        lps = torch.log_softmax(logits[a:b].float(), dim=-1)
+        nxt = ids[a + 1:b + 1]
+        vals, top = lps.topk(k, dim=-1)
+        nxt_lp = lps.gather(1, nxt.view(-1, 1)).view(-1)
+        for row_ids, row_vals, t, t_lp in zip(top.tolist(), vals.tolist(), nxt.tolist(), nxt_lp.tolist()):
+            row = dict(zip(map(int, row_ids), map(float, row_vals)))
+            row.setdefault(int(t), float(t_lp))
+            out.append(row)
+    return out
+
+
 def sum_work(works: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """Several ``ReferenceRunner.work()`` summed key by key (numbers only): a process's runners, or a
     run's processes."""
@@ -320,13 +346,11 @@ class ReferenceRunner:
         with torch.inference_mode():
             out = model(input_ids=ids, use_cache=True)
             self.forward_passes += 1
-            lps = torch.log_softmax(out.logits[0].float(), dim=-1)
-            prompt_lps = None
-            if req.prompt_logprobs:
-                prompt_lps = [_topk(lps[p], req.top_k, extra=int(ids[0, p + 1])) for p in range(ids.shape[1] - 1)]
+            prompt_lps = _prompt_topk(out.logits[0], ids[0], req.top_k) if req.prompt_logprobs else None
             cache_arg = kv_cache_argument(model)
             past = getattr(out, cache_arg)
-            step_lp = lps[-1]
+            step_lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)  # row by row: as of the whole
+            del out  # the prompt's logits (5 GB at 8,192 tokens and 151,936 ids), before the decode steps
             generated: list[int] = []
             step_topk: list[TopK] = []
             for step in range(req.max_new_tokens):
