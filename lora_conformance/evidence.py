@@ -147,6 +147,9 @@ class Record:
     engine_starts: Optional[list] = None  # ENGINE_STARTS, every phase's
     started: Optional[float] = None  # seconds from the run's start to its setup's start
     worker: Optional[str] = None  # the pytest-xdist worker that ran it ("main": a run of one process)
+    # bytes its process held in tensors on the accelerator at most while it ran (torch's allocator;
+    # the process's own earlier cases aside); None on cpu
+    device_peak: Optional[int] = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -198,7 +201,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "nodeid": (str,), "phases": (dict,), "duration": (int, float), "wasxfail": (str,), "skip_reason": (str,),
     "message": (str,), "longrepr": (str,), "feature": (dict,), "outcome": (dict,), "failure": (dict,),
     "evidence": (dict,), "effects": (list,), "notes": (list,), "engine_starts": (list,),
-    "started": (int, float), "worker": (str,),
+    "started": (int, float), "worker": (str,), "device_peak": (int,),
 }
 assert list(FIELD_TYPES) == [f.name for f in fields(Record)], "FIELD_TYPES must list Record's fields in order"
 

@@ -312,10 +312,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             if work:
                 item.user_properties.append((REFERENCE_WORK_PROPERTY, json.dumps(work)))
             peaks = _device_memory_peaks(harness.settings.device)
-            if peaks:  # and what it held on the device at most, so far
-                from lora_conformance.report.recorder import DEVICE_MEMORY_PROPERTY
+            if peaks:  # what it held on the device at most while this test ran, and so far
+                from lora_conformance.report import recorder
 
-                item.user_properties.append((DEVICE_MEMORY_PROPERTY, json.dumps(peaks)))
+                harness.device_peaks = recorder.fold_device_peaks(harness.device_peaks, peaks)
+                item.user_properties.append((recorder.DEVICE_MEMORY_PROPERTY, json.dumps(harness.device_peaks)))
+                item.user_properties.append((recorder.CASE_DEVICE_PEAK_PROPERTY, json.dumps(peaks["peak_allocated"])))
         if call.excinfo is not None:
             from lora_conformance.engines.base import EngineFailure
 
@@ -337,11 +339,15 @@ def pytest_deselected(items: list) -> None:
 
 
 def _device_memory_peaks(device: str) -> Optional[dict]:
-    """``devices.memory_peaks`` for the report; None where it cannot say (a device whose runtime
-    gives no figures must not fail a test's teardown)."""
+    """``devices.memory_peaks`` since the last call, for the report (the peaks are reset after each
+    reading: each test's own show); None where it cannot say (a device whose runtime gives no figures
+    must not fail a test's teardown)."""
     from lora_conformance import devices
 
     try:
-        return devices.memory_peaks(device)
+        peaks = devices.memory_peaks(device)
+        if peaks:
+            devices.reset_peak_memory(device)
+        return peaks
     except Exception:  # noqa: BLE001 - a figure for the report, never a test's failure
         return None

@@ -228,3 +228,28 @@ def test_the_report_says_what_each_process_held_on_the_device(pytester):
     assert result.ret == 0, result.stdout.str()
     assert "device_memory" not in json.loads((pytester.path / "cpu" / "report.json").read_text())["environment"]
     assert "device memory:" not in result.stdout.str()
+
+
+def test_each_case_says_what_it_held_on_the_device(pytester):
+    """The allocator's peaks are reset after every test: each record says what its process held while
+    that test ran, its shared engine included (a test after a large one is not charged the large one's
+    peak), the process's peak stays the largest over its tests, and the report names the case that
+    held the most."""
+    pytester.makepyfile(
+        "import torch\n"
+        "def test_large(lora, device):\n"
+        "    engine = lora.engine\n"
+        "    big = torch.zeros(256 << 20, dtype=torch.uint8, device=device)  # 256 MiB at once\n"
+        "    del big\n"
+        "def test_small(lora):\n"
+        "    lora.engine.generate(lora.requests([None]))\n")
+    result = pytester.runpytest_subprocess("--device=vdev", "--dtype=bfloat16", "--lora-report=out",
+                                           "-p", "no:cacheprovider")
+    assert result.ret == 0, result.stdout.str()
+    report = json.loads((pytester.path / "out" / "report.json").read_text())
+    peak = {r["nodeid"].split("::")[-1].split("[")[0]: r["device_peak"] for r in report["records"]}
+    assert peak["test_large"] >= 256 << 20 and 0 < peak["test_small"] < peak["test_large"] - (128 << 20), peak
+    memory = report["environment"]["device_memory"]
+    assert memory["largest_case"].split("::")[-1].startswith("test_large")
+    assert memory["largest_case_peak_allocated"] == peak["test_large"] <= memory["largest_peak_allocated"]
+    result.stdout.fnmatch_lines(["device memory: * the most one case held: * GiB in tensors (*test_large*)"])

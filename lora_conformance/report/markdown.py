@@ -108,7 +108,9 @@ def device_memory_text(memory: Mapping[str, Any]) -> str:
     n = memory.get("processes")
     return (f"{gib('largest_peak_reserved')} reserved ({gib('largest_peak_allocated')} in tensors) by the "
             f"largest of {n} process{'es' if n != 1 else ''}; {gib('summed_peak_reserved')} reserved summed over "
-            "them (an upper bound: the peaks need not coincide); torch's allocator, the runtime's own memory aside")
+            "them (an upper bound: the peaks need not coincide); torch's allocator, the runtime's own memory aside"
+            + (f"; the most one case held: {gib('largest_case_peak_allocated')} in tensors "
+               f"({memory['largest_case']})" if memory.get("largest_case") else ""))
 
 
 def _base_quant_rows(quant: Any) -> list[tuple[str, str]]:

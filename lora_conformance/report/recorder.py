@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import pytest
 
@@ -40,6 +40,8 @@ AUDIT_OUTPUT = "lora_audit"  # workeroutput key: JSON of a worker's audit (judge
 REFERENCE_WORK_PROPERTY = "lora_reference_work"
 # Likewise its device memory peaks so far (devices.memory_peaks, JSON), where it used an accelerator.
 DEVICE_MEMORY_PROPERTY = "lora_device_memory"
+# And the most its process held in tensors on the device while that test ran (bytes, JSON).
+CASE_DEVICE_PEAK_PROPERTY = "lora_case_device_peak"
 AUDITS_KEY = pytest.StashKey[list]()  # every process's audit, gathered on the controller
 MAX_TEXT = 8000
 
@@ -74,16 +76,29 @@ def receive_environment(node: Any) -> None:
             environment.setdefault(key, value)
 
 
-def device_memory_summary(per_process: dict[str, dict]) -> dict[str, int]:
+def fold_device_peaks(so_far: dict, peaks: dict) -> dict:
+    """A process's device memory peaks over its cases: each figure's largest (the allocator's peaks
+    are reset after every case, so that each case's own shows)."""
+    return {key: max(int(so_far.get(key) or 0), int(value)) for key, value in peaks.items()}
+
+
+def device_memory_summary(per_process: dict[str, dict], records: Iterable[Record] = ()) -> dict[str, Any]:
     """Each process's device memory peaks (``devices.memory_peaks``): the largest of one process,
     which is what a worker needs, and the sum of the reserved peaks, an upper bound of the run's use
-    at once (the peaks need not coincide)."""
+    at once (the peaks need not coincide); and the case that held the most (records' ``device_peak``),
+    which is what decides whether another worker fits."""
     def peaks(key: str) -> list[int]:
         return [int(p.get(key) or 0) for p in per_process.values()]
 
-    return {"processes": len(per_process), "largest_peak_allocated": max(peaks("peak_allocated"), default=0),
-            "largest_peak_reserved": max(peaks("peak_reserved"), default=0),
-            "summed_peak_reserved": sum(peaks("peak_reserved"))}
+    out: dict[str, Any] = {"processes": len(per_process),
+                           "largest_peak_allocated": max(peaks("peak_allocated"), default=0),
+                           "largest_peak_reserved": max(peaks("peak_reserved"), default=0),
+                           "summed_peak_reserved": sum(peaks("peak_reserved"))}
+    cases = [r for r in records if r.device_peak is not None]
+    if cases:
+        top = max(cases, key=lambda r: r.device_peak)
+        out.update(largest_case=top.nodeid, largest_case_peak_allocated=top.device_peak)
+    return out
 
 
 def sum_reference_work(per_process: dict[str, dict]) -> dict[str, float]:
@@ -178,6 +193,9 @@ class ReportRecorder:
             memory = evidence.values(report, DEVICE_MEMORY_PROPERTY)
             if memory:
                 self.device_memory[process] = json.loads(memory[-1])
+            case_peak = evidence.values(report, CASE_DEVICE_PEAK_PROPERTY)
+            if case_peak:
+                rec.device_peak = int(json.loads(case_peak[-1]))
         rec.duration = round(rec.duration + float(report.duration or 0.0), 6)
         if getattr(report, "wasxfail", None) is not None:
             rec.wasxfail = str(report.wasxfail)
@@ -247,7 +265,7 @@ class ReportRecorder:
         if self.reference_work:  # what the run's references computed, summed over its processes
             run_environment(config).setdefault("reference", {})["work"] = sum_reference_work(self.reference_work)
         if self.device_memory:  # what its processes held on the device, at most
-            run_environment(config)["device_memory"] = device_memory_summary(self.device_memory)
+            run_environment(config)["device_memory"] = device_memory_summary(self.device_memory, self.records.values())
         selection = describe(config, self.deselected, self.records, exitstatus)
         certification = self.certification(config, selection)
         self.report = build_report(self.environment(config), self.records.values(), selection, certification)
