@@ -147,8 +147,8 @@ class Record:
     engine_starts: Optional[list] = None  # ENGINE_STARTS, every phase's
     started: Optional[float] = None  # seconds from the run's start to its setup's start
     worker: Optional[str] = None  # the pytest-xdist worker that ran it ("main": a run of one process)
-    # bytes its process held in tensors on the accelerator at most while it ran (torch's allocator;
-    # the process's own earlier cases aside); None on cpu
+    # bytes its process held in tensors on the accelerator at most while it ran, its shared engines
+    # included (torch's allocator, its peak reset after every test); None on cpu
     device_peak: Optional[int] = None
 
     def as_dict(self) -> dict[str, Any]:
