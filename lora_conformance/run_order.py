@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import time
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
@@ -223,10 +224,17 @@ class DurationRecorder:
         self.measured: dict[str, float] = {}
         self.uses: dict[str, set[str]] = {}
         self.died: set[str] = set()
+        self.began: dict[str, float] = {}  # nodeid -> its setup's start (epoch seconds)
+        self.finished: set[str] = set()  # tests whose teardown reported
 
     def pytest_runtest_logreport(self, report) -> None:
         if report.when in ("setup", "call", "teardown"):
             self.measured[report.nodeid] = self.measured.get(report.nodeid, 0.0) + float(report.duration)
+            start = getattr(report, "start", None)
+            if report.when == "setup" and isinstance(start, (int, float)):
+                self.began.setdefault(report.nodeid, float(start))
+            if report.when == "teardown":
+                self.finished.add(report.nodeid)
             used = self.uses.setdefault(report.nodeid, set())
             for name, value in getattr(report, "user_properties", None) or ():
                 if name == DIED_PROPERTY:
@@ -242,7 +250,16 @@ class DurationRecorder:
             return
         from lora_conformance.fileio import write_json_atomic
 
-        merged = {**load(self.path), **{k: round(v, 3) for k, v in self.measured.items()}}
+        stored, now = load(self.path), time.time()
+        measured = {}
+        for nodeid, seconds in self.measured.items():
+            if nodeid in self.began and nodeid not in self.finished:
+                # It did not finish (the run was stopped, or its worker died): it took at least as long
+                # as it ran. Its phases so far (a setup's fraction of a second) would put the longest
+                # tests, the ones a stop cuts, last in the next run's order.
+                seconds = max(seconds, now - self.began[nodeid], stored.get(nodeid, 0.0))
+            measured[nodeid] = round(seconds, 3)
+        merged = {**stored, **measured}
         uses = {**load_uses(uses_path(self.path)), **{k: sorted(v) for k, v in self.uses.items()}}
         # a test that ran again keeps its mark only if its engine failed again
         died = {k: True for k in load_deaths(deaths_path(self.path)) if k not in self.measured}

@@ -55,6 +55,28 @@ def test_recorder_sums_phases_and_merges_with_the_last_run(tmp_path):
     assert json.loads(path.read_text()) == {"old::t": 2.0, "t::a": 1.5}
 
 
+
+def test_a_test_the_run_stopped_is_recorded_as_long_as_it_ran_not_as_its_setup(tmp_path):
+    """A stopped run (certify at a deadline) leaves its longest tests unfinished: their setup alone
+    (a fraction of a second) would put them last in the next run, the place a stop cuts again. An
+    unfinished test is recorded as at least as long as it ran, and never shorter than before."""
+    import time
+
+    path = tmp_path / "durations" / "x.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"t::known": 300.0}))
+    rec = run_order.DurationRecorder(path)
+    now = time.time()
+    for nodeid, began in (("t::new", now - 120), ("t::known", now - 50), ("t::done", now - 10)):
+        rec.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, when="setup", duration=0.001, start=began))
+    for when, d in (("call", 2.0), ("teardown", 0.5)):
+        rec.pytest_runtest_logreport(SimpleNamespace(nodeid="t::done", when=when, duration=d, start=now))
+    rec.pytest_sessionfinish(None)
+    got = json.loads(path.read_text())
+    assert 120 <= got["t::new"] < 130  # stopped after running 120 s
+    assert got["t::known"] == 300.0  # stopped sooner than it ran before: the longer record stays
+    assert got["t::done"] == 2.501  # finished: its phases, as before
+
 SLEEPS = """
 import os, time, pytest
 
