@@ -21,6 +21,8 @@
 #   put them in .refs/ of the checkout (git ignores it) and carry it (carry: [".whl", ".refs"]):
 #   the next session's full-cold restores them, so its run computes only the references its
 #   changes need (the cache keys are content hashes of model, adapter, request and library versions);
+#   without .refs/ it restores the newest set kept with a report (reports/*/lc-full-refs.tar.xz.*:
+#   a checkout that starts anew keeps no ignored path);
 #   part "exec-batches": bench/exec_mode_batches.py on the full profile's decoder (built by full-cold):
 #                  the compile-mode case's batches in each mode, seconds per batch and dynamo graphs;
 #   part "compile": the built-in engine's compile mode, fast profile, alone (beside other jobs its
@@ -68,9 +70,12 @@ stop_margin=${STOP_MARGIN:-45}
 until_stop() { local n=$((deadline - stop_margin - SECONDS)); [ "$n" -gt 1 ] && echo "$n" || echo 1; }
 # The full profile's reference cache between sessions (see the header).
 restore_refs() {
-  if compgen -G ".refs/lc-full-refs.tar.xz.*" >/dev/null && [ ! -d /tmp/lc-full/references ]; then
-    mkdir -p /tmp/lc-full && cat .refs/lc-full-refs.tar.xz.* | tar xJf - -C /tmp/lc-full \
-      && echo "references restored from .refs: $(find /tmp/lc-full/references -type f | wc -l) entries"
+  local from=.refs
+  compgen -G ".refs/lc-full-refs.tar.xz.*" >/dev/null \
+    || from=$(ls -d reports/*/ 2>/dev/null | while read -r d; do compgen -G "${d}lc-full-refs.tar.xz.*" >/dev/null && echo "${d%/}"; done | tail -1)
+  if [ -n "$from" ] && compgen -G "$from/lc-full-refs.tar.xz.*" >/dev/null && [ ! -d /tmp/lc-full/references ]; then
+    mkdir -p /tmp/lc-full && cat "$from"/lc-full-refs.tar.xz.* | tar xJf - -C /tmp/lc-full \
+      && echo "references restored from $from: $(find /tmp/lc-full/references -type f | wc -l) entries"
   fi
 }
 save_refs() {
