@@ -209,32 +209,13 @@ def test_the_builtin_engine_really_runs_on_vdev(vdev, tmp_path):
     assert [r.token_ids for r in out["cpu"]] == [r.token_ids for r in out[vdev]]
 
 
-def test_the_report_says_what_each_process_held_on_the_device(pytester):
+def test_the_report_says_what_each_process_and_each_case_held_on_the_device(pytester):
     """Each test's teardown carries its process's device memory peaks (torch's allocator): the report
-    gives the largest process's, what a worker needs, and their sum; a cpu run has no such figures."""
-    pytester.makepyfile(
-        "def test_one(lora):\n"
-        "    engine = lora.engine\n"
-        "    engine.generate(lora.requests([None]))\n")
-    result = pytester.runpytest_subprocess("--device=vdev", "--dtype=bfloat16", "--lora-report=out",
-                                           "-p", "no:cacheprovider")
-    assert result.ret == 0, result.stdout.str()
-    memory = json.loads((pytester.path / "out" / "report.json").read_text())["environment"]["device_memory"]
-    assert memory["processes"] == 1 and memory["largest_peak_allocated"] > 1 << 20  # the engine's weights at least
-    assert memory["summed_peak_reserved"] == memory["largest_peak_reserved"] >= memory["largest_peak_allocated"]
-    result.stdout.fnmatch_lines(["device memory: * GiB reserved (* GiB in tensors) by the largest of 1 process; *"])
-    assert "| device memory |" in (pytester.path / "out" / "report.md").read_text()
-    result = pytester.runpytest_subprocess("--device=cpu", "--lora-report=cpu", "-p", "no:cacheprovider")
-    assert result.ret == 0, result.stdout.str()
-    assert "device_memory" not in json.loads((pytester.path / "cpu" / "report.json").read_text())["environment"]
-    assert "device memory:" not in result.stdout.str()
-
-
-def test_each_case_says_what_it_held_on_the_device(pytester):
-    """The allocator's peaks are reset after every test: each record says what its process held while
-    that test ran, its shared engine included (a test after a large one is not charged the large one's
-    peak), the process's peak stays the largest over its tests, and the report names the case that
-    held the most."""
+    gives the largest process's, what a worker needs, and their sum; a cpu run has no such figures.
+    The allocator's peaks are reset after every test: each record says what its process held while
+    that test ran, its shared engine included (a test after a large one is not charged the large
+    one's peak), the process's peak stays the largest over its tests, and the report names the case
+    that held the most."""
     pytester.makepyfile(
         "import torch\n"
         "def test_large(lora, device):\n"
@@ -247,9 +228,19 @@ def test_each_case_says_what_it_held_on_the_device(pytester):
                                            "-p", "no:cacheprovider")
     assert result.ret == 0, result.stdout.str()
     report = json.loads((pytester.path / "out" / "report.json").read_text())
+    memory = report["environment"]["device_memory"]
+    assert memory["processes"] == 1 and memory["largest_peak_allocated"] > 1 << 20  # the engine's weights at least
+    assert memory["summed_peak_reserved"] == memory["largest_peak_reserved"] >= memory["largest_peak_allocated"]
+    result.stdout.fnmatch_lines(["device memory: * GiB reserved (* GiB in tensors) by the largest of 1 process; *"])
+    assert "| device memory |" in (pytester.path / "out" / "report.md").read_text()
     peak = {r["nodeid"].split("::")[-1].split("[")[0]: r["device_peak"] for r in report["records"]}
     assert peak["test_large"] >= 256 << 20 and 0 < peak["test_small"] < peak["test_large"] - (128 << 20), peak
-    memory = report["environment"]["device_memory"]
     assert memory["largest_case"].split("::")[-1].startswith("test_large")
     assert memory["largest_case_peak_allocated"] == peak["test_large"] <= memory["largest_peak_allocated"]
     result.stdout.fnmatch_lines(["device memory: * the most one case held: * GiB in tensors (*test_large*)"])
+    result = pytester.runpytest_subprocess("--device=cpu", "--lora-report=cpu", "-p", "no:cacheprovider")
+    assert result.ret == 0, result.stdout.str()
+    report = json.loads((pytester.path / "cpu" / "report.json").read_text())
+    assert "device_memory" not in report["environment"]
+    assert all(r["device_peak"] is None for r in report["records"])
+    assert "device memory:" not in result.stdout.str()
