@@ -72,7 +72,6 @@ class Harness:
         self._n_starts = 0  # this process's starts so far (numbers them)
         self._gone: dict[tuple, str] = {}
         self.prompt_logprobs_probes: dict[tuple, str] = {}  # (model, dtype) -> '' or what broke
-        self.device_peaks: dict[str, int] = {}  # this process's device memory peaks over its cases so far
         self._closing: list[Any] = []  # threads closing retired engines (cpu), joined by close()
         self._uses: set[str] = set()  # shared engines other than the run's own asked for since take_uses
         self._own: Optional[tuple] = None  # _own_key's answer

@@ -312,12 +312,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             if work:
                 item.user_properties.append((REFERENCE_WORK_PROPERTY, json.dumps(work)))
             peaks = _device_memory_peaks(harness.settings.device)
-            if peaks:  # what it held on the device at most while this test ran, and so far
-                from lora_conformance.report import recorder
+            if peaks:  # and what it held on the device at most while this test ran
+                from lora_conformance.report.recorder import DEVICE_MEMORY_PROPERTY
 
-                harness.device_peaks = recorder.fold_device_peaks(harness.device_peaks, peaks)
-                item.user_properties.append((recorder.DEVICE_MEMORY_PROPERTY, json.dumps(harness.device_peaks)))
-                item.user_properties.append((recorder.CASE_DEVICE_PEAK_PROPERTY, json.dumps(peaks["peak_allocated"])))
+                item.user_properties.append((DEVICE_MEMORY_PROPERTY, json.dumps(peaks)))
         if call.excinfo is not None:
             from lora_conformance.engines.base import EngineFailure
 

@@ -38,10 +38,9 @@ AUDIT_OUTPUT = "lora_audit"  # workeroutput key: JSON of a worker's audit (judge
 # A test's user property at its teardown: its process's reference work so far (Workspace.reference_work,
 # JSON); the report sums each process's latest, so a run stopped early still says what it computed.
 REFERENCE_WORK_PROPERTY = "lora_reference_work"
-# Likewise its device memory peaks so far (devices.memory_peaks, JSON), where it used an accelerator.
+# And its process's device memory peaks while that test ran (devices.memory_peaks, reset after each
+# test; JSON), where it used an accelerator: the report keeps each test's and folds each process's.
 DEVICE_MEMORY_PROPERTY = "lora_device_memory"
-# And the most its process held in tensors on the device while that test ran (bytes, JSON).
-CASE_DEVICE_PEAK_PROPERTY = "lora_case_device_peak"
 AUDITS_KEY = pytest.StashKey[list]()  # every process's audit, gathered on the controller
 MAX_TEXT = 8000
 
@@ -77,8 +76,7 @@ def receive_environment(node: Any) -> None:
 
 
 def fold_device_peaks(so_far: dict, peaks: dict) -> dict:
-    """A process's device memory peaks over its cases: each figure's largest (the allocator's peaks
-    are reset after every case, so that each case's own shows)."""
+    """A process's device memory peaks over its tests, from each test's own: each figure's largest."""
     return {key: max(int(so_far.get(key) or 0), int(value)) for key, value in peaks.items()}
 
 
@@ -192,10 +190,9 @@ class ReportRecorder:
                 self.reference_work[process] = json.loads(work[-1])
             memory = evidence.values(report, DEVICE_MEMORY_PROPERTY)
             if memory:
-                self.device_memory[process] = json.loads(memory[-1])
-            case_peak = evidence.values(report, CASE_DEVICE_PEAK_PROPERTY)
-            if case_peak:
-                rec.device_peak = int(json.loads(case_peak[-1]))
+                peaks = json.loads(memory[-1])
+                self.device_memory[process] = fold_device_peaks(self.device_memory.get(process, {}), peaks)
+                rec.device_peak = int(peaks["peak_allocated"])
         rec.duration = round(rec.duration + float(report.duration or 0.0), 6)
         if getattr(report, "wasxfail", None) is not None:
             rec.wasxfail = str(report.wasxfail)
