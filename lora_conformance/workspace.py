@@ -24,6 +24,7 @@ class Workspace:
         self._model_dirs: dict[str, Path] = {}
         self._kinds: dict[Path, str] = {}
         self._references: dict[Path, Any] = {}
+        self._loaded = None  # the references' LoadedModels: one budget over this process's bases
 
     def model_spec(self, kind: Optional[str]) -> str:
         """``--base-model`` unless the suite needs another kind (moe, encoder) than it is."""
@@ -68,11 +69,14 @@ class Workspace:
     def reference(self, model_dir: Path):
         if model_dir not in self._references:
             from lora_conformance.reference import ReferenceCache, ReferenceRunner
+            from lora_conformance.reference.runner import LoadedModels
 
             s = self.settings
+            self._loaded = self._loaded or LoadedModels()
             cache = ReferenceCache(s.cache_dir / "references", refresh=s.refresh_references)
             self._references[model_dir] = ReferenceRunner(model_dir, s.reference_device, s.reference_dtype, cache,
-                                                          tokenizer_cache=s.cache_dir / "tokenizers")
+                                                          tokenizer_cache=s.cache_dir / "tokenizers",
+                                                          loaded=self._loaded)
         return self._references[model_dir]
 
     def release_reference_models(self) -> None:

@@ -122,6 +122,37 @@ def test_a_mixed_batch_makes_one_copy_per_adapter_and_keeps_its_order(world, lor
     assert [r.to_dict() for r in out] == [r.to_dict() for r in alone]
 
 
+def test_one_budget_over_a_process_s_bases_drops_the_least_recent_base_s_models(world, lora_settings):
+    """Runners of two bases sharing a LoadedModels: with room for one base's set, using the second drops
+    the first's models (oldest first), a later use of the first loads them again, and every output is
+    the one a runner alone gives."""
+    from lora_conformance.reference.runner import LoadedModels
+
+    model, adapter = world
+    moe = resolve_base_model("synthetic:moe", lora_settings.cache_dir / "models")
+    moe_adapter = synthesize_cached(moe, AdapterSpec(seed=9), lora_settings.cache_dir / "adapters")
+    req = [GenerationRequest(PROMPTS[0], adapter="A", max_new_tokens=4)]
+    alone = {m: ReferenceRunner(m).generate(req, {"A": a})[0].to_dict() for m, a in ((model, adapter), (moe, moe_adapter))}
+    probe = ReferenceRunner(model)
+    probe.generate(req, {"A": adapter})
+    one_set = probe.held_bytes()
+    assert one_set >= 2 * probe.base_bytes() > 0  # the base and its adapted copy
+    loaded = LoadedModels(budget=int(1.05 * max(one_set, 2 * ReferenceRunner(moe).base_bytes())))
+    first, second = ReferenceRunner(model, loaded=loaded), ReferenceRunner(moe, loaded=loaded)
+    assert first.generate(req, {"A": adapter})[0].to_dict() == alone[model]
+    assert first.held_bytes() == one_set and loaded.released == 0
+    assert second.generate(req, {"A": moe_adapter})[0].to_dict() == alone[moe]
+    assert first.held_bytes() == 0 and second.held_bytes() > 0 and loaded.released == 1
+    assert first.generate(req, {"A": adapter})[0].to_dict() == alone[model]
+    assert second.held_bytes() == 0 and loaded.released == 2
+    assert first.work()["base_loads"] == 2 and second.work()["base_loads"] == 1
+    roomy = LoadedModels()  # the default budget: small bases keep everything
+    both = [ReferenceRunner(m, loaded=roomy) for m in (model, moe)]
+    for runner, a in zip(both, (adapter, moe_adapter)):
+        runner.generate(req, {"A": a})
+    assert roomy.released == 0 and all(r.held_bytes() > 0 for r in both)
+
+
 def test_the_report_says_what_the_references_cost(pytester):
     pytester.makepyfile(
         "def test_one(lora):\n"

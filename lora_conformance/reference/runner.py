@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -112,17 +113,57 @@ def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+# Bytes of reference models (bases and adapted copies) one process keeps over all its bases. A
+# full-profile worker judged the decoder and the MoE base (7 GB each in float32, each with an adapted
+# copy) and kept both to its end: 27 GB of its 49 GB on an H200, where one base's set is 14 GB.
+LOADED_MODELS_BUDGET = 16 << 30
+
+
+class LoadedModels:
+    """The reference runners of one process (one per base model) that hold loaded models, least
+    recently used first. Before a runner loads a model (its base or an adapted copy), the other
+    runners' models are dropped, oldest first, until what the process then holds fits in the budget;
+    a runner's own models are bounded by MODEL_COPY_BUDGET, not here. Small bases never reach it."""
+
+    def __init__(self, budget: int = LOADED_MODELS_BUDGET):
+        self.budget = budget
+        self._runners: "OrderedDict[int, ReferenceRunner]" = OrderedDict()
+        self.released = 0  # other runners' model sets dropped to make room
+
+    def use(self, runner: "ReferenceRunner") -> None:
+        self._runners[id(runner)] = runner
+        self._runners.move_to_end(id(runner))
+
+    def admit(self, runner: "ReferenceRunner", nbytes: int) -> None:
+        """Room for ``nbytes`` more of ``runner``'s models (it becomes the most recently used)."""
+        self.use(runner)
+        others = [r for r in self._runners.values() if r is not runner]
+        held = sum(r.held_bytes() for r in self._runners.values())
+        for other in others:
+            if held + nbytes <= self.budget:
+                break
+            freed = other.held_bytes()
+            if freed:
+                other.release_models()
+                self.released += 1
+                held -= freed
+
+
 class ReferenceRunner:
     def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32",
                  cache: Optional[ReferenceCache] = None, max_models: int = 4,
-                 tokenizer_cache: Optional[Path] = None):
+                 tokenizer_cache: Optional[Path] = None, loaded: Optional[LoadedModels] = None):
         self.model_dir = Path(model_dir)
+        # What the process's other runners hold counts against one budget (Workspace shares one); a
+        # runner made alone bounds only its own copies.
+        self._loaded = loaded if loaded is not None else LoadedModels()
         self.device = device
         self.dtype = dtype
         self.cache = cache
         self.forward_passes = 0  # model forward calls actually made (a warm cache makes none)
         # Where a cold reference spends its time (work()): loading the base, making adapted copies,
         # computing outputs; a warm cache spends none of it.
+        self.base_loads = 0
         self.base_load_s = 0.0
         self.copies = 0
         self._rotary = None  # the RotaryGuard on the base (rotary_guard.py), made with it
@@ -203,6 +244,7 @@ class ReferenceRunner:
         if self._base is None:
             from transformers import AutoModel, AutoModelForCausalLM
 
+            self._loaded.admit(self, self.base_bytes())
             start = time.perf_counter()
             cls = AutoModel if self.is_encoder else AutoModelForCausalLM
             self._base = cls.from_pretrained(self.model_dir, dtype=self._torch_dtype()).eval().to(self.device)
@@ -210,8 +252,29 @@ class ReferenceRunner:
 
             self._rotary = self._rotary or RotaryGuard()  # one count over reloads (release_models)
             self._rotary.install(self._base)  # adapted copies are deep copies: they keep the hooks
+            self.base_loads += 1
             self.base_load_s += time.perf_counter() - start
         return self._base
+
+    def base_bytes(self) -> int:
+        """The base's parameter bytes in the reference's dtype, from its checkpoint's headers (known
+        before it is loaded)."""
+        from lora_conformance.adapters.weights import read_header
+        from lora_conformance.checkpoints import torch_dtype
+
+        itemsize = torch_dtype(self.dtype).itemsize
+        total = 0
+        for f in sorted(self.model_dir.glob("*.safetensors")):
+            for _dtype, shape in read_header(f).values():
+                total += math.prod(shape) * itemsize
+        return total
+
+    def held_bytes(self) -> int:
+        """Parameter bytes of the models this runner keeps loaded (its base and adapted copies)."""
+        models = {id(m): m for m in self._models.values()}
+        if self._base is not None:
+            models[id(self._base)] = self._base
+        return sum(_param_bytes(m) for m in models.values())
 
     def release_models(self) -> None:
         """Drop the loaded base and its adapted copies (loaded again when next needed): what a real-shape
@@ -232,7 +295,7 @@ class ReferenceRunner:
 
     def work(self) -> dict[str, float]:
         """What this runner computed and what it took (seconds), with its cache's hits and misses."""
-        return {"base_loads": int(self._base is not None), "base_load_s": round(self.base_load_s, 3),
+        return {"base_loads": self.base_loads, "base_load_s": round(self.base_load_s, 3),
                 "copies": self.copies, "copy_s": round(self.copy_s, 3), "computed": self.computed,
                 "rotary_recomputed": self._rotary.recomputed if self._rotary is not None else 0,
                 "compute_s": round(self.compute_s, 3), "forward_passes": self.forward_passes,
@@ -243,6 +306,7 @@ class ReferenceRunner:
         key = "__base__" if adapter_path is None else self.adapter_hash(adapter_path)
         if key in self._models:
             self._models.move_to_end(key)
+            self._loaded.use(self)
             return self._models[key]
         base = self._load_base()
         if adapter_path is not None:
@@ -266,6 +330,7 @@ class ReferenceRunner:
         else:
             from peft import PeftModel
 
+            self._loaded.admit(self, nbytes)
             start = time.perf_counter()
             model = PeftModel.from_pretrained(copy.deepcopy(base), str(adapter_path)).eval().to(self.device)
             self.copies += 1
