@@ -133,7 +133,15 @@ class DecodeGraphs:
         host += [0] * (W * pad)
         entry["bufs"]["flat"].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         if self.compiled is not None:
-            top_ids, top_lp = self.compiled(entry["bufs"]["flat"], B, W, k, r.plan.compiled_applies_lora)
+            # No duck sizing: where the step breaks its graph (torch 2.11 did inside the LoRA routing),
+            # the frame resumed after the break takes views of the flat buffer, whose storage offsets
+            # (multiples of B) dynamo took to equal any size of the same value (16, the KV block),
+            # and every new bucket compiled the rest of the decoder again (three recompiles, 118 s of
+            # the compile-mode case's batches at the full profile on an H100).
+            from torch.fx.experimental import _config as fx_config
+
+            with fx_config.patch(use_duck_shape=False):
+                top_ids, top_lp = self.compiled(entry["bufs"]["flat"], B, W, k, r.plan.compiled_applies_lora)
             return top_ids[:n], top_lp[:n]
         if entry["graph"] is None:
             entry["graph"], entry["out"] = self._capture(entry["bufs"], k)

@@ -51,7 +51,10 @@ class LoraBatch:
     times: int = 1  # fault delta_twice -> 2
     col_slots: Optional[torch.Tensor] = None  # slot of each column of a part-major layout (column_slots)
     col_rank: int = 0  # the pool rank col_slots was made for
-    experts: ExpertLora = ExpertLora()
+    # None: the defaults, ExpertLora() (engine/plan.py always gives one). Not ExpertLora() as the
+    # field's default: dynamo (torch 2.11) cannot trace a dataclass __init__ whose defaults hold an
+    # object, and the compiled decode step broke its graph at every LoraBatch it built.
+    experts: Optional[ExpertLora] = None
     # The slots the token embedding's LoRA reads (None: token_slots; other only under the fault
     # embed_tokens_lora_from_first_slot).
     embed_slots: Optional[torch.Tensor] = None

@@ -76,7 +76,7 @@ class FusedExperts(nn.Module):
         out = torch.zeros_like(x)
         # One host sync per MoE layer to find the experts hit; MoE decode therefore runs eagerly.
         hit = torch.bincount(top_idx.flatten(), minlength=self.num_experts).nonzero().flatten().tolist()
-        f = self.ctx.batch.experts if self.ctx.batch is not None else ExpertLora()
+        f = (self.ctx.batch.experts if self.ctx.batch is not None else None) or ExpertLora()
         for e in hit:
             rows, which = torch.where(top_idx == e)
             keep = (which == 0) if f.first_only else None
