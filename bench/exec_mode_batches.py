@@ -6,11 +6,12 @@ the modes side by side, with each batch's seconds and, for compile, how many gra
     python bench/exec_mode_batches.py --device cuda --dtype bfloat16 --profile full
     python bench/exec_mode_batches.py --device cpu --modes eager,compile       # compile: forced on cpu
 
-On the H200 that case took 284 s in compile mode at the full profile (eager 9 s, graphs 4 s) with
-the decode step compiled once on cpu (tests/test_builtin_engine.py): whether the time is the first
-batch's compile or spread over the sizes shows here (each batch is printed as it ends; with
-``TORCH_LOGS=recompiles`` dynamo says why it compiled again). The default modes are those the engine
-declares on the device; outputs are not compared (the suite does that).
+On the H200 that case took 284 s in compile mode at the full profile (eager 9 s, graphs 4 s); this script
+on an H100 showed why (reports/2026-12-06-h100-compile-mode-and-detection/): the step broke its graph
+under torch 2.11 and the resumed frame compiled again for three buckets, on guards duck sizing added.
+Each batch is printed as it ends; with ``TORCH_LOGS=recompiles`` dynamo says why it compiled again.
+The default modes are those the engine declares on the device; outputs are not compared (the suite
+does that).
 """
 
 from __future__ import annotations
