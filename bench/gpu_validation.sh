@@ -13,7 +13,10 @@
 #                  again while the report says "partial": the next call deselects the cases the
 #                  earlier calls' reports finished (bench/finished_cases.py; their references are
 #                  cached, their engine work is not) and runs the rest; FULL_K=EXPR runs only the
-#                  cases pytest's -k EXPR selects (a partial report, which says so);
+#                  cases pytest's -k EXPR selects (a partial report, which says so); FULL_WORKERS=N
+#                  runs N workers instead of certify's choice (an 80 GB card gets one full-profile
+#                  worker: FULL_WORKERS=2 there tries two, and the report's device memory line says
+#                  what they held);
 #   part "full-warm": bench/certify_time.py on that filled cache: the warm wall time, with "computed /
 #                  cached" beside it (a warm row computes none);
 #   Between sessions: full-cold and full-warm leave the profile's reference cache (and the measured
@@ -123,7 +126,7 @@ case "$part" in
     run=/tmp/lc-full/runs/cold-$(date +%s)
     echo "bases ready at ${SECONDS} s; $(tail -1 "$log"); certifying until $((deadline - stop_margin)) s" | tee -a "$log"
     timeout "$(until_stop)" python3 -m lora_conformance.cli certify --device cuda --profile full --lora-cache /tmp/lc-full \
-      --report "$run" -- -p no:cacheprovider -q -rfE ${FULL_K:+-k "$FULL_K"} "${desel[@]}" >> "$log" 2>&1
+      --report "$run" ${FULL_WORKERS:+-n "$FULL_WORKERS"} -- -p no:cacheprovider -q -rfE ${FULL_K:+-k "$FULL_K"} "${desel[@]}" >> "$log" 2>&1
     echo "certify rc=$? at ${SECONDS} s" | tee -a "$log"
     grep -E "^(workers|LoRA conformance|reference|device memory|partial)" "$log"
     tar czf "$OUT/full-cold-reports.tgz" -C /tmp/lc-full runs
