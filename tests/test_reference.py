@@ -136,8 +136,8 @@ def test_one_budget_over_a_process_s_bases_drops_the_least_recent_base_s_models(
     probe = ReferenceRunner(model)
     probe.generate(req, {"A": adapter})
     one_set = probe.held_bytes()
-    assert one_set >= 2 * probe.base_bytes() > 0  # the base and its adapted copy
-    loaded = LoadedModels(budget=int(1.05 * max(one_set, 2 * ReferenceRunner(moe).base_bytes())))
+    assert one_set >= 2 * probe.base_bytes > 0  # the base and its adapted copy
+    loaded = LoadedModels(budget=int(1.05 * max(one_set, 2 * ReferenceRunner(moe).base_bytes)))
     first, second = ReferenceRunner(model, loaded=loaded), ReferenceRunner(moe, loaded=loaded)
     assert first.generate(req, {"A": adapter})[0].to_dict() == alone[model]
     assert first.held_bytes() == one_set and loaded.released == 0

@@ -127,26 +127,25 @@ class LoadedModels:
 
     def __init__(self, budget: int = LOADED_MODELS_BUDGET):
         self.budget = budget
-        self._runners: "OrderedDict[int, ReferenceRunner]" = OrderedDict()
+        self._runners: "OrderedDict[ReferenceRunner, None]" = OrderedDict()
         self.released = 0  # other runners' model sets dropped to make room
 
     def use(self, runner: "ReferenceRunner") -> None:
-        self._runners[id(runner)] = runner
-        self._runners.move_to_end(id(runner))
+        self._runners[runner] = None
+        self._runners.move_to_end(runner)
 
     def admit(self, runner: "ReferenceRunner", nbytes: int) -> None:
         """Room for ``nbytes`` more of ``runner``'s models (it becomes the most recently used)."""
         self.use(runner)
-        others = [r for r in self._runners.values() if r is not runner]
-        held = sum(r.held_bytes() for r in self._runners.values())
-        for other in others:
-            if held + nbytes <= self.budget:
+        held = {r: r.held_bytes() for r in self._runners}
+        total = sum(held.values())
+        for other, freed in held.items():  # oldest first
+            if total + nbytes <= self.budget:
                 break
-            freed = other.held_bytes()
-            if freed:
+            if other is not runner and freed:
                 other.release_models()
                 self.released += 1
-                held -= freed
+                total -= freed
 
 
 class ReferenceRunner:
@@ -244,7 +243,7 @@ class ReferenceRunner:
         if self._base is None:
             from transformers import AutoModel, AutoModelForCausalLM
 
-            self._loaded.admit(self, self.base_bytes())
+            self._loaded.admit(self, self.base_bytes)
             start = time.perf_counter()
             cls = AutoModel if self.is_encoder else AutoModelForCausalLM
             self._base = cls.from_pretrained(self.model_dir, dtype=self._torch_dtype()).eval().to(self.device)
@@ -256,18 +255,16 @@ class ReferenceRunner:
             self.base_load_s += time.perf_counter() - start
         return self._base
 
+    @functools.cached_property
     def base_bytes(self) -> int:
         """The base's parameter bytes in the reference's dtype, from its checkpoint's headers (known
-        before it is loaded)."""
+        before it is loaded; read once, the base reloads after a release)."""
         from lora_conformance.adapters.weights import read_header
         from lora_conformance.checkpoints import torch_dtype
 
         itemsize = torch_dtype(self.dtype).itemsize
-        total = 0
-        for f in sorted(self.model_dir.glob("*.safetensors")):
-            for _dtype, shape in read_header(f).values():
-                total += math.prod(shape) * itemsize
-        return total
+        return sum(math.prod(shape) * itemsize for f in sorted(self.model_dir.glob("*.safetensors"))
+                   for _dtype, shape in read_header(f).values())
 
     def held_bytes(self) -> int:
         """Parameter bytes of the models this runner keeps loaded (its base and adapted copies)."""

@@ -46,8 +46,16 @@ class DecodeGraphs:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             torch._dynamo.config.accumulated_recompile_limit = max(
                 torch._dynamo.config.accumulated_recompile_limit, 4096)
-            # dynamic: one graph for every batch bucket and block-table width (not one compile each)
-            self.compiled = torch.compile(self._flat_step, dynamic=True)
+            from torch.fx.experimental import _config as fx_config
+
+            # dynamic: one graph for every batch bucket and block-table width (not one compile each).
+            # No duck sizing (the config is read when a frame compiles, inside the call): where the
+            # step breaks its graph (torch 2.11 did inside the LoRA routing), the frame resumed after
+            # the break takes views of the flat buffer, whose storage offsets (multiples of B) dynamo
+            # took to equal any size of the same value (16, the KV block), and every new bucket
+            # compiled the rest of the decoder again (three recompiles, 118 s of the compile-mode
+            # case's batches at the full profile on an H100).
+            self.compiled = fx_config.patch(use_duck_shape=False)(torch.compile(self._flat_step, dynamic=True))
         self.buckets = COMPILED_BUCKETS if compiled else BATCH_BUCKETS
         self.pool = devices.graph_pool_handle(self.device) if not compiled else None
         self.max_width = (runner.args.max_model_len + runner.block_size - 1) // runner.block_size
@@ -133,15 +141,7 @@ class DecodeGraphs:
         host += [0] * (W * pad)
         entry["bufs"]["flat"].copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         if self.compiled is not None:
-            # No duck sizing: where the step breaks its graph (torch 2.11 did inside the LoRA routing),
-            # the frame resumed after the break takes views of the flat buffer, whose storage offsets
-            # (multiples of B) dynamo took to equal any size of the same value (16, the KV block),
-            # and every new bucket compiled the rest of the decoder again (three recompiles, 118 s of
-            # the compile-mode case's batches at the full profile on an H100).
-            from torch.fx.experimental import _config as fx_config
-
-            with fx_config.patch(use_duck_shape=False):
-                top_ids, top_lp = self.compiled(entry["bufs"]["flat"], B, W, k, r.plan.compiled_applies_lora)
+            top_ids, top_lp = self.compiled(entry["bufs"]["flat"], B, W, k, r.plan.compiled_applies_lora)
             return top_ids[:n], top_lp[:n]
         if entry["graph"] is None:
             entry["graph"], entry["out"] = self._capture(entry["bufs"], k)
