@@ -287,10 +287,13 @@ def test_compiled_decode_on_the_accelerator_layout_compiles_once(llama, monkeypa
             check_against_reference(eng, base, ads, names, "float32", max_new=3)
         layer = eng.model.model.layers[0]
         assert layer.self_attn.o_proj.group.cat and layer.mlp.down_proj.group.cat
+        graph_break = eng.runner.graphs.graph_break
     assert counters["stats"]["unique_graphs"] == first["unique_graphs"], (first, dict(counters["stats"]))
     if forced_break:
         assert counters["graph_break"] and first["unique_graphs"] > 1  # the forced break split the step
+        assert graph_break and "graph_break" in graph_break, graph_break  # and the engine says where
     else:
+        assert graph_break is None, graph_break
         assert not counters["graph_break"], dict(counters["graph_break"])
         assert first["unique_graphs"] == 1, first
 

@@ -38,6 +38,9 @@ class DecodeGraphs:
         self.device = runner.device
         self.graphs: dict[tuple, tuple] = {}
         self.compiled = None
+        # Why the step could not compile as one graph, where it could not (the engine's settings say it).
+        self.graph_break: "str | None" = None
+        self._resumable = None
         if compiled:
             import torch._dynamo
 
@@ -46,19 +49,43 @@ class DecodeGraphs:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             torch._dynamo.config.accumulated_recompile_limit = max(
                 torch._dynamo.config.accumulated_recompile_limit, 4096)
-            from torch.fx.experimental import _config as fx_config
-
             # dynamic: one graph for every batch bucket and block-table width (not one compile each).
-            # No duck sizing (the config is read when a frame compiles, inside the call): where the
-            # step breaks its graph (torch 2.11 did inside the LoRA routing), the frame resumed after
-            # the break takes views of the flat buffer, whose storage offsets (multiples of B) dynamo
-            # took to equal any size of the same value (16, the KV block), and every new bucket
-            # compiled the rest of the decoder again (three recompiles, 118 s of the compile-mode
-            # case's batches at the full profile on an H100).
-            self.compiled = fx_config.patch(use_duck_shape=False)(torch.compile(self._flat_step, dynamic=True))
+            # fullgraph: the step compiles as one graph, or says where it breaks (_compiled_step).
+            self._whole = torch.compile(self._flat_step, dynamic=True, fullgraph=True)
+            self.compiled = self._compiled_step
+        self.buckets = COMPILED_BUCKETS if compiled else BATCH_BUCKETS
         self.buckets = COMPILED_BUCKETS if compiled else BATCH_BUCKETS
         self.pool = devices.graph_pool_handle(self.device) if not compiled else None
         self.max_width = (runner.args.max_model_len + runner.block_size - 1) // runner.block_size
+
+    def _compiled_step(self, *args):
+        """The step as one compiled graph; where dynamo cannot trace it whole (a graph break: torch
+        2.11 broke inside the LoRA routing), the step compiled in pieces from then on, without duck
+        sizing. The frame resumed after a break takes views of the flat buffer as inputs, whose
+        storage offsets (multiples of the bucket) duck sizing took to equal any size of the same
+        value (16, the KV block), and every new bucket compiled the rest of the decoder again (three
+        recompiles, 118 s of the compile-mode case's batches at the full profile on an H100). Duck
+        sizing stays on for the whole graph: off, symbolic reasoning over a deep decoder grows faster
+        than its depth (16 layers on cpu: 82 s to compile with it, 339 s without; the 28-layer full
+        profile's case no longer finished on an H100). Tracing fails before the step runs anything,
+        so the buffers the step writes are untouched when the fallback runs it."""
+        if self._resumable is None:
+            import torch._dynamo
+
+            try:
+                return self._whole(*args)
+            except torch._dynamo.exc.Unsupported as e:
+                from torch.fx.experimental import _config as fx_config
+
+                self.graph_break = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                import warnings
+
+                warnings.warn(f"exec_mode=compile: the decode step does not compile as one graph "
+                              f"({self.graph_break}); it is compiled in pieces from here on", RuntimeWarning,
+                              stacklevel=2)
+                # the config is read when a frame compiles, inside the call: the patch wraps the calls
+                self._resumable = fx_config.patch(use_duck_shape=False)(torch.compile(self._flat_step, dynamic=True))
+        return self._resumable(*args)
 
     def _widths(self):
         w, out = 4, []
