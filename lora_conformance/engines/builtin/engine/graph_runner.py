@@ -38,7 +38,7 @@ class DecodeGraphs:
         self.device = runner.device
         self.graphs: dict[tuple, tuple] = {}
         self.compiled = None
-        # Why the step could not compile as one graph, where it could not (the engine's settings say it).
+        # Why the step could not compile as one graph, where it could not (a RuntimeWarning says it too).
         self.graph_break: "str | None" = None
         self._resumable = None
         if compiled:
@@ -54,7 +54,6 @@ class DecodeGraphs:
             self._whole = torch.compile(self._flat_step, dynamic=True, fullgraph=True)
             self.compiled = self._compiled_step
         self.buckets = COMPILED_BUCKETS if compiled else BATCH_BUCKETS
-        self.buckets = COMPILED_BUCKETS if compiled else BATCH_BUCKETS
         self.pool = devices.graph_pool_handle(self.device) if not compiled else None
         self.max_width = (runner.args.max_model_len + runner.block_size - 1) // runner.block_size
 
@@ -66,20 +65,21 @@ class DecodeGraphs:
         value (16, the KV block), and every new bucket compiled the rest of the decoder again (three
         recompiles, 118 s of the compile-mode case's batches at the full profile on an H100). Duck
         sizing stays on for the whole graph: off, symbolic reasoning over a deep decoder grows faster
-        than its depth (16 layers on cpu: 82 s to compile with it, 339 s without; the 28-layer full
-        profile's case no longer finished on an H100). Tracing fails before the step runs anything,
-        so the buffers the step writes are untouched when the fallback runs it."""
+        than its depth (bench/compile_depth.py, 16 layers on cpu: 78 s to compile with it, 300 s
+        without; the 28-layer full profile's case no longer finished on an H100). Tracing fails
+        before the step runs anything, so the buffers the step writes are untouched when the
+        fallback runs it."""
         if self._resumable is None:
             import torch._dynamo
 
             try:
                 return self._whole(*args)
             except torch._dynamo.exc.Unsupported as e:
+                import warnings
+
                 from torch.fx.experimental import _config as fx_config
 
                 self.graph_break = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-                import warnings
-
                 warnings.warn(f"exec_mode=compile: the decode step does not compile as one graph "
                               f"({self.graph_break}); it is compiled in pieces from here on", RuntimeWarning,
                               stacklevel=2)
