@@ -36,7 +36,9 @@
 #                  x 3 dtypes, finished 2 runs in 420 s on a cold H100: a call takes a few faults).
 # Several parts run one after the other in one call (bash bench/gpu_validation.sh full-cold compile),
 # each stopped at DEADLINE seconds after the call began (default 580: a call's limit is 600); a part
-# with less than its minimum left is skipped and says so.
+# with less than its minimum left is skipped and says so. Keep DEADLINE under the call's limit (less than 600
+# where little device time is left): a call cut by that limit returns only what its parts already wrote
+# (exec-batches writes its log a line at a time for that).
 # Each certification writes its report under $OUT and says what its processes held on the device.
 # The carried .whl must hold platformdirs (the image lacks it; README of the device tool, wheels).
 # Usage: bash bench/gpu_validation.sh PART [PART ...]
@@ -142,7 +144,7 @@ case "$part" in
     ;;
   exec-batches)
     TORCH_LOGS=recompiles timeout "$(left)" python3 bench/exec_mode_batches.py --device cuda --dtype bfloat16 --profile full \
-      --cache /tmp/lc-full 2>&1 | grep -v -E "Loading|Writing|warn" | tee "$OUT/exec_batches.log" | tail -40
+      --cache /tmp/lc-full 2>&1 | grep --line-buffered -v -E "Loading|Writing|warn" | tee "$OUT/exec_batches.log" | tail -40
     ;;
   compile)
     start=$SECONDS
