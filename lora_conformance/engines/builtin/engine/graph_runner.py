@@ -59,16 +59,17 @@ class DecodeGraphs:
 
     def _compiled_step(self, *args):
         """The step as one compiled graph; where dynamo cannot trace it whole (a graph break: torch
-        2.11 broke inside the LoRA routing), the step compiled in pieces from then on, without duck
-        sizing. The frame resumed after a break takes views of the flat buffer as inputs, whose
-        storage offsets (multiples of the bucket) duck sizing took to equal any size of the same
-        value (16, the KV block), and every new bucket compiled the rest of the decoder again (three
-        recompiles, 118 s of the compile-mode case's batches at the full profile on an H100). Duck
-        sizing stays on for the whole graph: off, symbolic reasoning over a deep decoder grows faster
-        than its depth (bench/compile_depth.py, 16 layers on cpu: 78 s to compile with it, 300 s
-        without; the 28-layer full profile's case no longer finished on an H100). Tracing fails
-        before the step runs anything, so the buffers the step writes are untouched when the
-        fallback runs it."""
+        2.11 broke inside the LoRA routing), the step compiled in pieces from then on, and a warning
+        naming the break. Pieces cost more: the frame resumed after a break takes views of the flat
+        buffer as inputs, whose storage offsets (multiples of the bucket) duck sizing takes to equal
+        any size of the same value (16, the KV block), so buckets 4, 16 and 2 each compile the rest of
+        the decoder again (seven graphs, the full profile's compile case 311.8 s on an H100). Turning
+        duck sizing off avoids those recompiles but costs more than they do: symbolic reasoning over
+        a deep decoder then grows faster than its depth (bench/compile_depth.py, one graph of 16
+        layers on cpu: 78 s with duck sizing, 300 s without; with a break at the same place, 262 s
+        with it in seven graphs, 310 s without in four; the 28-layer full profile's case, compiled
+        without it, no longer finished on an H100). Tracing fails before the step runs anything, so
+        the buffers the step writes are untouched when the fallback runs it."""
         if self._resumable is None:
             import torch._dynamo
 
@@ -77,14 +78,11 @@ class DecodeGraphs:
             except torch._dynamo.exc.Unsupported as e:
                 import warnings
 
-                from torch.fx.experimental import _config as fx_config
-
                 self.graph_break = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
                 warnings.warn(f"exec_mode=compile: the decode step does not compile as one graph "
                               f"({self.graph_break}); it is compiled in pieces from here on", RuntimeWarning,
                               stacklevel=2)
-                # the config is read when a frame compiles, inside the call: the patch wraps the calls
-                self._resumable = fx_config.patch(use_duck_shape=False)(torch.compile(self._flat_step, dynamic=True))
+                self._resumable = torch.compile(self._flat_step, dynamic=True)
         return self._resumable(*args)
 
     def _widths(self):
