@@ -1,14 +1,16 @@
 """How the built-in engine's compile time grows with the decoder's depth, with dynamo's duck sizing on
-(what exec_mode=compile uses for a step that compiles as one graph) and off (what it used for every
-step before: the full profile's 28-layer compile case then no longer finished on an H100).
+(what exec_mode=compile uses) and off (what it used for a while: the full profile's 28-layer compile
+case then no longer finished on an H100).
 
     python bench/compile_depth.py                      # layers 4, 8, 16 on cpu, float32
     python bench/compile_depth.py --layers 8,16,28 --device cuda --dtype bfloat16
+    python bench/compile_depth.py --layers 16 --forced-break   # the step broken inside the LoRA routing
 
 Each (depth, setting) runs in a fresh process with an empty inductor cache, serves a batch of 8 rows
 (the first compile) and then batches of 3, 12 and 2 (other buckets: no compile expected), and prints
-the first batch's seconds and dynamo's graph count; the table puts both settings side by side with
-their ratio. The bases are synthetic Qwen2-style decoders (q/k/v biases) of the given depth, built
+the first batch's seconds, the rest's (recompiles show there) and dynamo's graph count; the table puts
+both settings side by side with their ratio. --forced-break breaks the step's graph where torch 2.11
+broke it (before the LoRA routing): the engine then compiles it in pieces. The bases are synthetic Qwen2-style decoders (q/k/v biases) of the given depth, built
 once into the lora cache. Outputs are not compared (the suites do that).
 """
 
@@ -50,6 +52,18 @@ def _child(args) -> int:
     from lora_conformance.engines.builtin import BuiltinEngine
     from lora_conformance.types import GenerationRequest
 
+    if args.forced_break:
+        import torch._dynamo
+
+        from lora_conformance.engines.builtin.engine import model_runner
+
+        real = model_runner.ModelRunner.lora_batch
+
+        def broken(self, *a, **k):
+            torch._dynamo.graph_break()
+            return real(self, *a, **k)
+
+        model_runner.ModelRunner.lora_batch = broken
     seconds = []
     with BuiltinEngine(Path(args.base), args.device, args.dtype, {"exec_mode": "compile"}) as engine:
         for n in BATCHES:
@@ -73,6 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--cache", default=None, help="lora cache directory (default: the plugin's)")
+    ap.add_argument("--forced-break", action="store_true", help="break the step's graph before the LoRA routing")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--base", help=argparse.SUPPRESS)
     ap.add_argument("--duck", choices=("on", "off"), help=argparse.SUPPRESS)
@@ -96,7 +111,8 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory(prefix="inductor-") as fresh:
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=fresh)
                 proc = subprocess.run([sys.executable, __file__, "--child", "--base", str(base), "--duck", duck,
-                                       "--device", args.device, "--dtype", args.dtype],
+                                       "--device", args.device, "--dtype", args.dtype]
+                                      + (["--forced-break"] if args.forced_break else []),
                                       env=env, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.returncode or not lines:
@@ -107,11 +123,15 @@ def main(argv=None) -> int:
             print(f"layers {layers:3}, duck sizing {duck:3}: first batch {row[duck]['seconds'][0]:7.1f} s, "
                   f"the rest {sum(row[duck]['seconds'][1:]):5.1f} s, graphs {row[duck]['graphs']}", flush=True)
         rows.append((layers, row))
-    print(f"\nexec_mode=compile on {args.device}, {args.dtype}: first batch (the compile), seconds")
-    print(f"{'layers':>6} {'duck on':>8} {'duck off':>9} {'off/on':>7} {'graphs on/off':>14}")
+    broken = ", the step's graph broken before the LoRA routing" if args.forced_break else ""
+    print(f"\nexec_mode=compile on {args.device}, {args.dtype}{broken}: seconds of the first batch (the compile) "
+          f"and of all four batches")
+    print(f"{'layers':>6} {'first on':>9} {'off':>7} {'off/on':>7} {'all on':>7} {'off':>7} {'off/on':>7} {'graphs on/off':>14}")
     for layers, row in rows:
         on, off = row["on"]["seconds"][0], row["off"]["seconds"][0]
-        print(f"{layers:6} {on:8.1f} {off:9.1f} {off / on:7.2f} {row['on']['graphs']:>8}/{row['off']['graphs']}")
+        all_on, all_off = sum(row["on"]["seconds"]), sum(row["off"]["seconds"])
+        print(f"{layers:6} {on:9.1f} {off:7.1f} {off / on:7.2f} {all_on:7.1f} {all_off:7.1f} {all_off / all_on:7.2f} "
+              f"{row['on']['graphs']:>8}/{row['off']['graphs']}")
     return 0
 
 
