@@ -9,7 +9,7 @@ the modes side by side, with each batch's seconds and, for compile, how many gra
 On the H200 that case took 284 s in compile mode at the full profile (eager 9 s, graphs 4 s); this script
 on an H100 showed why (reports/2026-12-06-h100-compile-mode-and-detection/): the step broke its graph
 under torch 2.11 and the resumed frame compiled again for three buckets, on guards duck sizing added
-(bench/compile_depth.py: why duck sizing stays on where the step compiles as one graph).
+(bench/compile_depth.py: why duck sizing stays on all the same).
 Each batch is printed as it ends; with ``TORCH_LOGS=recompiles`` dynamo says why it compiled again.
 The default modes are those the engine declares on the device; outputs are not compared (the suite
 does that).

@@ -59,15 +59,15 @@ class DecodeGraphs:
 
     def _compiled_step(self, *args):
         """The step as one compiled graph; where dynamo cannot trace it whole (a graph break: torch
-        2.11 broke inside the LoRA routing), the step compiled in pieces from then on, and a warning
-        naming the break. Pieces cost more: the frame resumed after a break takes views of the flat
+        2.11 broke inside the LoRA routing), a warning naming the break, and the step compiled in
+        pieces from then on. Pieces cost more: the frame resumed after a break takes views of the flat
         buffer as inputs, whose storage offsets (multiples of the bucket) duck sizing takes to equal
         any size of the same value (16, the KV block), so buckets 4, 16 and 2 each compile the rest of
         the decoder again (seven graphs, the full profile's compile case 311.8 s on an H100). Turning
         duck sizing off avoids those recompiles but costs more than they do: symbolic reasoning over
         a deep decoder then grows faster than its depth (bench/compile_depth.py, one graph of 16
-        layers on cpu: 78 s with duck sizing, 300 s without; with a break at the same place, 262 s
-        with it in seven graphs, 310 s without in four; the 28-layer full profile's case, compiled
+        layers on cpu: 78 s with duck sizing, 300 s without; with the break forced there, 97 s with
+        it in five graphs, 260 s without in four; the 28-layer full profile's case, compiled
         without it, no longer finished on an H100). Tracing fails before the step runs anything, so
         the buffers the step writes are untouched when the fallback runs it."""
         if self._resumable is None:
