@@ -8,7 +8,7 @@ after each step, and the growth from the first run to the last.
     python bench/engine_memory_growth.py --profile full --runs 10 --reference
     python bench/engine_memory_growth.py --runs 20                  # the fast profile's decoder
 
-Linux only (reads /proc/self/status).
+Linux (/proc/self/status; elsewhere bench/power.py's reading falls back to the peak so far).
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def anon_gb() -> float:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1e6
-    raise RuntimeError("/proc/self/status has no RssAnon line (not Linux?)")
+    """The anonymous part of this process's resident memory (bench/power.py's reading), GB."""
+    from power import resident_gb  # bench/ is on the path of a script run from it
+
+    return resident_gb()[1]
 
 
 def main(argv=None) -> int:

@@ -71,8 +71,6 @@ class DecodeGraphs:
         without it, no longer finished on an H100). Tracing fails before the step runs anything, so
         the buffers the step writes are untouched when the fallback runs it."""
         if self._resumable is None:
-            import torch._dynamo
-
             try:
                 return self._whole(*args)
             except torch._dynamo.exc.Unsupported as e:
