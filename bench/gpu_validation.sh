@@ -33,7 +33,9 @@
 #   part "detect-new": detection power on the GPU of the faults tests/test_detection_power.py lists
 #                  as not yet shown there (NOT_YET_SHOWN_ON_GPU), float32, bfloat16 and float16;
 #                  DETECT_FAULTS="f1 f2" and DETECT_DTYPES=bfloat16 narrow it (the whole set, 22 faults
-#                  x 3 dtypes, finished 2 runs in 420 s on a cold H100: a call takes a few faults).
+#                  x 3 dtypes, finished 2 runs in 420 s on a cold H100: a call takes a few faults;
+#                  15 faults in float32 gave 3 results in 385 s on a warm H100). Verbose: a call cut at
+#                  its deadline still names each fault and dtype that finished (-q printed only dots).
 # Several parts run one after the other in one call (bash bench/gpu_validation.sh full-cold compile),
 # each stopped at DEADLINE seconds after the call began (default 580: a call's limit is 600); a part
 # with less than its minimum left is skipped and says so. Keep DEADLINE under the call's limit (less than 600
@@ -157,10 +159,10 @@ case "$part" in
     faults=${DETECT_FAULTS:-$(cd tests && python3 -c "from test_detection_power import NOT_YET_SHOWN_ON_GPU as s; print(' '.join(sorted(s)))")}
     faults=$(echo $faults | sed 's/ / or /g')
     LORA_DETECTION_DTYPES=${DETECT_DTYPES:-float32,bfloat16,float16} timeout "$(left)" python3 -m pytest tests/test_detection_power.py \
-      --device=cuda --lora-cache /tmp/lc-detect -p no:cacheprovider -q -rfEs -n 4 -k "test_suites_catch_the_fault and ($faults)" \
+      --device=cuda --lora-cache /tmp/lc-detect -p no:cacheprovider -v -rfEs -n 4 -k "test_suites_catch_the_fault and ($faults)" \
       > "$OUT/detect_new.log" 2>&1
     echo "detection rc=$? at ${SECONDS} s" | tee -a "$OUT/detect_new.log"
-    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/detect_new.log" | tail -40
+    grep -E "(PASSED|FAILED|ERROR|SKIPPED) |passed|failed" "$OUT/detect_new.log" | tail -40
     ;;
   time)
     python3 bench/certify_time.py --device cuda --engine-arg graphs=1 --workers 1,8,16 --cold-workers 8,16 \

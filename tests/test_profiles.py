@@ -151,3 +151,29 @@ def test_real_bases_are_judged_by_the_real_rows():
     assert f32.decode_atol == tolerance_for("float32").decode_atol
     with pytest.raises(ValueError, match="small, real"):
         tolerance_for("bfloat16", "huge")
+
+
+def test_the_report_states_the_profiles_ranks_and_shapes():
+    """report.md and the HTML report (both environment_rows) say what a run certified: the profile's
+    ranks, adapter counts and prompt lengths, and its bases' shapes; the decoder's only where the run
+    used the profile's decoder."""
+    from types import SimpleNamespace
+
+    from lora_conformance.report.environment import fingerprint
+    from lora_conformance.report.markdown import environment_rows
+
+    def rows(profile, base_model):
+        settings = SimpleNamespace(device="cuda", engine="builtin", engine_args={}, dtype="bfloat16",
+                                   reference_device="cuda", reference_dtype="float32", base_model=base_model,
+                                   base_quant="none", profile=profile)
+        return dict(environment_rows(fingerprint(settings, {"device": {"device_name": "test"}})))
+
+    full = rows("full", "synthetic:qwen2.5-1.5b")
+    assert full["profile"].startswith("full: ranks 1, 2, 4, 8, 16, 32, 64, 128, 256; 64 adapters loaded, 32 in one batch")
+    assert "8192 tokens in chunks of 509" in full["profile"] and "on the device under test" in full["profile"]
+    assert full["decoder base shape"] == ("synthetic:qwen2.5-1.5b: hidden 1,536, 28 layers, 12 heads (2 kv, head_dim "
+                                          "128), intermediate 8,960, vocab 151,936, 32,768 positions")
+    assert "64 experts" in full["moe base shape"]
+    other = rows("full", "synthetic:llama")
+    assert "decoder base shape" not in other and other["base model"] == "synthetic:llama"
+    assert rows("fast", "synthetic:llama")["profile"].startswith("fast: ranks 1, 8, 16, 64; adapters loaded and")

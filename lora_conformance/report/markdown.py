@@ -74,6 +74,7 @@ def environment_rows(env: Mapping[str, Any]) -> list[tuple[str, str]]:
         *([("device memory", device_memory_text(env["device_memory"]))]
           if isinstance(env.get("device_memory"), Mapping) else []),
         ("base model", str(env.get("base_model"))),
+        *_profile_rows(env.get("profile"), env.get("base_model")),
         *_base_quant_rows(env.get("base_quant")),
         *_activation_rows(env.get("activations")),
         ("torch / transformers / peft", " / ".join(str(pk.get(n)) for n in ("torch", "transformers", "peft"))),
@@ -111,6 +112,44 @@ def device_memory_text(memory: Mapping[str, Any]) -> str:
             "them (an upper bound: the peaks need not coincide); torch's allocator, the runtime's own memory aside"
             + (f"; the most one case held: {gib('largest_case_peak_allocated')} in tensors "
                f"({memory['largest_case']})" if memory.get("largest_case") else ""))
+
+
+def _profile_rows(profile: Any, base_model: Any = None) -> list[tuple[str, str]]:
+    """The certification profile (environment ``profile``, models/profiles.py ``describe``): its ranks,
+    adapter counts and prompt lengths, then the shape of each of its bases the run used (not the
+    decoder's where ``--base-model`` named another); none for a report without a profile."""
+    if not isinstance(profile, Mapping):
+        return []
+    ranks = ", ".join(str(r) for r in profile.get("ranks") or ()) or "-"
+    loaded, batch = profile.get("loaded_adapters"), profile.get("batch_adapters")
+    adapters = (f"{loaded} adapters loaded, {batch} in one batch" if loaded and batch
+                else "adapters loaded and batched to the engine's own limits")
+    prompts = "; ".join(f"{tokens} tokens in chunks of {chunk}" if tokens else f"the default prompts in chunks of {chunk}"
+                        for tokens, chunk in (p for p in profile.get("long_prompts") or () if len(p) == 2)) or "-"
+    reference = "on the device under test (float32)" if profile.get("reference_on_device") else "as the run's reference row says"
+    rows = [("profile", f"{profile.get('name')}: ranks {ranks}; {adapters}; long prompts {prompts}; "
+                        f"reference {reference}")]
+    for kind, shape in sorted((profile.get("model_shapes") or {}).items()):
+        if isinstance(shape, Mapping) and not (kind == "decoder" and base_model and shape.get("model") != base_model):
+            rows.append((f"{kind} base shape", _shape_text(shape)))
+    return rows
+
+
+def _shape_text(shape: Mapping[str, Any]) -> str:
+    """``synthetic:qwen2.5-1.5b: hidden 1536, 28 layers, 12 heads (2 kv, head_dim 128), ...``."""
+    def n(key: str) -> str:
+        value = shape.get(key)
+        return f"{value:,}" if isinstance(value, int) else str(value)
+
+    if "hidden" not in shape:
+        return str(shape.get("model"))
+    parts = [f"hidden {n('hidden')}", f"{n('layers')} layers",
+             f"{n('heads')} heads ({n('kv_heads')} kv, head_dim {n('head_dim')})",
+             f"intermediate {n('intermediate')}", f"vocab {n('vocab')}"]
+    if shape.get("experts"):
+        parts.append(f"{n('experts')} experts (intermediate {n('expert_intermediate')}, top {n('top_k_experts')})")
+    parts.append(f"{n('max_positions')} positions")
+    return f"{shape.get('model')}: " + ", ".join(parts)
 
 
 def _base_quant_rows(quant: Any) -> list[tuple[str, str]]:
