@@ -69,7 +69,9 @@ PROFILES: dict[str, Profile] = {
         # of memory (reports/2026-12-04-builtin-fullprofile-cuda-bfloat16.md).
         worker_memory_gib=16.0,
         workers_per_device=2,
-        # nvidia-smi showed 103.6 GB (96.5 GiB) for two such workers on one H200: an 80 GB card takes one.
+        # nvidia-smi showed 103.6 GB (96.5 GiB) for two such workers on one H200: an 80 GB card takes one
+        # (two forced onto an H100 ran it out of memory cold, holding 45.4 + 33.6 GiB; warm, with no
+        # reference model loaded, they fit: 36.3 GiB the larger peak).
         device_worker_memory_gib=48.0,
         # On cpu the reference's base and one adapted copy (reference/runner.py MODEL_COPY_BUDGET) and the
         # engine's weights, 7.1 GB each in float32: one worker used 24 GB before the copies were bounded.
