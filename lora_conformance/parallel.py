@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 # Resident memory of one worker running the suites on cpu (torch, transformers, PEFT, the
 # reference and engine models): about 1.7 GB measured; rounded up.
@@ -195,6 +195,18 @@ def workers_for_run(device: str, recorded_work_s: Optional[float], profile: Opti
     from lora_conformance.models import profiles
 
     p = profiles.get(profile)
+    kind, count, on_device = _device_layout(device, p)
+    return choose_workers(cpu_cores(), available_memory(), kind, count, recorded_work_s,
+                          worker_memory=int(((kind == "cpu" and p.cpu_worker_memory_gib) or p.worker_memory_gib) * 1024**3),
+                          per_device=p.workers_per_device or WORKERS_PER_DEVICE,
+                          device_memory=on_device,
+                          device_worker_memory=int(p.device_worker_memory_gib * 1024**3),
+                          why=f" ({p.name} profile)" if p.name != "fast" else "")
+
+
+def _device_layout(device: str, p: Any) -> tuple[str, int, Optional[int]]:
+    """The device type, how many devices the workers spread over (one where ``device`` names an
+    index) and, where profile ``p`` bounds a worker's device memory, one device's size in bytes."""
     kind, count, on_device = "cpu", 1, None
     if device.split(":", 1)[0] != "cpu":
         from lora_conformance import devices
@@ -204,12 +216,30 @@ def workers_for_run(device: str, recorded_work_s: Optional[float], profile: Opti
             count = max(1, devices.device_count(kind))
         if kind != "cpu" and p.device_worker_memory_gib:
             on_device = devices.total_memory(device if ":" in device else f"{kind}:0")
-    return choose_workers(cpu_cores(), available_memory(), kind, count, recorded_work_s,
-                          worker_memory=int(((kind == "cpu" and p.cpu_worker_memory_gib) or p.worker_memory_gib) * 1024**3),
-                          per_device=p.workers_per_device or WORKERS_PER_DEVICE,
-                          device_memory=on_device,
-                          device_worker_memory=int(p.device_worker_memory_gib * 1024**3),
-                          why=f" ({p.name} profile)" if p.name != "fast" else "")
+    return kind, count, on_device
+
+
+def device_overcommit(device: str, profile: Optional[str], workers: int) -> Optional[str]:
+    """Where the workers were given (``-n N``, not auto) and the run's profile says what one worker
+    holds on the device: a warning when N is more than the devices hold, else None. Such a run's
+    cases fail with the device's out-of-memory errors, which say nothing of the engine (two
+    full-profile workers forced onto one 80 GB card did, cold)."""
+    from lora_conformance.models import profiles
+
+    p = profiles.get(profile)
+    if workers <= 1 or not p.device_worker_memory_gib:
+        return None
+    kind, count, on_device = _device_layout(device, p)
+    if kind == "cpu" or not on_device:
+        return None
+    fit = count * max(1, int(on_device // int(p.device_worker_memory_gib * 1024**3)))
+    if workers <= fit:
+        return None
+    plural = "s" if count != 1 else ""
+    return (f"-n {workers}: more workers than fit: the {p.name} profile's worker holds about "
+            f"{p.device_worker_memory_gib:g} GiB on the device (models/profiles.py), and {count} {kind} "
+            f"device{plural} of {on_device / 1024**3:.0f} GiB hold {fit}; cases may fail with out-of-memory "
+            f"errors that say nothing of the engine (-n auto chooses from the device's memory)")
 
 
 def parse_workers(value: str) -> Optional[int]:

@@ -43,6 +43,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(gc_tuning, "lora-conformance-gc")
     if not hasattr(config, "workerinput"):
         check_writable_dirs(settings)
+        told = getattr(config.option, "numprocesses", None)  # -n N (pytest-xdist; "auto" is chosen later)
+        if isinstance(told, int):
+            overcommit = parallel.device_overcommit(settings.device, settings.profile, told)
+            if overcommit:
+                config.issue_config_time_warning(pytest.PytestConfigWarning(overcommit), stacklevel=2)
     _register_subplugins(config, settings)
     from lora_conformance import run_order
 

@@ -367,3 +367,29 @@ def test_the_host_has_no_device_memory_figure():
     from lora_conformance import devices
 
     assert devices.total_memory("cpu") is None
+
+
+def test_forced_workers_past_the_device_memory_are_warned_of(monkeypatch):
+    """-n N given (not auto) with more full-profile workers than the device memory holds: a warning
+    naming the fit (two forced onto an 80 GB H100 ran out of memory cold); none where they fit, on
+    cpu, for the fast profile (which states no device need) or where the size is unknown."""
+    from lora_conformance import devices
+
+    monkeypatch.setattr(devices, "device_type", lambda device: "cuda")
+    count, size = {"n": 1}, {"b": int(79.2 * GiB)}
+    monkeypatch.setattr(devices, "device_count", lambda kind: count["n"])
+    monkeypatch.setattr(devices, "total_memory", lambda device: size["b"])
+    warned = parallel.device_overcommit("cuda", "full", 2)
+    assert warned and "-n 2" in warned and "1 cuda device of 79 GiB hold 1" in warned and "48 GiB" in warned
+    assert parallel.device_overcommit("cuda", "full", 1) is None
+    assert parallel.device_overcommit("cuda", "fast", 8) is None
+    assert parallel.device_overcommit("cpu", "full", 4) is None
+    count["n"] = 2
+    assert parallel.device_overcommit("cuda", "full", 2) is None
+    assert "hold 2" in parallel.device_overcommit("cuda", "full", 3)
+    assert "1 cuda device of" in parallel.device_overcommit("cuda:1", "full", 2)
+    size["b"] = int(139.8 * GiB)
+    count["n"] = 1
+    assert parallel.device_overcommit("cuda", "full", 2) is None
+    size["b"] = None
+    assert parallel.device_overcommit("cuda", "full", 4) is None
