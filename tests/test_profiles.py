@@ -169,11 +169,13 @@ def test_the_report_states_the_profiles_ranks_and_shapes():
         return dict(environment_rows(fingerprint(settings, {"device": {"device_name": "test"}})))
 
     full = rows("full", "synthetic:qwen2.5-1.5b")
-    assert full["profile"].startswith("full: ranks 1, 2, 4, 8, 16, 32, 64, 128, 256; 64 adapters loaded, 32 in one batch")
+    assert full["profile"].startswith("full: ranks 1, 2, 4, 8, 16, 32, 64, 128, 256 (and the engine's max_rank); "
+                                      "64 adapters loaded, 32 in one batch")
     assert "8192 tokens in chunks of 509" in full["profile"] and "on the device under test" in full["profile"]
     assert full["decoder base shape"] == ("synthetic:qwen2.5-1.5b: hidden 1,536, 28 layers, 12 heads (2 kv, head_dim "
                                           "128), intermediate 8,960, vocab 151,936, 32,768 positions")
     assert "64 experts" in full["moe base shape"]
     other = rows("full", "synthetic:llama")
     assert "decoder base shape" not in other and other["base model"] == "synthetic:llama"
-    assert rows("fast", "synthetic:llama")["profile"].startswith("fast: ranks 1, 8, 16, 64; adapters loaded and")
+    fast = rows("fast", "synthetic:llama")["profile"]
+    assert fast.startswith("fast: ranks 1, 8, 16, 64 (and the engine's max_rank); adapters loaded and"), fast

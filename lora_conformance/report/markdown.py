@@ -124,11 +124,13 @@ def _profile_rows(profile: Any, base_model: Any = None) -> list[tuple[str, str]]
     loaded, batch = profile.get("loaded_adapters"), profile.get("batch_adapters")
     adapters = (f"{loaded} adapters loaded, {batch} in one batch" if loaded and batch
                 else "adapters loaded and batched to the engine's own limits")
-    prompts = "; ".join(f"{tokens} tokens in chunks of {chunk}" if tokens else f"the default prompts in chunks of {chunk}"
+    prompts = "; ".join(f"{tokens} tokens in chunks of {chunk}" if tokens
+                        else f"the default prompts in chunks of {chunk}"
                         for tokens, chunk in (p for p in profile.get("long_prompts") or () if len(p) == 2)) or "-"
-    reference = "on the device under test (float32)" if profile.get("reference_on_device") else "as the run's reference row says"
-    rows = [("profile", f"{profile.get('name')}: ranks {ranks}; {adapters}; long prompts {prompts}; "
-                        f"reference {reference}")]
+    reference = ("the reference on the device under test (float32)" if profile.get("reference_on_device")
+                 else "the reference where its row says")
+    rows = [("profile", f"{profile.get('name')}: ranks {ranks} (and the engine's max_rank); {adapters}; "
+                        f"long prompts {prompts}; {reference}")]
     for kind, shape in sorted((profile.get("model_shapes") or {}).items()):
         if isinstance(shape, Mapping) and not (kind == "decoder" and base_model and shape.get("model") != base_model):
             rows.append((f"{kind} base shape", _shape_text(shape)))
