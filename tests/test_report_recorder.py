@@ -159,6 +159,46 @@ def test_recorder_under_xdist(pytester, suite):
     assert "| workers | gw0: " in md and "idle at the end:" in md
 
 
+CRASHING = """
+import os, signal
+import pytest
+
+@pytest.fixture
+def engine():
+    yield
+    if os.environ.get("CRASH_AT") == "teardown":
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+def test_engine_segfaults(engine):
+    if os.environ.get("CRASH_AT") == "call":
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+def test_other():
+    pass
+"""
+
+
+@pytest.mark.parametrize("at", ["call", "teardown"])
+def test_a_crashed_worker_is_a_failed_case_in_a_written_report(pytester, monkeypatch, at):
+    """An engine that kills its worker (a segfault in native code) is a finding: pytest-xdist reports
+    the test with the phase '???', which the report records as the phase after the last one the test
+    reported, failed, with xdist's crash message; the report is written, never a traceback instead."""
+    pytest.importorskip("xdist")
+    pytester.makeconftest(CONFTEST)
+    pytester.mkdir("suites")
+    (pytester.path / "suites" / "test_crash.py").write_text(CRASHING)
+    monkeypatch.setenv("CRASH_AT", at)
+    result = run(pytester, "-n", "2", "-p", "no:benchmark", "-p", "no:faulthandler")
+    assert "RecordFormatError" not in result.stdout.str() + result.stderr.str()
+    data = json.loads((pytester.path / "out" / "report.json").read_text())
+    crashed = next(r for r in data["records"] if r["nodeid"].endswith("test_engine_segfaults"))
+    assert crashed["phases"][at] == "failed" and "???" not in crashed["phases"], crashed["phases"]
+    assert "crashed" in crashed["message"], crashed["message"]
+    cases = {c["nodeid"].split("::")[1]: c["status"] for c in data["verdict"]["cases"]}
+    assert cases["test_engine_segfaults"] == ("failed" if at == "call" else "error")
+    assert data["verdict"]["summary"]["certified"] is False
+
+
 def test_workers_summary_shows_an_unbalanced_run():
     from lora_conformance.report.markdown import workers_summary
 

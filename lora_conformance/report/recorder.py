@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import pytest
 
@@ -156,6 +156,15 @@ def _failure_message(report) -> str:
     return message[:MAX_TEXT]
 
 
+def _phase(when: Any, recorded: Mapping[str, str]) -> str:
+    """The phase a report is about. pytest-xdist reports a test whose worker crashed (a segfault in
+    the engine, say) with the phase ``???``: that is the phase after the last one the test reported
+    (setup, then call, then teardown), which failed."""
+    if when in evidence.PHASES:
+        return when
+    return next((p for p in ("setup", "call", "teardown") if p not in recorded), "teardown")
+
+
 class ReportRecorder:
     def __init__(self, settings: Any, report_dir: "str | Path"):
         self.settings = settings
@@ -179,7 +188,7 @@ class ReportRecorder:
         if self.config is not None and _is_worker(self.config):
             return
         rec = self._record(report.nodeid)
-        rec.phases[report.when] = report.outcome
+        rec.phases[_phase(report.when, rec.phases)] = report.outcome
         process = str(getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None) or "main")
         rec.worker = process
         if report.when == "setup" and self.started_at is not None and isinstance(getattr(report, "start", None), float):
