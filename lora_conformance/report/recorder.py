@@ -188,7 +188,8 @@ class ReportRecorder:
         if self.config is not None and _is_worker(self.config):
             return
         rec = self._record(report.nodeid)
-        rec.phases[_phase(report.when, rec.phases)] = report.outcome
+        phase = _phase(report.when, rec.phases)
+        rec.phases[phase] = report.outcome
         process = str(getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None) or "main")
         rec.worker = process
         if report.when == "setup" and self.started_at is not None and isinstance(getattr(report, "start", None), float):
@@ -221,6 +222,10 @@ class ReportRecorder:
             rec.evidence = rec.evidence or evidence.first_object(report, evidence.EVIDENCE)
         if report.failed and rec.message is None:  # the first failure is the cause; a teardown error follows
             rec.message = _failure_message(report)
+            if phase != report.when:  # a crashed worker: one message for every crash, so they group
+                worker = re.search(r"worker '([^']+)' crashed", rec.message)
+                rec.message = (f"the test's worker process died during {phase} (pytest-xdist worker "
+                               f"'{worker.group(1) if worker else '?'}' crashed: a segfault or abort in the engine)")
             rec.longrepr = (getattr(report, "longreprtext", "") or "")[-MAX_TEXT:] or None
 
     def pytest_collectreport(self, report):
