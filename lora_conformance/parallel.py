@@ -220,8 +220,9 @@ def _device_layout(device: str, p: Any) -> tuple[str, int, Optional[int]]:
 
 
 def device_overcommit(device: str, profile: Optional[str], workers: int) -> Optional[str]:
-    """Where the workers were given (``-n N``, not auto) and the run's profile says what one worker
-    holds on the device: a warning when N is more than the devices hold, else None. Such a run's
+    """Where the run's profile says what one worker holds on the device: a warning when ``workers``
+    is more than the devices hold, else None (``-n auto`` never is: it is bounded by the same
+    memory; a given ``-n N`` can be). Such a run's
     cases fail with the device's out-of-memory errors, which say nothing of the engine (two
     full-profile workers forced onto one 80 GB card did, cold)."""
     from lora_conformance.models import profiles

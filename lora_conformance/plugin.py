@@ -43,7 +43,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(gc_tuning, "lora-conformance-gc")
     if not hasattr(config, "workerinput"):
         check_writable_dirs(settings)
-        told = getattr(config.option, "numprocesses", None)  # -n N (pytest-xdist; "auto" is chosen later)
+        told = getattr(config.option, "numprocesses", None)  # -n N (auto resolved: within the fit already)
         if isinstance(told, int):
             overcommit = parallel.device_overcommit(settings.device, settings.profile, told)
             if overcommit:

@@ -393,3 +393,22 @@ def test_forced_workers_past_the_device_memory_are_warned_of(monkeypatch):
     assert parallel.device_overcommit("cuda", "full", 2) is None
     size["b"] = None
     assert parallel.device_overcommit("cuda", "full", 4) is None
+
+
+def test_the_plugin_warns_of_forced_workers_past_the_device_memory(plugin_run, monkeypatch):
+    """pytest -n N: the controller asks device_overcommit once with the run's device, profile and N,
+    and shows its sentence as a pytest warning (seen under -q, where the header is not). -n auto
+    reaches it resolved too, never past the fit: the plugin's choice is bounded by the same memory."""
+    pytest.importorskip("xdist")
+    asked = []
+
+    def overcommit(device, profile, workers):
+        asked.append((device, profile, workers))
+        return "-n 2: more workers than fit (a test's sentence)"
+
+    monkeypatch.setattr(parallel, "device_overcommit", overcommit)
+    plugin_run.makepyfile(test_t="def test_ok(): pass")
+    result = plugin_run.runpytest("--device=cpu", "--profile=full", "-n", "2", "-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    assert asked == [("cpu", "full", 2)]
+    result.stdout.fnmatch_lines(["*PytestConfigWarning: -n 2: more workers than fit (a test's sentence)*"])
