@@ -63,7 +63,7 @@ def test_full_run_is_certified_and_records_its_selection(pytester, suite, capsys
     summary = data["verdict"]["summary"]
     assert summary["certified"] is True
     assert summary["coverage"] == {"complete": True, "features_run": 3, "features_declared": 3, "not_run": [],
-                                   "deselected_cases": 0}
+                                   "deselected_cases": 0, "not_reached_cases": 0}
     sel = data["selection"]
     assert sel["declared_features"] == ["lifecycle/reload", "routing/base_rows_stay_base", "routing/nearest"]
     assert sel["keyword"] is None and sel["markexpr"] is None and sel["last_failed"] is False
@@ -147,3 +147,47 @@ def test_an_interrupted_run_is_partial_and_says_so(pytester, suite):
     assert data["selection"]["interrupted"] is True
     assert data["verdict"]["summary"]["certified"] is False
     assert "an interrupt" in (pytester.path / "report" / "report.md").read_text()
+
+
+STOPS_BETWEEN_CASES = '''
+import pytest
+
+@pytest.fixture
+def stop_after(request):
+    yield
+    if request.node.callspec.params["n"] == 1:
+        pytest.exit("stopped between cases", returncode=2)
+
+@pytest.mark.feature("routing/nearest", "each row nearest its own reference")
+def test_nearest():
+    pass
+
+@pytest.mark.feature("routing/base_rows_stay_base", "base rows get no adapter delta")
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_base_rows(n, stop_after):
+    pass
+'''
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "1"]], ids=["one-process", "xdist"])
+def test_cases_never_reached_make_the_run_partial(pytester, suite, workers):
+    """A run that stops between two cases of a feature (an interrupt, pytest-xdist's stop after
+    crashed workers) leaves selected cases without a record: every feature ran at least one case,
+    yet the run is partial, and the report counts and names what it never reached. Without the
+    collected cases a report could call such a run complete, and certify it."""
+    if workers:
+        pytest.importorskip("xdist")
+    (suite / "test_routing.py").write_text(STOPS_BETWEEN_CASES)
+    result, data, out = run(pytester, "suites", "-p", "no:cacheprovider", *workers)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    ran = {r["nodeid"] for r in data["records"]}
+    assert "suites/test_lifecycle.py::test_reload" in ran
+    unreached = data["selection"]["not_reached"]
+    assert set(unreached) == {"suites/test_routing.py::test_base_rows[2]", "suites/test_routing.py::test_base_rows[3]"}
+    assert {"suites/test_routing.py::test_nearest", "suites/test_routing.py::test_base_rows[1]"} <= ran
+    assert unreached["suites/test_routing.py::test_base_rows[2]"] == "routing/base_rows_stay_base"
+    summary = data["verdict"]["summary"]
+    assert summary["certified"] is False and summary["coverage"]["complete"] is False
+    assert summary["coverage"]["not_run"] == ["routing/base_rows_stay_base"]
+    assert summary["coverage"]["not_reached_cases"] == len(unreached)
+    assert f"{len(unreached)} selected case(s) never reached" in (out / "report.md").read_text()

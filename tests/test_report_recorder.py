@@ -282,3 +282,24 @@ def test_a_tree_that_differs_from_its_commit_says_so(tmp_path):
     assert git_commit(tmp_path) == head, "an untracked file does not change what ran"
     (tmp_path / "suite.py").write_text("x = 2\n")
     assert git_commit(tmp_path) == head + "+modified"
+
+
+def test_a_run_xdist_stopped_for_crashes_says_why_it_is_partial(pytester):
+    """pytest-xdist replaces a crashed worker --max-worker-restart times, then ends the run as if it
+    had finished: the report is partial and says it stopped for crashed workers, not for a selection."""
+    pytest.importorskip("xdist")
+    pytester.makeconftest(CONFTEST)
+    pytester.mkdir("suites")
+    (pytester.path / "suites" / "test_crash.py").write_text(
+        "import os, signal\n"
+        "import pytest\n\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_engine_segfaults(i):\n"
+        "    os.kill(os.getpid(), signal.SIGSEGV)\n")
+    run(pytester, "-n", "1", "--max-worker-restart", "1", "-p", "no:benchmark", "-p", "no:faulthandler")
+    data = json.loads((pytester.path / "out" / "report.json").read_text())
+    assert data["selection"]["stopped"] == ("the run's stop after 2 crashed workers (pytest-xdist replaces at "
+                                            "most 1: --max-worker-restart)")
+    assert len(data["records"]) == 2 and data["verdict"]["summary"]["certified"] is False
+    md = (pytester.path / "out" / "report.md").read_text()
+    assert "selected by the run's stop after 2 crashed workers (pytest-xdist replaces at most 1" in md

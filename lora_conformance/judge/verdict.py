@@ -210,22 +210,26 @@ def verify(records: Iterable["Record | Mapping[str, Any]"],
 
 
 def coverage(records: Iterable[Any], selection: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
-    """``{"complete", "features_run", "features_declared", "not_run": [ids], "deselected_cases"}``,
-    or None where no selection was recorded. A feature *ran* when it has records and none of its
-    collected cases was left out; declared features are the suite's and every feature the run saw."""
+    """``{"complete", "features_run", "features_declared", "not_run": [ids], "deselected_cases",
+    "not_reached_cases"}``, or None where no selection was recorded. A feature *ran* when it has
+    records and none of its collected cases was left out (deselected, or selected and never reached:
+    an interrupt, or pytest-xdist's stop after crashed workers); declared features are the suite's
+    and every feature the run saw."""
     if not isinstance(selection, Mapping):
         return None
     recorded: dict[str, str] = {}
     for rec in records:
         recorded[rec.nodeid] = record_feature(rec)[1]
     deselected = {str(k): str(v) for k, v in (selection.get("deselected") or {}).items()}
-    left_out = {fid for nodeid, fid in deselected.items() if nodeid not in recorded}
+    unreached = {str(k): str(v) for k, v in (selection.get("not_reached") or {}).items() if str(k) not in recorded}
+    left_out = {fid for nodeid, fid in deselected.items() if nodeid not in recorded} | set(unreached.values())
     seen = set(recorded.values())
-    declared = set(selection.get("declared_features") or ()) | seen | set(deselected.values())
+    declared = set(selection.get("declared_features") or ()) | seen | set(deselected.values()) | set(unreached.values())
     ran = (seen - left_out) & declared
     not_run = sorted(declared - ran)
     return {"complete": not not_run, "features_run": len(ran), "features_declared": len(declared),
-            "not_run": not_run[:MAX_LISTED], "deselected_cases": sum(1 for n in deselected if n not in recorded)}
+            "not_run": not_run[:MAX_LISTED], "deselected_cases": sum(1 for n in deselected if n not in recorded),
+            "not_reached_cases": len(unreached)}
 
 
 def certification_summary(certification: Mapping[str, Any]) -> dict[str, Any]:

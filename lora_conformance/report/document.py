@@ -95,7 +95,7 @@ _ENV_OBJECTS = {"engine": ("name", "version"), "device": ("name", "type", "devic
                 "reference": ("device", "dtype"), "packages": None, "pytest_plugins": ()}
 _SELECTION_TYPES = {"args": list, "paths": list, "keyword": str, "markexpr": str, "last_failed": bool,
                     "failed_first": bool, "deselect": list, "ignore": list, "stepwise": bool, "maxfail": int,
-                    "interrupted": bool, "deselected": dict, "declared_features": list, "suite": dict, "shards": int}
+                    "interrupted": bool, "stopped": str, "deselected": dict, "not_reached": dict, "declared_features": list, "suite": dict, "shards": int}
 
 
 def _expect(value: Any, types: Any, where: str, what: str) -> None:

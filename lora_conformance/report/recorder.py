@@ -175,6 +175,10 @@ class ReportRecorder:
         self.verdict = None
         self.reference_work: dict[str, dict] = {}  # process (xdist worker id, or "main") -> its latest
         self.device_memory: dict[str, dict] = {}  # likewise: its device memory peaks so far
+        self.crashed_workers = 0  # pytest-xdist workers that died (a segfault in the engine, say)
+        # Every case the run selected (node id -> its feature id where known): those without a
+        # record at the end were never reached (an interrupt, xdist's stop after crashed workers).
+        self.collected: dict[str, Optional[str]] = {}
         self.report: Optional[dict] = None
         self.config: Optional[pytest.Config] = None
         self.started_at: Optional[float] = None  # time.time() at the session's start
@@ -240,8 +244,31 @@ class ReportRecorder:
     def pytest_deselected(self, items):
         self.deselected.update(_deselected_ids(items))
 
+    def pytest_collection_finish(self, session):
+        # Without pytest-xdist this process collects (with it, the workers do: the hook below).
+        if self.config is None or not _is_worker(self.config):
+            self.collected.update(_deselected_ids(session.items))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        for nodeid in ids:
+            self.collected.setdefault(nodeid, None)
+
+    def not_reached(self) -> dict[str, str]:
+        """The selected cases that never ran, with their feature ids: the collection's where this
+        process collected, else a recorded case's of the same test function, else the node id's."""
+        by_function = {nodeid.split("[", 1)[0]: rec.feature["id"] for nodeid, rec in self.records.items()
+                       if isinstance(rec.feature, dict) and isinstance(rec.feature.get("id"), str)}
+        from lora_conformance.features import feature_of
+
+        return {nodeid: feature or by_function.get(nodeid.split("[", 1)[0]) or feature_of(nodeid)[1]
+                for nodeid, feature in sorted(self.collected.items())
+                if nodeid not in self.records and nodeid not in self.deselected}
+
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error):
+        if error is not None:
+            self.crashed_workers += 1
         shipped = getattr(node, "workeroutput", {}).get(DESELECTED_OUTPUT)
         if shipped:
             self.deselected.update(json.loads(shipped))
@@ -277,7 +304,8 @@ class ReportRecorder:
             run_environment(config).setdefault("reference", {})["work"] = sum_reference_work(self.reference_work)
         if self.device_memory:  # what its processes held on the device, at most
             run_environment(config)["device_memory"] = device_memory_summary(self.device_memory, self.records.values())
-        selection = describe(config, self.deselected, self.records, exitstatus)
+        selection = describe(config, self.deselected, self.records, exitstatus, self.crashed_workers,
+                             self.not_reached())
         certification = self.certification(config, selection)
         self.report = build_report(self.environment(config), self.records.values(), selection, certification)
         self.written = write_report(self.report, self.report_dir)

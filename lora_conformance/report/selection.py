@@ -80,9 +80,12 @@ def suite_facts(directories: Iterable[Path]) -> tuple[dict[str, Any], list[str]]
 
 
 def describe(config: Any, deselected: Mapping[str, str], nodeids: Iterable[str],
-             exitstatus: Optional[int] = None) -> dict[str, Any]:
+             exitstatus: Optional[int] = None, crashed_workers: int = 0,
+             not_reached: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
     """The selection of a finished run (``config``: its pytest config, on the controller;
-    ``exitstatus``: pytest's, where 2 means the run was interrupted)."""
+    ``exitstatus``: pytest's, where 2 means the run was interrupted; ``crashed_workers``: the
+    pytest-xdist workers that died during it; ``not_reached``: the selected cases that never ran,
+    with their feature ids)."""
     opt = config.option
     invocation = Path(config.invocation_params.dir)
     args = [str(a) for a in config.invocation_params.args]
@@ -110,10 +113,28 @@ def describe(config: Any, deselected: Mapping[str, str], nodeids: Iterable[str],
         "stepwise": bool(getattr(opt, "stepwise", False) or getattr(opt, "stepwise_skip", False)),
         "maxfail": int(getattr(opt, "maxfail", 0) or 0),
         "interrupted": int(exitstatus) == 2 if exitstatus is not None else False,
+        "stopped": crash_stop(config, crashed_workers),
         "deselected": dict(sorted(deselected.items())),
+        "not_reached": dict(sorted((not_reached or {}).items())),
         "declared_features": declared,
         "suite": suite,
     }
+
+
+def crash_stop(config: Any, crashed_workers: int) -> Optional[str]:
+    """Why a run stopped before its end where pytest-xdist gave up on crashed workers: it replaces
+    a crashed worker ``--max-worker-restart`` times (default four per worker), then stops handing
+    out tests and ends the run as if it had finished; None where it did not."""
+    if not crashed_workers:
+        return None
+    opt = config.option
+    given = getattr(opt, "maxworkerrestart", None)
+    workers = getattr(opt, "numprocesses", None)
+    limit = int(given) if given is not None else (4 * workers if isinstance(workers, int) and workers else None)
+    if limit is None or crashed_workers <= limit:
+        return None
+    return (f"the run's stop after {crashed_workers} crashed workers (pytest-xdist replaces at most "
+            f"{limit}: --max-worker-restart)")
 
 
 def narrowing(selection: Optional[Mapping[str, Any]]) -> list[str]:
@@ -136,10 +157,14 @@ def narrowing(selection: Optional[Mapping[str, Any]]) -> list[str]:
         out.append("--stepwise")
     if selection.get("interrupted"):
         out.append("an interrupt")
+    if selection.get("stopped"):
+        out.append(str(selection["stopped"]))
     if selection.get("maxfail"):
         out.append(f"--maxfail {selection['maxfail']}")
     if selection.get("deselected"):
         out.append(f"{len(selection['deselected'])} case(s) deselected")
+    if selection.get("not_reached"):
+        out.append(f"{len(selection['not_reached'])} selected case(s) never reached")
     return out
 
 
@@ -155,9 +180,11 @@ def merge_selections(selections: Iterable[Optional[Mapping[str, Any]]], where: s
         raise ValueError(f"{where}reports of different suite files (suite digests "
                          f"{', '.join(sorted(str(d)[:12] for d in digests))}) cannot be one column")
     deselected: dict[str, str] = {}
+    not_reached: dict[str, str] = {}
     declared: set[str] = set()
     for s in known:
         deselected.update(s.get("deselected") or {})
+        not_reached.update(s.get("not_reached") or {})
         declared.update(s.get("declared_features") or ())
-    return {"shards": len(known), "deselected": deselected, "declared_features": sorted(declared),
-            "suite": dict(known[0].get("suite") or {})}
+    return {"shards": len(known), "deselected": deselected, "not_reached": not_reached,
+            "declared_features": sorted(declared), "suite": dict(known[0].get("suite") or {})}
