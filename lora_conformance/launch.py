@@ -256,6 +256,22 @@ def check_report_dir(report_dir: Path) -> Optional[str]:
     return None
 
 
+def exit_text(code: int, workers: bool = True) -> str:
+    """pytest's exit status as a reader needs it: a signal by name, with what to do where pytest
+    itself died (a segfault in an engine's native code, run without ``workers``, takes the report too)."""
+    if code >= 0:
+        return f"pytest exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    said = f"pytest was killed by {name}"
+    if not workers and -code in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE):
+        said += ("; a crash in the engine's native code ends a run without workers: with -n 2 or more, "
+                 "pytest-xdist isolates it and the report records the crashed case")
+    return said
+
+
 def run(args, runner=None) -> int:
     if args.lora_certified:
         from lora_conformance.certification import launch_refusal
@@ -298,8 +314,9 @@ def run(args, runner=None) -> int:
         return code
     line = badge_line(report_dir)
     if line is None:
-        print(f"lora-conformance certify: no report was written (pytest exit code {code})", file=sys.stderr)
-        return code or 1
+        said = exit_text(code, bool(workers) or _gives_workers(_extra_args(args)))
+        print(f"lora-conformance certify: no report was written ({said})", file=sys.stderr)
+        return 128 - code if code < 0 else (code or 1)  # a signal as shells report it (139: SIGSEGV)
     print(f"report: {report_dir / 'report.html'}")
     print(f"badge:  {report_dir / 'badge.svg'}  ({line})")
     return code

@@ -154,6 +154,22 @@ def test_missing_report_is_an_error(tmp_path, capsys):
     assert "no report was written (pytest exit code 0)" in capsys.readouterr().err
 
 
+def test_a_pytest_killed_by_a_signal_is_named_with_what_to_do(tmp_path, capsys):
+    """pytest itself killed (a segfault in an engine's native code takes a run without workers, and
+    its report, with it): certify names the signal, and without workers says -n 2 isolates it."""
+    import signal
+
+    args = parse("--device", "cpu", "--engine", "builtin", "--report", str(tmp_path), "-n", "1")
+    assert certify.run(args, runner=lambda cmd: -signal.SIGSEGV) == 128 + signal.SIGSEGV  # as a shell says
+    err = capsys.readouterr().err
+    assert "no report was written (pytest was killed by SIGSEGV; a crash in the engine's native code" in err
+    assert "with -n 2 or more, pytest-xdist isolates it" in err
+    args = parse("--device", "cpu", "--engine", "builtin", "--report", str(tmp_path), "-n", "2")
+    certify.run(args, runner=lambda cmd: -signal.SIGKILL)
+    err = capsys.readouterr().err
+    assert "(pytest was killed by SIGKILL)" in err and "isolates" not in err
+
+
 def test_certify_runs_pytest_for_real(tmp_path, capsys):
     suites = tmp_path / "suites"
     suites.mkdir()
