@@ -223,3 +223,20 @@ def test_a_resumed_run_reruns_exactly_the_cases_merge_counts_unfinished():
               "stopped": STOPPED, "never_started": {}}
     report = {"records": [r(name, p) for name, p in phases.items()]}
     assert module.finished(report) == ["ok", "fail", "crashed", "setup_error", "not_certified"]
+
+
+def test_a_case_one_run_never_reached_and_another_ran_is_reached(tmp_path):
+    """A run stopped between cases records those it never reached (selection.not_reached): alone it is
+    partial; resumed by a run that ran them, the column is whole, and its selection keeps none of
+    them; a case no run reached keeps the column partial."""
+    ROUTING_2 = "suites/test_mixed_batch.py::test_routing[2]"
+    stopped = _shard(tmp_path, "stopped", [r(ROUTING, OK), r(DORA, OK)],
+                     {**_selection(DECLARED), "interrupted": True, "not_reached": {ROUTING_2: "mixed_batch/routing"}})
+    assert stopped["verdict"]["summary"]["coverage"]["not_run"] == ["mixed_batch/routing"]
+    resumed = _shard(tmp_path, "resumed", [r(ROUTING_2, OK)],
+                     _selection(DECLARED, [(ROUTING, "mixed_batch/routing"), (DORA, "dora/dora")]))
+    matrix = merge([stopped, resumed])
+    (column,) = matrix["columns"]
+    assert column["status"] == "certified" and column["summary"]["coverage"]["not_reached_cases"] == 0
+    (alone,) = merge([stopped])["columns"]
+    assert alone["status"] == "partial: 1 of 2 features"

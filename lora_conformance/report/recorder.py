@@ -229,7 +229,8 @@ class ReportRecorder:
             if phase != report.when:  # a crashed worker: one message for every crash, so they group
                 worker = re.search(r"worker '([^']+)' crashed", rec.message)
                 rec.message = (f"the test's worker process died during {phase} (pytest-xdist worker "
-                               f"'{worker.group(1) if worker else '?'}' crashed: a segfault or abort in the engine)")
+                               f"'{worker.group(1) if worker else '?'}' crashed: a segfault or abort in native "
+                               f"code, or the system's out-of-memory killer)")
             rec.longrepr = (getattr(report, "longreprtext", "") or "")[-MAX_TEXT:] or None
 
     def pytest_collectreport(self, report):
