@@ -70,13 +70,14 @@ def main(argv=None) -> int:
         engine.close()
         del engine
         release_freed_memory()
-        engine_gb = anon_gb()
-        line = f"run {run + 1:3}: {time.perf_counter() - start:6.1f} s, after the engine {engine_gb:7.3f} GB"
+        now = anon_gb()
+        line = f"run {run + 1:3}: {time.perf_counter() - start:6.1f} s, after the engine {now:7.3f} GB"
         if runner is not None:
             runner.generate(reqs, paths)
             release_freed_memory()
-            line += f", after the reference {anon_gb():7.3f} GB"
-        after.append(anon_gb())
+            now = anon_gb()
+            line += f", after the reference {now:7.3f} GB"
+        after.append(now)
         print(line, flush=True)
     if len(after) > 1:
         print(f"growth from run 1 to run {len(after)}: {after[-1] - after[0]:+.3f} GB "

@@ -219,6 +219,12 @@ def _device_layout(device: str, p: Any) -> tuple[str, int, Optional[int]]:
     return kind, count, on_device
 
 
+def device_fit(devices: int, device_memory: int, device_worker_memory: int) -> int:
+    """Workers that ``devices`` accelerators of ``device_memory`` bytes each hold at
+    ``device_worker_memory`` a worker (at least one a device)."""
+    return max(1, devices) * max(1, int(device_memory // device_worker_memory))
+
+
 def device_overcommit(device: str, profile: Optional[str], workers: int) -> Optional[str]:
     """Where the run's profile says what one worker holds on the device: a warning when ``workers``
     is more than the devices hold, else None (``-n auto`` never is: it is bounded by the same
@@ -233,7 +239,7 @@ def device_overcommit(device: str, profile: Optional[str], workers: int) -> Opti
     kind, count, on_device = _device_layout(device, p)
     if kind == "cpu" or not on_device:
         return None
-    fit = count * max(1, int(on_device // int(p.device_worker_memory_gib * 1024**3)))
+    fit = device_fit(count, on_device, int(p.device_worker_memory_gib * 1024**3))
     if workers <= fit:
         return None
     plural = "s" if count != 1 else ""
@@ -268,8 +274,7 @@ def choose_workers(cores: int, memory: Optional[int], device_type: str = "cpu", 
         plural = "s" if devices != 1 else ""
         limits.append((max(1, devices) * per_device, f"{devices} {device_type} device{plural} x {per_device}{why}"))
         if device_memory and device_worker_memory:
-            fit = max(1, device_memory // device_worker_memory)
-            limits.append((max(1, devices) * fit,
+            limits.append((device_fit(devices, device_memory, device_worker_memory),
                            f"{devices} {device_type} device{plural} x {device_memory / 1024**3:.0f} GiB / "
                            f"{device_worker_memory / 1024**3:.0f} GiB per worker on the device{why}"))
     if recorded_work_s:

@@ -49,7 +49,8 @@ def _is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
 
-def _deselected_ids(items: list) -> dict[str, str]:
+def _feature_ids(items: list) -> dict[str, str]:
+    """Each item's node id -> the feature id it is reported under."""
     from lora_conformance.features import item_feature_id
 
     return {item.nodeid: item_feature_id(item) for item in items}
@@ -132,7 +133,7 @@ def gathered_audit(config: pytest.Config) -> dict:
 def ship_deselected(config: pytest.Config, items: list) -> None:
     """On a pytest-xdist worker: add ``items`` to the deselected cases the controller will read."""
     shipped = json.loads(config.workeroutput.get(DESELECTED_OUTPUT) or "{}")
-    shipped.update(_deselected_ids(items))
+    shipped.update(_feature_ids(items))
     config.workeroutput[DESELECTED_OUTPUT] = json.dumps(shipped)
 
 
@@ -162,7 +163,7 @@ def _phase(when: Any, recorded: Mapping[str, str]) -> str:
     (setup, then call, then teardown), which failed."""
     if when in evidence.PHASES:
         return when
-    return next((p for p in ("setup", "call", "teardown") if p not in recorded), "teardown")
+    return next((p for p in evidence.PHASES[1:] if p not in recorded), "teardown")  # after collect
 
 
 class ReportRecorder:
@@ -243,12 +244,12 @@ class ReportRecorder:
     # ---- selection: what the run left out --------------------------------------------------
 
     def pytest_deselected(self, items):
-        self.deselected.update(_deselected_ids(items))
+        self.deselected.update(_feature_ids(items))
 
     def pytest_collection_finish(self, session):
         # Without pytest-xdist this process collects (with it, the workers do: the hook below).
         if self.config is None or not _is_worker(self.config):
-            self.collected.update(_deselected_ids(session.items))
+            self.collected.update(_feature_ids(session.items))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node, ids):

@@ -125,12 +125,11 @@ def crash_stop(config: Any, crashed_workers: int) -> Optional[str]:
     """Why a run stopped before its end where pytest-xdist gave up on crashed workers: it replaces
     a crashed worker ``--max-worker-restart`` times (default four per worker), then stops handing
     out tests and ends the run as if it had finished; None where it did not."""
-    if not crashed_workers:
+    if not crashed_workers:  # none without pytest-xdist, whose hook counts them
         return None
-    opt = config.option
-    given = getattr(opt, "maxworkerrestart", None)
-    workers = getattr(opt, "numprocesses", None)
-    limit = int(given) if given is not None else (4 * workers if isinstance(workers, int) and workers else None)
+    from xdist.dsession import get_default_max_worker_restart
+
+    limit = get_default_max_worker_restart(config)
     if limit is None or crashed_workers <= limit:
         return None
     return (f"the run's stop after {crashed_workers} crashed workers (pytest-xdist replaces at most "

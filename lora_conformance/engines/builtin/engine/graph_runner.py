@@ -76,7 +76,8 @@ class DecodeGraphs:
             except torch._dynamo.exc.Unsupported as e:
                 import warnings
 
-                self.graph_break = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                said = str(e).strip()
+                self.graph_break = said.splitlines()[0][:300] if said else type(e).__name__
                 warnings.warn(f"exec_mode=compile: the decode step does not compile as one graph "
                               f"({self.graph_break}); it is compiled in pieces from here on", RuntimeWarning,
                               stacklevel=2)
